@@ -1,0 +1,3 @@
+"""flashdraft: online training of DFlash speculative-decoding drafters."""
+
+__version__ = "0.1.0"

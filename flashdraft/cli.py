@@ -1,0 +1,45 @@
+"""The `flashdraft` command: `flashdraft COMMAND [args]`.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
+only the chosen command's module is imported, so `flashdraft --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Only commands that work are listed.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def _usage() -> str:
+    width = max((len(n) for n in COMMANDS), default=0)
+    lines = ["usage: flashdraft COMMAND [options]   (flashdraft COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from flashdraft import __version__
+
+        print(f"flashdraft {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"flashdraft: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"flashdraft {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

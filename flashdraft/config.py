@@ -1,0 +1,254 @@
+"""Typed run configuration: frozen dataclasses, a YAML file plus dotted overrides.
+
+Every knob is declared once, here, with its default and a one-line doc. ``load_config`` reads
+an optional YAML file, applies ``section.field=value`` overrides (values parsed as YAML, so
+``optim.lr=3e-4`` and ``model.target_layer_ids=[1,3]`` work), coerces them to the declared
+types and validates; every error names the field and the fix. The resolved config is saved as
+YAML next to every output (``save_config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    target: str = ""  # local directory of the Hugging Face target model (config.json + weights)
+    target_layer_ids: tuple[int, ...] | None = None  # tapped target layers; None: DFlash default spread
+    num_taps: int = 5  # number of tapped layers when target_layer_ids is None
+    num_draft_layers: int = 5  # drafter decoder layers (5 for Qwen3-4B/8B drafts)
+    block_size: int = 16  # tokens per drafted block (anchor + block_size - 1 masks)
+    mask_token_id: int | None = None  # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
+    dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
+    attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
+    trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
+
+    def __post_init__(self):
+        _check(self.block_size >= 2, "model.block_size", f"{self.block_size}", "use 2 or more (16 is the published default)")
+        _check(self.num_draft_layers >= 1, "model.num_draft_layers", f"{self.num_draft_layers}", "use 1 or more")
+        _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
+        _check(self.dtype in ("auto", "bfloat16", "float32", "float16"), "model.dtype", self.dtype,
+               "use one of auto, bfloat16, float32, float16")
+        if self.target_layer_ids is not None:
+            ids = self.target_layer_ids
+            _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
+                   f"{list(ids)}", "give distinct non-negative layer ids, e.g. [1, 9, 17, 25, 33]")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # training data: a token shard, a HF save_to_disk dir or parquet files
+    eval_path: str = ""  # held-out data for eval loss/accuracy ("" = none)
+    max_length: int = 3072  # samples longer than this are truncated (tokens)
+    token_budget: int = 16384  # max padded tokens per micro-batch (batch_size x padded length)
+    max_batch_size: int = 64  # max samples per micro-batch
+    min_supervised: int | None = None  # min supervised tokens per sample; None: 2 * block_size
+    on_invalid: str = "raise"  # bad samples: raise (with index and fix) or drop (counted, reported)
+
+    def __post_init__(self):
+        _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
+        _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
+        _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
+        _check(self.on_invalid in ("raise", "drop"), "data.on_invalid", self.on_invalid, "use raise or drop")
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
+    gamma: float | None = 7.0  # decay exp(-(k-1)/gamma) of slot weights; None disables decay
+    loss_chunk_size: int = 4096  # block slots per LM-head + CE chunk (0: all at once)
+
+    def __post_init__(self):
+        _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
+        _check(self.gamma is None or self.gamma > 0, "objective.gamma", f"{self.gamma}",
+               "use a positive decay (7 for block 16, 5 for 10, 4 for 8) or null to disable")
+        _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_frac: float = 0.04  # linear warmup over this share of all steps, then cosine to 0
+    grad_clip: float = 1.0  # max global grad norm (0 disables clipping)
+    init_std: float = 0.02  # std of the drafter's normal init
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optim.lr", f"{self.lr}", "use a positive learning rate, e.g. 6e-4")
+        _check(0 <= self.warmup_frac < 1, "optim.warmup_frac", f"{self.warmup_frac}", "use a share in [0, 1)")
+        _check(self.grad_clip >= 0, "optim.grad_clip", f"{self.grad_clip}", "use 0 (off) or a positive norm")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    output_dir: str = "runs/flashdraft"  # checkpoints, exports, metrics and the resolved config
+    epochs: int = 6  # passes over the training data
+    max_steps: int | None = None  # stop after this many optimizer steps (None: run all epochs)
+    seed: int = 0  # seeds init, data order and anchor sampling
+    log_every: int = 10  # steps between metric lines
+    save_every: int = 500  # steps between checkpoints (0: only at the end)
+    keep_last: int = 3  # checkpoints kept on disk
+    eval_every: int = 0  # steps between evaluations (0: only at the end)
+    eval_prompts: int = 8  # held-out prompts for the real draft/verify tau
+    eval_max_new_tokens: int = 64  # tokens generated per eval prompt
+    deterministic: bool = False  # torch deterministic algorithms (exact resume tests)
+
+    def __post_init__(self):
+        _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
+        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
+        _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
+        _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _check(ok: bool, name: str, value: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"config {name}={value} is invalid: {fix}")
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert a YAML-parsed value to the declared field type, or raise naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"config {name}: cannot be null")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config {name}={value!r} is invalid: give a list, e.g. [1, 2]")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], name) for v in value)
+        if len(args) != len(value):
+            raise ValueError(f"config {name}={value!r} is invalid: give exactly {len(args)} values")
+        return tuple(_coerce(v, a, name) for v, a in zip(value, args))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"config {name}={value!r} is invalid: use true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ValueError(f"config {name}={value!r} is invalid: give an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config {name}={value!r} is invalid: give a number")
+        return float(value)
+    if tp is str:
+        if value is None or isinstance(value, (dict, list)):
+            raise ValueError(f"config {name}={value!r} is invalid: give a string")
+        return str(value)
+    raise TypeError(f"config {name}: unsupported field type {tp}")
+
+
+def _build(cls, values: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"config: unknown key {prefix}{unknown[0]}; known keys of {prefix.rstrip('.') or 'the config'}: "
+            f"{', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        tp, value = hints[f.name], values[f.name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ValueError(f"config {prefix}{f.name} must be a mapping of its fields")
+            kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _coerce(value, tp, f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """['optim.lr=3e-4', 'model.block_size=8'] -> {'optim': {'lr': 3e-4}, 'model': {'block_size': 8}}."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not of the form section.field=value (e.g. optim.lr=3e-4)")
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Resolve a Config from defaults < ``base`` < YAML file < dotted overrides."""
+    values = dict(base or {})
+    if path:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a config file must be a YAML mapping of sections (model, data, optim, ...)")
+        values = _merge(values, loaded)
+    values = _merge(values, parse_overrides(overrides or []))
+    return _build(Config, values, "")
+
+
+def config_from_dict(values: dict) -> Config:
+    return _build(Config, values, "")
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

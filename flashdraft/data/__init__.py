@@ -1,0 +1,1 @@
+"""The data path: chats -> token shards -> memory-mapped dataset -> batch plan -> collate."""
