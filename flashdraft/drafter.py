@@ -1,0 +1,290 @@
+"""DFlashDrafter: the block-diffusion drafter, and its serving-format save / load.
+
+Architecture (DFLASH.md): Qwen3-style pre-norm decoder layers whose keys/values are
+``[proj(ctx) ; proj(block)]`` ("KV injection": same k_proj / v_proj / k_norm for both parts,
+RoPE on all keys and on the queries), where ``ctx = hidden_norm(fc(concat(taps)))`` is fused
+once per forward and never updated between layers. Queries come only from the block. The
+drafter owns no embedding and no LM head: callers embed block tokens with the target's
+``embed`` and score ``norm(h)`` with the target's ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+# Target config fields copied into the drafter's config.json (faithfully: a RoPE mismatch
+# silently destroys acceptance at serving time).
+_COPIED_FIELDS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout", "rope_theta", "rope_scaling",
+    "rope_parameters", "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id", "initializer_range",
+)
+
+
+def drafter_config_from_target(
+    target_config, *, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int]
+) -> dict:
+    """The drafter's config.json as a dict: the target's Qwen3 fields + the DFlash keys."""
+    src = target_config.to_dict()
+    cfg = {key: src[key] for key in _COPIED_FIELDS if key in src}
+    cfg.setdefault("head_dim", src["hidden_size"] // src["num_attention_heads"])
+    rope = src.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]  # older loaders read the top-level field
+    cfg.setdefault("attention_bias", False)
+    cfg.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        num_hidden_layers=num_layers,
+        num_target_layers=int(src["num_hidden_layers"]),
+        block_size=block_size,
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+        layer_types=["full_attention"] * num_layers,
+        use_sliding_window=False,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    if not 0 <= mask_token_id < cfg["vocab_size"]:
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is outside the target's embedding table (vocab_size "
+            f"{cfg['vocab_size']}); add a mask token to the tokenizer and resize the target, or pick an "
+            "unused id inside the table (Qwen3: 151669)"
+        )
+    return cfg
+
+
+def _qwen3_config(cfg: dict) -> Qwen3Config:
+    keys = set(_COPIED_FIELDS) | {"num_hidden_layers", "layer_types"}
+    return Qwen3Config(**{k: v for k, v in cfg.items() if k in keys and v is not None})
+
+
+def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Bool attention mask [B, 1, Q, S + Q] over [context | all blocks] (Q = N * bs).
+
+    A valid block anchored at a sees context positions j < a and its own bs slots. A padded
+    (invalid) block sees only its own slots (so its softmax stays finite; it has zero weight).
+    """
+    b, n = anchors.shape
+    q = n * block_size
+    ctx_pos = torch.arange(seq_len, device=anchors.device)
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors))  # invalid blocks: no context
+    sees_ctx = ctx_pos.view(1, 1, 1, -1) < limit.view(b, n, 1, 1)  # [B, N, 1, S]
+    sees_ctx = sees_ctx.expand(b, n, block_size, seq_len).reshape(b, q, seq_len)
+    block_id = torch.arange(q, device=anchors.device) // block_size
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, q, q)
+    return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> k, v [B, Hkv, T, D], k normed and rotated."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
+        return k, v
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        return q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+
+    def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
+        """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D]; mask bool [B, 1, Q, S + Q] or None."""
+        cos, sin = rope
+        q = self.queries(x, cos, sin)
+        k_blk, v_blk = self.keys_values(x, cos, sin)
+        k = torch.cat([ctx_kv[0], k_blk], dim=2)
+        v = torch.cat([ctx_kv[1], v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ContextCache:
+    """Per-layer context keys/values [B, Hkv, T, D] for decoding; holds CONTEXT rows only."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter. ``config`` is the serving config.json dict."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = dict(config)
+        qcfg = _qwen3_config(self.config)
+        self.block_size = int(self.config["block_size"])
+        self.mask_token_id = int(self.config["dflash_config"]["mask_token_id"])
+        self.target_layer_ids = list(self.config["dflash_config"]["target_layer_ids"])
+        hidden = qcfg.hidden_size
+        self.layers = nn.ModuleList(DrafterLayer(qcfg) for _ in range(qcfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=qcfg.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=qcfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(qcfg)  # non-persistent buffers: never saved
+
+    @classmethod
+    def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int) -> "DFlashDrafter":
+        cfg = drafter_config_from_target(
+            target.config, num_layers=num_layers, block_size=block_size,
+            mask_token_id=mask_token_id, target_layer_ids=target.layer_ids,
+        )
+        return cls(cfg)
+
+    def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """The published recipe's init: normal(0, std) linears, ones for norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] for integer positions [B, T]."""
+        return self.rotary_emb(like, positions)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Packed taps [B, S, K*H] -> context [B, S, H] (once per forward)."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's context keys/values for fused context [B, S, H] at positions [B, S]."""
+        cos, sin = self.rope(positions, ctx)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(
+        self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Training forward over many anchored blocks of each sequence in one pass.
+
+        features [B, S, K*H] target taps; block_embeds [B, N, bs, H] the target-embedded block
+        tokens; anchors [B, N] positions; valid [B, N] bool (padded blocks: False).
+        Returns norm(h) [B, N, bs, H], ready for the target's LM head. Equals, block by block,
+        ``forward_block`` with context = features[:, :anchor] (tested).
+        """
+        b, s, _ = features.shape
+        _, n, bs, hidden = block_embeds.shape
+        ctx = self.fuse(features)
+        ctx_kv = self.context_kv(ctx, torch.arange(s, device=features.device).expand(b, s))
+        positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
+        x = block_embeds.reshape(b, n * bs, hidden)
+        rope = self.rope(positions, x)
+        mask = dense_block_mask(anchors, valid, s, bs)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, rope, kv, mask)
+        return self.norm(x).view(b, n, bs, hidden)
+
+    # ---- decoding -------------------------------------------------------------------------
+
+    def new_cache(self) -> ContextCache:
+        return ContextCache([], [])
+
+    def extend_context(self, cache: ContextCache, features: torch.Tensor) -> None:
+        """Append context rows (taps [B, T, K*H] of the next T positions) to the cache."""
+        b, t, _ = features.shape
+        start = cache.length
+        positions = torch.arange(start, start + t, device=features.device).expand(b, t)
+        kvs = self.context_kv(self.fuse(features), positions)
+        if not cache.keys:
+            cache.keys = [k for k, _ in kvs]
+            cache.values = [v for _, v in kvs]
+        else:
+            cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, kvs)]
+            cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, kvs)]
+
+    def forward_block(self, cache: ContextCache, block_embeds: torch.Tensor) -> torch.Tensor:
+        """Inference forward of one block [B, bs, H] placed right after the cached context.
+
+        The block sees every cached context row and itself (bidirectionally); its own rows are
+        never added to the cache (the crop back to ``start`` of DFLASH.md is implicit).
+        """
+        b, t, _ = block_embeds.shape
+        start = cache.length
+        positions = torch.arange(start, start + t, device=block_embeds.device).expand(b, t)
+        rope = self.rope(positions, block_embeds)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, (cache.keys[i], cache.values[i]))
+        return self.norm(x)
+
+    # ---- serving format -------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+        """Write config.json + model.safetensors (no embedding, no LM head, no rotary buffers)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        config = dict(self.config, dtype=str(dtype).removeprefix("torch."))
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> "DFlashDrafter":
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        if "DFlashDraftModel" not in config.get("architectures", []):
+            raise ValueError(f"{path}/config.json: not a DFlash drafter (architectures={config.get('architectures')})")
+        model = cls(config)
+        state = load_file(path / "model.safetensors")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path}/model.safetensors: missing weights {missing}, unexpected weights {unexpected}")
+        return model.to(device=device, dtype=dtype)

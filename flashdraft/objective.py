@@ -1,0 +1,173 @@
+"""The DFlash training objective: anchors, block inputs, the block mask, labels, weights, loss.
+
+Conventions (DFLASH.md): a block anchored at ``a`` holds [tok_a, MASK, ..., MASK] at positions
+a .. a + bs - 1; slot k > 0 is labelled with the token AT position a + k (same-position, not
+next-token), slot 0 is never scored; the block sees context strictly before ``a`` and its own
+slots (bidirectionally), never another block.
+
+Everything here is vectorised and stays on the device: no host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def default_gamma(block_size: int) -> float:
+    """The published decay: 7 for bs 16, 5 for 10, 4 for 8 (~ interpolated elsewhere)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw up to ``num_anchors`` distinct anchors per sequence, uniformly, without a host sync.
+
+    Candidates are positions a with loss_mask[a] == 1 and a + 1 < length. Returns anchors
+    [B, N] (sorted ascending, N = min(num_anchors, S)) and valid [B, N] bool; a sequence with
+    fewer candidates than N gets invalid padding anchors (position 0, valid False).
+    """
+    b, s = loss_mask.shape
+    n = min(num_anchors, s)
+    pos = torch.arange(s, device=loss_mask.device)
+    candidate = (loss_mask != 0) & (pos.unsqueeze(0) + 1 < lengths.unsqueeze(1))
+    scores = torch.rand(b, s, device=loss_mask.device, generator=generator)
+    scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
+    top, index = scores.topk(n, dim=1)  # a random subset of the candidates, padded by -1 scores
+    valid = top >= 0
+    anchors = torch.where(valid, index, torch.zeros_like(index))
+    # Sort valid anchors ascending (invalid ones last) for a deterministic, cache-friendly layout.
+    key = torch.where(valid, anchors, torch.full_like(anchors, s))
+    key, order = key.sort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, N] anchors -> [B, N, bs] absolute positions anchor + k."""
+    return anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
+
+
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """[B, N, bs] block tokens: the anchor's token at slot 0, MASK everywhere else."""
+    b, n = anchors.shape
+    out = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :, 0] = input_ids.gather(1, anchors)
+    return out
+
+
+def block_labels_and_weights(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    gamma: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-position labels [B, N, bs] and weights [B, N, bs] (float32).
+
+    w[k] = [k > 0] * valid * loss_mask[a + k] * [a + k < length] * exp(-(k - 1) / gamma).
+    Labels past the sequence end are 0 (their weight is 0).
+    """
+    s = input_ids.shape[1]
+    pos = block_positions(anchors, block_size)  # [B, N, bs]
+    inside = pos < lengths.view(-1, 1, 1)
+    safe = pos.clamp(max=s - 1).flatten(1)
+    labels = torch.where(inside, input_ids.gather(1, safe).view_as(pos), torch.zeros_like(pos))
+    supervised = loss_mask.gather(1, safe).view_as(pos) != 0
+    k = torch.arange(block_size, device=input_ids.device, dtype=torch.float32)
+    decay = torch.exp(-(k - 1) / gamma) if gamma is not None else torch.ones_like(k)
+    decay[0] = 0.0  # slot 0 is the anchor itself: never scored
+    weights = (inside & supervised & valid.unsqueeze(-1)).float() * decay
+    return labels, weights
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    correct: torch.Tensor  # [B, N, bs] bool: argmax == label
+    scored: torch.Tensor  # [B, N, bs] bool: weight > 0
+    weight_sum: torch.Tensor  # scalar
+
+    def position_accuracy(self) -> torch.Tensor:
+        """[bs - 1] accuracy of slots 1..bs-1 over scored slots (stays on device)."""
+        hits = (self.correct & self.scored).flatten(0, 1).sum(0)[1:].float()
+        count = self.scored.flatten(0, 1).sum(0)[1:].float()
+        return hits / count.clamp(min=1)
+
+    def simulated_tau(self) -> torch.Tensor:
+        """Expected acceptance length 1 + sum_k prod_{j<=k} acc_j from per-position accuracy."""
+        return 1 + self.position_accuracy().cumprod(0).sum()
+
+
+def _ce_chunk(hidden, head_weight, labels, weights):
+    logits = F.linear(hidden, head_weight).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum(), logits.argmax(-1) == labels
+
+
+def dflash_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 0,
+) -> LossOutput:
+    """Weighted CE of the target's LM head over block slots: sum(w * CE) / sum(w).
+
+    hidden [B, N, bs, H] (drafter output after its final norm); head_weight [V, H] the
+    target's frozen LM head; labels/weights [B, N, bs]. With ``chunk_size`` > 0 the head and CE
+    run over chunks of that many slots under activation checkpointing, so [N*bs, V] logits
+    never exist at once (forward or backward); the result equals the unchunked one.
+    """
+    shape = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    w = weights.reshape(-1)
+    if chunk_size <= 0 or chunk_size >= h.shape[0]:
+        total, correct = _ce_chunk(h, head_weight, y, w)
+    else:
+        totals, corrects = [], []
+        for start in range(0, h.shape[0], chunk_size):
+            part = slice(start, start + chunk_size)
+            t, c = checkpoint(_ce_chunk, h[part], head_weight, y[part], w[part], use_reentrant=False)
+            totals.append(t)
+            corrects.append(c)
+        total, correct = torch.stack(totals).sum(), torch.cat(corrects)
+    weight_sum = w.sum()
+    return LossOutput(
+        loss=total / weight_sum.clamp(min=1e-6),
+        correct=correct.view(shape),
+        scored=(weights > 0),
+        weight_sum=weight_sum,
+    )
+
+
+def block_loss(
+    drafter,
+    target,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    features: torch.Tensor,
+    *,
+    num_anchors: int,
+    gamma: float | None,
+    chunk_size: int = 0,
+    generator: torch.Generator | None = None,
+) -> LossOutput:
+    """One training forward: draw anchors, build blocks, run the drafter, weighted CE.
+
+    input_ids / loss_mask [B, S], lengths [B], features [B, S, K*H] from ``target.features``.
+    """
+    bs = drafter.block_size
+    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, generator)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, gamma)
+    block_ids = block_input_ids(input_ids, anchors, bs, drafter.mask_token_id)
+    embeds = target.embed(block_ids).to(features.dtype)
+    hidden = drafter(features, embeds, anchors, valid)
+    return dflash_loss(hidden, target.lm_head.weight, labels, weights, chunk_size)

@@ -1,0 +1,206 @@
+"""TargetModel: the frozen Hugging Face target and the taps the drafter is conditioned on.
+
+Layer-id convention (DFLASH.md): tap ``i`` is the OUTPUT of decoder layer ``i``, i.e.
+``hidden_states[i + 1]`` of a Hugging Face ``output_hidden_states`` forward. Hugging Face
+returns the LAST entry after the final norm, so a tap on the last layer is normed too; every
+tap therefore equals ``hidden_states[i + 1]`` exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """DFlash's default spread: [L // 2] for one tap, else round(1 + i * (L - 4) / (n - 1)).
+
+    Qwen3-8B (L = 36, n = 5) -> [1, 9, 17, 25, 33]. Shallow targets make the formula repeat ids
+    (L = 4, n = 3 -> [1, 1, 1]); duplicate taps carry no information, so that is refused.
+    """
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    ids = [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_target_layers:
+        raise ValueError(
+            f"the default spread of {num_taps} taps over a {num_target_layers}-layer target gives {ids}, "
+            f"which repeats or leaves the model; set model.target_layer_ids explicitly "
+            f"(distinct ids in [0, {num_target_layers - 1}]) or lower model.num_taps"
+        )
+    return ids
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on GPU and fp32 on CPU (bf16 matmuls are ~100x slower on CPUs without AMX)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the last tapped layer: nothing after it runs."""
+
+
+def _layer_output(output) -> torch.Tensor:
+    return output if torch.is_tensor(output) else output[0]
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.layers)")
+    return layers
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return base.norm
+
+
+class TargetModel(nn.Module):
+    """A frozen causal LM with tapped layers.
+
+    ``features(input_ids, attention_mask)`` returns [B, S, K*H] for training: it runs the
+    decoder only up to the last tapped layer (a hook stops the forward there), never the later
+    layers, the final norm (unless the last layer is tapped) or the LM head. ``embed`` and
+    ``lm_head`` are the target's frozen input embedding and output head, shared with the drafter.
+    """
+
+    def __init__(self, model: nn.Module, target_layer_ids: list[int] | None = None, num_taps: int = 5):
+        super().__init__()
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.config = model.config
+        self.layers = _decoder_layers(model)
+        self.num_layers = len(self.layers)
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(self.num_layers, num_taps)
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(
+                f"target_layer_ids {ids} invalid for a {self.num_layers}-layer target: "
+                f"use distinct ids in [0, {self.num_layers - 1}]"
+            )
+        self.layer_ids = ids
+        self.hidden_size = int(self.config.hidden_size)
+        self.embed = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        target_layer_ids: list[int] | None = None,
+        num_taps: int = 5,
+        device: str | torch.device = "cpu",
+        dtype: str = "auto",
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+    ) -> "TargetModel":
+        """Load a local Hugging Face causal LM directory, frozen, in eval mode."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path}: no config.json; model.target must be a local Hugging Face model directory "
+                "(download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+            )
+        device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=resolve_dtype(dtype, device),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        ).to(device)
+        return cls(model, target_layer_ids, num_taps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed taps [B, S, K*H] in tap order, stopping after the last tapped layer.
+
+        Exactly ``cat([hidden_states[i + 1] for i in layer_ids], -1)`` of a full forward.
+        """
+        taps: dict[int, torch.Tensor] = {}
+        last = max(self.layer_ids)
+
+        def hook(index: int):
+            def capture(module, args, output):
+                taps[index] = _layer_output(output)
+                if index == last:
+                    raise _StopForward
+
+            return capture
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        try:
+            self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if last == self.num_layers - 1:  # HF's last hidden_states entry is after the final norm
+            taps[last] = _final_norm(self.model)(taps[last])
+        return torch.cat([taps[i] for i in self.layer_ids], dim=-1)
+
+    def pack_hidden_states(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Taps [B, S, K*H] from a full ``output_hidden_states`` forward (used when decoding)."""
+        return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def forward_with_cache(self, input_ids: torch.Tensor, cache: DynamicCache, start: int):
+        """One cached forward at positions start.. : (logits [B, T, V], taps [B, T, K*H])."""
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_kw: cache},
+        )
+        return out.logits, self.pack_hidden_states(out.hidden_states)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Crop a DynamicCache to its first ``length`` positions, whatever crop()'s convention.
+
+    transformers 4.x takes the length to keep; 5.x takes ``tokens_to_remove`` as a NEGATIVE
+    count (a positive value raises in some releases). The parameter's name tells which; the
+    result is checked, so a new convention fails loudly instead of corrupting decoding.
+    """
+    current = cache.get_seq_length()
+    if length >= current:
+        return
+    names = list(inspect.signature(cache.crop).parameters)
+    if names and names[0] == "tokens_to_remove":
+        try:
+            cache.crop(length - current)
+        except ValueError:
+            cache.crop(current - length)
+    else:
+        cache.crop(length)
+    if cache.get_seq_length() != length:
+        raise RuntimeError(f"DynamicCache.crop left {cache.get_seq_length()} positions, expected {length}")
