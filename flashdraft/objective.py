@@ -22,21 +22,54 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 torch stores (same bits)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniform_hash(seed: int, sample_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """Counter-based uniforms [B, length] in [0, 1): splitmix64 of (seed, sample id, position).
+
+    The anchors of a sample then depend only on (seed, sample id), not on which batch, rank or
+    world size it lands in -- so 2 ranks x batch b draw exactly what 1 rank x batch 2b draws,
+    and a resumed run redraws exactly, with no generator state to checkpoint.
+    """
+    pos = torch.arange(length, device=sample_ids.device, dtype=torch.int64)
+    z = sample_ids.to(torch.int64).unsqueeze(1) * _signed(0xD1B54A32D192ED03) + pos * _signed(0x8CB92BA72F3D8DD7)
+    z = z + _signed(seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019)
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double().mul_(2.0**-53).float()
+
+
 def sample_anchors(
-    loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, seed: int, sample_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to ``num_anchors`` distinct anchors per sequence, uniformly, without a host sync.
 
-    Candidates are positions a with loss_mask[a] == 1 and a + 1 < length. Returns anchors
-    [B, N] (sorted ascending, N = min(num_anchors, S)) and valid [B, N] bool; a sequence with
-    fewer candidates than N gets invalid padding anchors (position 0, valid False).
+    Candidates are positions a with loss_mask[a] == 1 and a + 1 < length. ``seed`` changes every
+    step (the trainer mixes its seed with the step); ``sample_ids`` [B] are the samples' dataset
+    indices (default 0..B-1). Returns anchors [B, N] sorted ascending (N = min(num_anchors, S))
+    and valid [B, N] bool; a sequence with fewer candidates than N gets invalid padding anchors
+    (position 0, valid False) after its real ones.
     """
     b, s = loss_mask.shape
     n = min(num_anchors, s)
+    if sample_ids is None:
+        sample_ids = torch.arange(b, device=loss_mask.device)
     pos = torch.arange(s, device=loss_mask.device)
     candidate = (loss_mask != 0) & (pos.unsqueeze(0) + 1 < lengths.unsqueeze(1))
-    scores = torch.rand(b, s, device=loss_mask.device, generator=generator)
-    scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
+    scores = torch.where(candidate, uniform_hash(seed, sample_ids, s), torch.full((b, s), -1.0, device=pos.device))
     top, index = scores.topk(n, dim=1)  # a random subset of the candidates, padded by -1 scores
     valid = top >= 0
     anchors = torch.where(valid, index, torch.zeros_like(index))
@@ -91,7 +124,8 @@ class LossOutput:
     loss: torch.Tensor  # scalar, differentiable
     correct: torch.Tensor  # [B, N, bs] bool: argmax == label
     scored: torch.Tensor  # [B, N, bs] bool: weight > 0
-    weight_sum: torch.Tensor  # scalar
+    weight_sum: torch.Tensor  # scalar: sum of this micro-batch's weights
+    total: torch.Tensor  # scalar, detached: sum(w * CE) of this micro-batch
 
     def position_accuracy(self) -> torch.Tensor:
         """[bs - 1] accuracy of slots 1..bs-1 over scored slots (stays on device)."""
@@ -116,13 +150,16 @@ def dflash_loss(
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 0,
+    normalizer: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Weighted CE of the target's LM head over block slots: sum(w * CE) / sum(w).
+    """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
 
     hidden [B, N, bs, H] (drafter output after its final norm); head_weight [V, H] the
-    target's frozen LM head; labels/weights [B, N, bs]. With ``chunk_size`` > 0 the head and CE
-    run over chunks of that many slots under activation checkpointing, so [N*bs, V] logits
-    never exist at once (forward or backward); the result equals the unchunked one.
+    target's frozen LM head; labels/weights [B, N, bs]. ``normalizer`` defaults to sum(w);
+    the trainer passes the GLOBAL sum over ranks and accumulation steps so that any split of
+    a batch gives the same gradient. With ``chunk_size`` > 0 the head and CE run over chunks of
+    that many slots under activation checkpointing, so [N*bs, V] logits never exist at once
+    (forward or backward); the result equals the unchunked one.
     """
     shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -139,35 +176,55 @@ def dflash_loss(
             corrects.append(c)
         total, correct = torch.stack(totals).sum(), torch.cat(corrects)
     weight_sum = w.sum()
+    if normalizer is None:
+        normalizer = weight_sum
     return LossOutput(
-        loss=total / weight_sum.clamp(min=1e-6),
+        loss=total / normalizer.clamp(min=1e-6),
         correct=correct.view(shape),
         scored=(weights > 0),
         weight_sum=weight_sum,
+        total=total.detach(),
     )
 
 
-def block_loss(
-    drafter,
-    target,
+@dataclass
+class Blocks:
+    """The anchored blocks of one micro-batch: everything the loss needs except the model."""
+
+    anchors: torch.Tensor  # [B, N] positions, sorted
+    valid: torch.Tensor  # [B, N] bool
+    input_ids: torch.Tensor  # [B, N, bs] anchor token then MASK
+    labels: torch.Tensor  # [B, N, bs] same-position labels
+    weights: torch.Tensor  # [B, N, bs] float32
+
+    @property
+    def weight_sum(self) -> torch.Tensor:
+        return self.weights.sum()
+
+
+def make_blocks(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     lengths: torch.Tensor,
-    features: torch.Tensor,
     *,
+    block_size: int,
+    mask_token_id: int,
     num_anchors: int,
     gamma: float | None,
-    chunk_size: int = 0,
-    generator: torch.Generator | None = None,
-) -> LossOutput:
-    """One training forward: draw anchors, build blocks, run the drafter, weighted CE.
+    seed: int,
+    sample_ids: torch.Tensor | None = None,
+) -> Blocks:
+    """Draw anchors and build block inputs, labels and weights for a padded micro-batch [B, S]."""
+    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed, sample_ids)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, block_size, gamma)
+    return Blocks(anchors, valid, block_input_ids(input_ids, anchors, block_size, mask_token_id), labels, weights)
 
-    input_ids / loss_mask [B, S], lengths [B], features [B, S, K*H] from ``target.features``.
-    """
-    bs = drafter.block_size
-    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, generator)
-    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, gamma)
-    block_ids = block_input_ids(input_ids, anchors, bs, drafter.mask_token_id)
-    embeds = target.embed(block_ids).to(features.dtype)
-    hidden = drafter(features, embeds, anchors, valid)
-    return dflash_loss(hidden, target.lm_head.weight, labels, weights, chunk_size)
+
+def block_loss(
+    drafter, target, features: torch.Tensor, blocks: Blocks, *, chunk_size: int = 0,
+    normalizer: torch.Tensor | None = None,
+) -> LossOutput:
+    """The drafter's forward on ``blocks`` conditioned on target ``features`` [B, S, K*H], and its loss."""
+    embeds = target.embed(blocks.input_ids).to(features.dtype)
+    hidden = drafter(features, embeds, blocks.anchors, blocks.valid)
+    return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer)

@@ -1,0 +1,161 @@
+"""Evaluation: real draft/verify tau over prompts, losslessness, and the `flashdraft eval` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.speculative import greedy_generate, ngram_generate, speculative_generate
+from flashdraft.target import TargetModel
+
+
+def read_prompts(path: str | os.PathLike) -> list[list[int]]:
+    """A JSONL file of {"input_ids": [...]} lines -> token-id prompts (errors name the line)."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["input_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: expected a JSON object with an input_ids list ({exc})") from None
+            if not ids or not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"{path}:{line_no}: input_ids must be a non-empty list of token ids")
+            prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def write_prompts(path: str | os.PathLike, prompts: list[list[int]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for ids in prompts:
+            f.write(json.dumps({"input_ids": [int(t) for t in ids]}) + "\n")
+
+
+def prompts_from_dataset(dataset, count: int) -> list[list[int]]:
+    """Prompts of the first ``count`` samples: their tokens before the first supervised one."""
+    prompts = []
+    for i in range(len(dataset)):
+        ids, mask = dataset[i]
+        first = int(np.argmax(mask != 0)) if mask.any() else 0
+        if first > 0:
+            prompts.append(np.asarray(ids[:first]).tolist())
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def _per_position_acceptance(accepted: list[int], block_size: int) -> list[float]:
+    """P(draft k accepted) for k = 1 .. bs-1, over all steps."""
+    steps = np.asarray(accepted)
+    if steps.size == 0:
+        return [float("nan")] * (block_size - 1)
+    return [float((steps >= k).mean()) for k in range(1, block_size)]
+
+
+@torch.no_grad()
+def evaluate_tau(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_ids=(),
+    baseline: str | None = None,
+    check_lossless: bool = True,
+    block_size: int | None = None,
+) -> dict:
+    """Speculative decoding over ``prompts``; tau is the mean over sequences of per-step means.
+
+    ``baseline="ngram"`` drafts by prompt lookup instead of the drafter. With
+    ``check_lossless`` every output is compared with the target's plain greedy output.
+    """
+    bs = block_size or drafter.block_size
+    taus, accepted_all, lossless, spec_s, greedy_s, new_tokens = [], [], True, 0.0, 0.0, 0
+    for prompt in prompts:
+        if baseline == "ngram":
+            gen = ngram_generate(target, prompt, max_new_tokens, bs, eos_ids)
+        else:
+            gen = speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids)
+        taus.append(gen.tau)
+        accepted_all.extend(gen.accepted)
+        spec_s += gen.seconds
+        new_tokens += len(gen.tokens)
+        if check_lossless:
+            ref = greedy_generate(target, prompt, max_new_tokens, eos_ids)
+            greedy_s += ref.seconds
+            lossless &= ref.tokens == gen.tokens
+    report = {
+        "tau": float(np.nanmean(taus)),
+        "per_position_acceptance": _per_position_acceptance(accepted_all, bs),
+        "num_prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "speculative_seconds": spec_s,
+        "settings": {"max_new_tokens": max_new_tokens, "block_size": bs, "greedy": True,
+                     "drafter": "ngram" if baseline == "ngram" else "dflash"},
+    }
+    if check_lossless:
+        report.update(lossless=bool(lossless), greedy_seconds=greedy_s,
+                      speedup=greedy_s / spec_s if spec_s > 0 else float("nan"))
+    return report
+
+
+def eos_ids_of(target_dir: str | os.PathLike, config) -> list[int]:
+    """End-of-sequence ids from generation_config.json / config.json (empty if none)."""
+    ids = []
+    gen_cfg = Path(target_dir) / "generation_config.json"
+    if gen_cfg.is_file():
+        ids = json.loads(gen_cfg.read_text()).get("eos_token_id") or []
+    if not ids:
+        ids = getattr(config, "eos_token_id", None) or []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+# ---- `flashdraft eval` -------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", required=True, help="Hugging Face target model directory")
+    parser.add_argument("--drafter", help="DFlash drafter directory (serving format); not needed with --baseline")
+    parser.add_argument("--prompts", required=True, help='JSONL, one {"input_ids": [...]} per line')
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--baseline", choices=["ngram"], help="evaluate a no-model baseline instead of the drafter")
+    parser.add_argument("--block-size", type=int, help="block size for --baseline (default: the drafter's, else 16)")
+    parser.add_argument("--no-eos", action="store_true", help="ignore end-of-sequence tokens (fixed-length outputs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    parser.add_argument("--output", help="write the JSON report here")
+
+
+def run(args) -> int:
+    if args.drafter is None and args.baseline is None:
+        print("flashdraft eval: give --drafter DIR (or --baseline ngram)", file=sys.stderr)
+        return 2
+    drafter = None
+    layer_ids = None
+    if args.drafter:
+        cfg = json.loads((Path(args.drafter) / "config.json").read_text())
+        layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    target = TargetModel.from_pretrained(args.target, target_layer_ids=layer_ids, device=args.device, dtype=args.dtype)
+    if args.drafter:
+        drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=target.dtype, device=args.device).eval()
+    eos = [] if args.no_eos else eos_ids_of(args.target, target.config)
+    report = evaluate_tau(
+        target, drafter, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens, eos_ids=eos,
+        baseline=args.baseline, block_size=args.block_size or (drafter.block_size if drafter else 16),
+    )
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    return 0 if report.get("lossless", True) else 1

@@ -1,0 +1,151 @@
+"""Drafter conventions: visibility, train/infer equivalence, serving export."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashdraft.drafter import DFlashDrafter, dense_block_mask
+from flashdraft.objective import block_input_ids, sample_anchors
+from tests.conftest import MASK_ID, VOCAB, make_drafter, tiny_qwen3
+from flashdraft.target import TargetModel
+
+
+def _blocks(target, seed=0, batch=2, seq=40, anchors=6, bs=8):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 1, (batch, seq), generator=g)
+    loss_mask = torch.ones_like(ids)
+    lengths = torch.full((batch,), seq)
+    lengths[-1] = seq - 7
+    a, valid = sample_anchors(loss_mask, lengths, anchors, seed)
+    return ids, a, valid, block_input_ids(ids, a, bs, MASK_ID)
+
+
+def test_mask_context_strictly_before_anchor_and_own_block_only():
+    anchors = torch.tensor([[3, 5]])
+    valid = torch.tensor([[True, False]])
+    mask = dense_block_mask(anchors, valid, seq_len=8, block_size=2)[0, 0]
+    ctx, blocks = mask[:, :8], mask[:, 8:]
+    assert ctx[0].tolist() == [True, True, True, False, False, False, False, False]  # kv < 3
+    assert ctx[2].sum() == 0  # padded block: no context
+    assert blocks.tolist() == [[True, True, False, False], [True, True, False, False],
+                               [False, False, True, True], [False, False, True, True]]
+
+
+def test_training_forward_equals_single_block_inference(target, drafter):
+    ids, anchors, valid, block_ids = _blocks(target)
+    features = target.features(ids)
+    hidden = drafter(features, target.embed(block_ids), anchors, valid)
+    checked = 0
+    for b in range(ids.shape[0]):
+        for n in range(anchors.shape[1]):
+            a = int(anchors[b, n])
+            if not valid[b, n] or a == 0:
+                continue
+            cache = drafter.new_cache()
+            # Incremental context: two extensions must equal one.
+            drafter.extend_context(cache, features[b : b + 1, : a // 2])
+            drafter.extend_context(cache, features[b : b + 1, a // 2 : a])
+            single = drafter.forward_block(cache, target.embed(block_ids[b : b + 1, n]))
+            torch.testing.assert_close(hidden[b, n], single[0], rtol=1e-5, atol=1e-5)
+            checked += 1
+    assert checked >= 8
+
+
+def test_block_never_sees_context_at_or_after_its_anchor(target, drafter):
+    ids, anchors, valid, block_ids = _blocks(target, seed=1)
+    features = target.features(ids)
+    embeds = target.embed(block_ids)
+    base = drafter(features, embeds, anchors, valid)
+    b, n = 0, 2
+    a = int(anchors[b, n])
+    perturbed = features.clone()
+    perturbed[b, a:] += torch.randn_like(perturbed[b, a:])
+    after = drafter(perturbed, embeds, anchors, valid)
+    torch.testing.assert_close(after[b, n], base[b, n], rtol=0, atol=1e-6)
+    earlier = features.clone()
+    earlier[b, a - 1] += 1.0  # context before the anchor does matter
+    assert not torch.allclose(drafter(earlier, embeds, anchors, valid)[b, n], base[b, n])
+
+
+def test_block_never_sees_another_block(target, drafter):
+    ids, anchors, valid, block_ids = _blocks(target, seed=2)
+    features = target.features(ids)
+    base = drafter(features, target.embed(block_ids), anchors, valid)
+    changed = block_ids.clone()
+    changed[0, 1:, 0] = (changed[0, 1:, 0] + 1) % (VOCAB - 1)  # other blocks' anchor tokens
+    after = drafter(features, target.embed(changed), anchors, valid)
+    torch.testing.assert_close(after[0, 0], base[0, 0], rtol=0, atol=1e-6)
+
+
+def test_padded_blocks_see_nothing_but_themselves(target, drafter):
+    ids = torch.randint(0, VOCAB - 1, (1, 12))
+    anchors = torch.tensor([[4, 0]])
+    valid = torch.tensor([[True, False]])
+    block_ids = block_input_ids(ids, anchors, 8, MASK_ID)
+    features = target.features(ids)
+    base = drafter(features, target.embed(block_ids), anchors, valid)
+    noisy = drafter(features + torch.randn_like(features), target.embed(block_ids), anchors, valid)
+    torch.testing.assert_close(noisy[0, 1], base[0, 1], rtol=0, atol=1e-6)
+    assert torch.isfinite(base).all()
+
+
+def test_drafter_owns_no_embedding_or_lm_head(drafter):
+    names = set(drafter.state_dict())
+    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
+
+
+def test_export_has_exactly_the_serving_names_shapes_and_config(tmp_path, target):
+    drafter = make_drafter(target, num_layers=2, block_size=8)
+    out = drafter.save_pretrained(tmp_path / "drafter")
+    weights = load_file(out / "model.safetensors")
+    h, kv, d, inter = 64, 2, 16, 128
+    expected = {"norm.weight": [h], "fc.weight": [h, 3 * h], "hidden_norm.weight": [h]}
+    for i in range(2):
+        p = f"layers.{i}."
+        expected.update({
+            p + "self_attn.q_proj.weight": [4 * d, h], p + "self_attn.k_proj.weight": [kv * d, h],
+            p + "self_attn.v_proj.weight": [kv * d, h], p + "self_attn.o_proj.weight": [h, 4 * d],
+            p + "self_attn.q_norm.weight": [d], p + "self_attn.k_norm.weight": [d],
+            p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+            p + "mlp.down_proj.weight": [h, inter],
+            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+        })
+    assert {k: list(v.shape) for k, v in weights.items()} == expected
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 2
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 5]}
+    assert cfg["layer_types"] == ["full_attention", "full_attention"]
+    assert cfg["tie_word_embeddings"] is False
+    src = target.config.to_dict()
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters"):
+        assert cfg[key] == src[key], key
+    assert cfg["rope_theta"] == src["rope_parameters"]["rope_theta"]
+
+
+def test_rope_scaling_is_copied_and_used():
+    model = tiny_qwen3(num_layers=4)
+    model.config.rope_parameters = {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0}
+    target = TargetModel(model, [1, 2])
+    drafter = make_drafter(target)
+    assert drafter.config["rope_parameters"] == {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0}
+    inv = drafter.rotary_emb.inv_freq
+    torch.testing.assert_close(inv, 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16)) / 4.0)
+
+
+def test_save_load_gives_identical_logits(tmp_path, target):
+    drafter = make_drafter(target)
+    drafter.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "d").eval()
+    ids, anchors, valid, block_ids = _blocks(target, seed=3)
+    features, embeds = target.features(ids), target.embed(block_ids)
+    assert torch.equal(loaded(features, embeds, anchors, valid), drafter(features, embeds, anchors, valid))
+
+
+def test_mask_token_outside_the_vocabulary_is_refused(target):
+    with pytest.raises(ValueError, match="outside the target's embedding table"):
+        DFlashDrafter.for_target(target, num_layers=1, block_size=8, mask_token_id=VOCAB)

@@ -1,0 +1,146 @@
+"""Objective conventions: anchors, same-position labels, slot 0, decay weights, loss."""
+
+import math
+
+import pytest
+import torch
+
+from flashdraft.objective import (
+    LossOutput,
+    block_input_ids,
+    block_labels_and_weights,
+    default_gamma,
+    dflash_loss,
+    sample_anchors,
+)
+
+
+def test_anchors_come_only_from_supervised_positions_with_a_next_token():
+    loss_mask = torch.zeros(3, 20, dtype=torch.uint8)
+    loss_mask[0, 5:15] = 1
+    loss_mask[1, 10:20] = 1
+    loss_mask[2, :] = 1
+    lengths = torch.tensor([20, 14, 20])  # row 1: padding from 14 on
+    for seed in range(20):
+        anchors, valid = sample_anchors(loss_mask, lengths, 4, seed)
+        for b in range(3):
+            for a in anchors[b][valid[b]].tolist():
+                assert loss_mask[b, a] == 1 and a + 1 < lengths[b]
+        assert valid[1].sum() == 3  # only 10, 11, 12 qualify (13 + 1 == length)
+
+
+def test_anchors_are_distinct_sorted_and_redrawn():
+    loss_mask = torch.ones(1, 64, dtype=torch.uint8)
+    lengths = torch.tensor([64])
+    first, valid = sample_anchors(loss_mask, lengths, 16, seed=0)
+    second, _ = sample_anchors(loss_mask, lengths, 16, seed=1)
+    assert valid.all()
+    assert first[0].tolist() == sorted(set(first[0].tolist()))
+    assert not torch.equal(first, second)
+
+
+def test_too_few_candidates_give_invalid_padding_anchors():
+    loss_mask = torch.zeros(1, 10, dtype=torch.uint8)
+    loss_mask[0, 3] = 1
+    anchors, valid = sample_anchors(loss_mask, torch.tensor([10]), 5, seed=0)
+    assert valid.tolist() == [[True, False, False, False, False]]
+    assert anchors[0, 0] == 3
+
+
+def test_anchors_depend_on_the_sample_not_on_its_batch():
+    torch.manual_seed(0)
+    loss_mask = (torch.rand(4, 50) > 0.3).to(torch.uint8)
+    lengths = torch.tensor([50, 44, 50, 37])
+    ids = torch.tensor([7, 123, 5, 99])
+    together, valid = sample_anchors(loss_mask, lengths, 8, seed=3, sample_ids=ids)
+    for half in (slice(0, 2), slice(2, 4)):  # two ranks with half the batch each
+        alone, valid_alone = sample_anchors(loss_mask[half, :50], lengths[half], 8, seed=3, sample_ids=ids[half])
+        assert torch.equal(alone, together[half]) and torch.equal(valid_alone, valid[half])
+
+
+def test_anchor_draws_are_uniform_over_candidates():
+    loss_mask = torch.ones(1, 10, dtype=torch.uint8)
+    counts = torch.zeros(10)
+    for seed in range(2000):
+        anchors, _ = sample_anchors(loss_mask, torch.tensor([10]), 1, seed)
+        counts[anchors[0, 0]] += 1
+    assert counts[9] == 0  # a + 1 < length
+    assert counts[:9].min() > 2000 / 9 * 0.75 and counts[:9].max() < 2000 / 9 * 1.25
+
+
+def test_block_input_is_anchor_token_then_masks():
+    ids = torch.arange(100, 130).view(1, 30)
+    blocks = block_input_ids(ids, torch.tensor([[4, 20]]), 4, mask_token_id=7)
+    assert blocks.tolist() == [[[104, 7, 7, 7], [120, 7, 7, 7]]]
+
+
+def test_labels_are_same_position_not_next_token():
+    ids = torch.arange(100, 130).view(1, 30)
+    loss_mask = torch.ones_like(ids)
+    labels, weights = block_labels_and_weights(
+        ids, loss_mask, torch.tensor([30]), torch.tensor([[4]]), torch.tensor([[True]]), 4, gamma=None
+    )
+    assert labels.tolist() == [[[104, 105, 106, 107]]]  # slot k labelled with the token AT a + k
+    assert weights.tolist() == [[[0.0, 1.0, 1.0, 1.0]]]  # slot 0 never scored
+
+
+def test_decay_weights_for_block_16_gamma_7():
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    _, weights = block_labels_and_weights(
+        ids, torch.ones_like(ids), torch.tensor([64]), torch.tensor([[10]]), torch.tensor([[True]]), 16, gamma=7.0
+    )
+    expected = [0.0] + [math.exp(-(k - 1) / 7) for k in range(1, 16)]
+    assert weights[0, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+
+
+def test_weights_are_zero_past_the_end_where_unsupervised_and_for_padded_blocks():
+    ids = torch.arange(20).view(1, 20)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, 12] = 0
+    labels, weights = block_labels_and_weights(
+        ids, loss_mask, torch.tensor([15]), torch.tensor([[10, 3]]), torch.tensor([[True, False]]), 8, gamma=None
+    )
+    # block at 10: slots 1..4 are positions 11..14; 12 unsupervised; 15.. past the length.
+    assert weights[0, 0].tolist() == [0, 1, 0, 1, 1, 0, 0, 0]
+    assert labels[0, 0, 5:].tolist() == [0, 0, 0]
+    assert weights[0, 1].sum() == 0  # padded block
+
+
+def test_weighted_ce_and_simulated_tau():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3, 4, 8)
+    head = torch.randn(11, 8)
+    labels = torch.randint(0, 11, (2, 3, 4))
+    weights = torch.rand(2, 3, 4)
+    weights[..., 0] = 0
+    out = dflash_loss(hidden, head, labels, weights)
+    ce = torch.nn.functional.cross_entropy((hidden @ head.T).reshape(-1, 11), labels.reshape(-1), reduction="none")
+    expected = (ce * weights.reshape(-1)).sum() / weights.sum()
+    torch.testing.assert_close(out.loss, expected)
+    acc = out.position_accuracy()
+    assert acc.shape == (3,)
+    tau = 1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
+    torch.testing.assert_close(out.simulated_tau(), tau)
+
+
+def test_simulated_tau_of_a_perfect_drafter_is_the_block_size():
+    correct = torch.ones(1, 2, 4, dtype=torch.bool)
+    scored = torch.ones(1, 2, 4, dtype=torch.bool)
+    out = LossOutput(torch.tensor(0.0), correct, scored, torch.tensor(1.0), torch.tensor(0.0))
+    assert out.simulated_tau().item() == 4
+
+
+def test_chunked_loss_equals_unchunked_with_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 4, 16, requires_grad=True)
+    head = torch.randn(97, 16)
+    labels = torch.randint(0, 97, (2, 5, 4))
+    weights = torch.rand(2, 5, 4)
+    full = dflash_loss(hidden, head, labels, weights)
+    (grad_full,) = torch.autograd.grad(full.loss, hidden)
+    chunked = dflash_loss(hidden, head, labels, weights, chunk_size=7)
+    (grad_chunked,) = torch.autograd.grad(chunked.loss, hidden)
+    torch.testing.assert_close(chunked.loss, full.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_chunked, grad_full, rtol=1e-5, atol=1e-6)
+    assert torch.equal(chunked.correct, full.correct)

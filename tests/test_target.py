@@ -1,0 +1,90 @@
+"""Target taps: the layer-id convention, default ids, early stop, loading."""
+
+import pytest
+import torch
+
+from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids
+from tests.conftest import VOCAB, tiny_llama, tiny_qwen3
+
+
+def test_default_tap_ids_follow_dflash():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(7, 1) == [3]
+
+
+def test_default_taps_refuse_duplicates_on_shallow_targets():
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        default_target_layer_ids(4, 3)  # the formula gives [1, 1, 1]
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+def test_tap_i_is_hidden_states_i_plus_1_for_every_layer(build):
+    model = build()
+    ids = torch.randint(0, VOCAB, (2, 17))
+    full = model(ids, output_hidden_states=True).hidden_states
+    num_layers = model.config.num_hidden_layers
+    for layer in range(num_layers):  # including the last layer, whose HF entry is normed
+        target = TargetModel(model, [layer])
+        assert torch.equal(target.features(ids), full[layer + 1]), layer
+
+
+def test_features_pack_taps_in_order_and_honour_padding():
+    model = tiny_qwen3()
+    target = TargetModel(model, [4, 1, 2])
+    ids = torch.randint(0, VOCAB, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    full = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    expected = torch.cat([full[5], full[2], full[3]], dim=-1)
+    assert target.features(ids, mask).shape == (2, 12, 3 * 64)
+    torch.testing.assert_close(target.features(ids, mask), expected, rtol=0, atol=0)
+
+
+def test_training_forward_stops_after_last_tap_and_skips_lm_head():
+    model = tiny_qwen3(num_layers=6)
+    target = TargetModel(model, [1, 3])
+    ran = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+    model.lm_head.register_forward_hook(lambda m, a, o: ran.append("lm_head"))
+    model.model.norm.register_forward_hook(lambda m, a, o: ran.append("norm"))
+    target.features(torch.randint(0, VOCAB, (1, 9)))
+    assert ran == [0, 1, 2, 3]
+
+
+def test_target_is_frozen(target):
+    assert all(not p.requires_grad for p in target.parameters())
+    assert not target.model.training
+
+
+def test_from_pretrained_loads_a_local_directory(tmp_path):
+    model = tiny_qwen3()
+    model.save_pretrained(tmp_path / "target")
+    target = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3], dtype="auto")
+    assert target.dtype == torch.float32  # auto -> fp32 on CPU
+    ids = torch.randint(0, VOCAB, (1, 8))
+    torch.testing.assert_close(target.features(ids), TargetModel(model, [1, 3]).features(ids))
+
+
+def test_from_pretrained_names_the_fix_for_a_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="local Hugging Face model directory"):
+        TargetModel.from_pretrained(tmp_path / "nope")
+
+
+def test_bad_tap_ids_are_refused():
+    with pytest.raises(ValueError, match=r"\[0, 5\]"):
+        TargetModel(tiny_qwen3(num_layers=6), [1, 6])
+
+
+def test_cache_crop_matches_a_fresh_forward(target):
+    ids = torch.randint(0, VOCAB, (1, 20))
+    cache = target.new_cache()
+    target.forward_with_cache(ids, cache, 0)
+    crop_cache(cache, 12)
+    assert cache.get_seq_length() == 12
+    cropped_logits, cropped_taps = target.forward_with_cache(ids[:, 12:15], cache, 12)
+    fresh = target.new_cache()
+    logits, taps = target.forward_with_cache(ids[:, :15], fresh, 0)
+    torch.testing.assert_close(cropped_logits, logits[:, 12:15], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cropped_taps, taps[:, 12:15], rtol=1e-5, atol=1e-5)
