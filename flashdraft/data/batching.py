@@ -10,11 +10,12 @@ sequence is the same every epoch, so is the number of batches.
 Rank split (``BatchSampler``): global batch ``g`` belongs to global step ``g // world_size`` and
 goes to rank ``g % world_size``, so a step consumes ``world_size`` consecutive plan entries.
 The remainder: when the batches left in an epoch are not a multiple of the world size, the
-last ``r`` batches are split (each part of a valid batch is a valid batch) into exactly
-``world_size`` smaller batches, which form the epoch's final step; every rank therefore gets
-the same number of batches and no sample is lost. Only if those ``r`` batches hold fewer than
-``world_size`` samples is the tail dropped -- counted in ``BatchSampler.dropped`` and logged
-with the reason -- never silently.
+``r`` batches with the most samples are split (each part of a valid batch is a valid batch)
+into exactly ``world_size`` smaller batches, which form the epoch's final step; every rank
+therefore gets the same number of batches and no sample is lost. Only if those ``r`` batches
+hold fewer than ``world_size`` samples together (e.g. every batch is a single long sample) are
+the ``r`` smallest batches dropped -- counted in ``BatchSampler.dropped`` and logged with the
+reason -- never silently.
 
 Cursor: ``state_dict()`` is ``{"epoch", "consumed", ...}`` where ``consumed`` counts GLOBAL plan
 entries of that epoch already trained on (a multiple of the world size it ran with). Resuming
@@ -89,23 +90,29 @@ def padding_waste(lengths, batches) -> float:
 def split_for_ranks(remaining: list[np.ndarray], world_size: int) -> tuple[list[np.ndarray], int]:
     """Make ``remaining`` a multiple of ``world_size`` long; returns (batches, samples dropped).
 
-    The last ``r = len % world_size`` batches are split into exactly ``world_size`` parts (largest
-    part halved first, so parts stay balanced); if they hold fewer samples than that, they are
-    dropped instead and their sample count returned.
+    With ``r = len % world_size``, the ``r`` batches holding the most samples are taken out and
+    split into exactly ``world_size`` parts (largest part halved first) that form the final
+    step. Choosing by sample count, not position, makes the outcome depend only on the multiset
+    of batch sizes -- the same every epoch -- so every epoch has the same number of steps.
+    If those batches hold fewer than ``world_size`` samples, the ``r`` batches with the FEWEST
+    samples are dropped instead and their sample count returned.
     """
     r = len(remaining) % world_size
     if r == 0:
         return remaining, 0
-    head, tail = remaining[:-r], [np.asarray(b) for b in remaining[-r:]]
-    if sum(len(b) for b in tail) < world_size:
-        return head, sum(len(b) for b in tail)
-    parts = list(tail)
+    sizes = np.array([len(b) for b in remaining])
+    by_size = np.argsort(-sizes, kind="stable")
+    if int(sizes[by_size[:r]].sum()) < world_size:
+        drop = set(by_size[-r:].tolist())
+        return [b for j, b in enumerate(remaining) if j not in drop], int(sizes[by_size[-r:]].sum())
+    take = set(by_size[:r].tolist())
+    parts = [remaining[j] for j in sorted(take)]
     while len(parts) < world_size:
         k = max(range(len(parts)), key=lambda j: len(parts[j]))
         big = parts.pop(k)
         half = (len(big) + 1) // 2
         parts[k:k] = [big[:half], big[half:]]
-    return head + parts, 0
+    return [b for j, b in enumerate(remaining) if j not in take] + parts, 0
 
 
 class BatchSampler:
@@ -149,13 +156,13 @@ class BatchSampler:
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches this rank gets in a full epoch (from cursor 0); the same on every rank."""
+        """Batches this rank gets in a full epoch (from cursor 0); the same on every rank and epoch."""
         r = self._num_global % self.world_size
         full = self._num_global // self.world_size
         if r == 0:
             return full
-        tail_samples = sum(len(b) for b in self._plan(0)[-r:])  # same batch sizes every epoch
-        return full + (1 if tail_samples >= self.world_size else 0)
+        sizes = np.sort([len(b) for b in self._plan(self.epoch)])[::-1]  # same multiset every epoch
+        return full + (1 if sizes[:r].sum() >= self.world_size else 0)
 
     @property
     def num_global_batches(self) -> int:
