@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -46,3 +57,139 @@ def make_drafter(target: TargetModel, num_layers: int = 2, block_size: int = 8, 
 @pytest.fixture
 def drafter(target) -> DFlashDrafter:
     return make_drafter(target)
+
+
+# ---- multi-process jobs ------------------------------------------------------------
+# Shared test helpers: launch real multi-process jobs the way torchrun would.
+#
+# Workers run tests/_workers.py scenarios. They are forked from one server process that has
+# already imported torch (see ``_workers.serve``): a fresh interpreter per rank costs several
+# seconds on 2 cores, a fork costs milliseconds, and the code under test runs unchanged.
+
+
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "_workers.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ForkServer:
+    """Starts worker processes (forked by the server) and reports their exit codes."""
+
+    def __init__(self, log_dir: Path):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env["OMP_NUM_THREADS"] = "1"
+        self.log_dir = log_dir
+        self.proc = subprocess.Popen([sys.executable, str(WORKERS), "serve"], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.exits: dict[int, int] = {}
+        self.started: list[int] = []
+        self.cond = threading.Condition()
+        self.count = 0
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            kind, *rest = line.split()
+            with self.cond:
+                if kind == "started":
+                    self.started.append(int(rest[0]))
+                elif kind == "exited":
+                    self.exits[int(rest[0])] = int(rest[1])
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def spawn(self, scenario: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, Path]:
+        """Start one worker; return (pid, path of its combined stdout/stderr)."""
+        with self.cond:
+            self.count += 1
+            out = self.log_dir / f"worker{self.count}.log"
+            n = len(self.started)
+            self.proc.stdin.write(json.dumps({"scenario": scenario, "args": list(args), "env": env or {},
+                                              "out": str(out)}) + "\n")
+            self.proc.stdin.flush()
+            if not self.cond.wait_for(lambda: len(self.started) > n, timeout=60):
+                pytest.fail("fork server did not start a worker within 60 s")
+            return self.started[n], out
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """The worker's exit code (negative: killed by that signal), or None on timeout."""
+        with self.cond:
+            self.cond.wait_for(lambda: pid in self.exits, timeout=timeout)
+            return self.exits.get(pid)
+
+    def kill(self, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def forkserver(tmp_path_factory):
+    server = ForkServer(tmp_path_factory.mktemp("workers"))
+    yield server
+    server.close()
+
+
+def run_ranks(server: ForkServer, scenario: str, *args: str, world_size: int = 2, timeout: float = 60,
+              expect_exit: bool = True) -> list[tuple[int, Path]]:
+    """Start ``world_size`` workers with torchrun's environment; wait for all unless told not to."""
+    port = str(free_port())
+    workers = [server.spawn(scenario, *args, env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+               for r in range(world_size)]
+    if expect_exit:
+        deadline = time.monotonic() + timeout
+        for pid, out in workers:
+            if server.wait(pid, max(0.0, deadline - time.monotonic())) is None:
+                for p, _ in workers:
+                    server.kill(p)
+                pytest.fail(f"{scenario} timed out:\n" + "\n".join(read_log(o) for _, o in workers))
+    return workers
+
+
+def read_log(path: Path) -> str:
+    """A worker's output so far ("" before the worker has created its log)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def results(workers: list[tuple[int, Path]]) -> list[dict]:
+    """The ``RESULT {json}`` line of each worker, in rank order."""
+    found = []
+    for _, out in workers:
+        text = read_log(out)
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"worker printed no RESULT:\n{text}"
+        found.append(json.loads(lines[-1][len("RESULT "):]))
+    return found
+
+
+@pytest.fixture
+def fresh_dist(monkeypatch):
+    """Single-process torchrun-less environment; tears down any process group afterwards."""
+    from flashdraft import distributed
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    distributed.teardown()
+    yield distributed
+    distributed.teardown()

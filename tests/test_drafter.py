@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from flashdraft.drafter import DFlashDrafter, dense_block_mask
 from flashdraft.objective import block_input_ids, sample_anchors
-from tests.conftest import MASK_ID, VOCAB, make_drafter, tiny_qwen3
+from conftest import MASK_ID, VOCAB, make_drafter, tiny_qwen3
 from flashdraft.target import TargetModel
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids
-from tests.conftest import VOCAB, tiny_llama, tiny_qwen3
+from conftest import VOCAB, tiny_llama, tiny_qwen3
 
 
 def test_default_tap_ids_follow_dflash():

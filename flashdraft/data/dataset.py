@@ -1,35 +1,223 @@
-"""TokenDataset: a token shard opened by memory-mapping, with lengths known up front."""
+"""TokenDataset: a token shard opened by memory-mapping, validated in vectorised form at open.
+
+``open_dataset`` accepts a flashdraft token shard, a Hugging Face ``save_to_disk`` directory,
+a parquet file or a directory of parquet files; the last three are converted once into a
+token shard cached by content (see ``flashdraft.data.convert``). Opening costs three mmaps,
+one 8-byte-per-sample read of the offsets and a few array operations over per-sample arrays:
+no token is read and no per-sample Python object is made.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from flashdraft.data.shards import read_token_shard
+from flashdraft.data.shards import read_num_supervised, read_token_shard
+
+# Problem kinds, in the order they are checked (a sample is counted under the first that hits).
+# Each maps to the fix printed with it.
+FIXES: dict[str, str] = {
+    "null_row": "remove the null row from the source, or pass data.on_invalid=drop to skip such samples",
+    "mask_length_mismatch": (
+        "build input_ids and loss_mask from the same tokenization (one mask value per token), "
+        "or pass data.on_invalid=drop to skip such samples"
+    ),
+    "id_out_of_range": (
+        "re-tokenize with the target's tokenizer (or pass the tokenizer's full vocab_size including "
+        "added tokens), or pass data.on_invalid=drop to skip such samples"
+    ),
+    "empty": "remove empty samples from the data, or pass data.on_invalid=drop to skip them",
+    "too_few_supervised": (
+        "check that loss_mask marks the assistant tokens (1 = supervised), lower data.min_supervised, "
+        "raise data.max_length if truncation cut them, or pass data.on_invalid=drop to skip such samples"
+    ),
+}
+
+
+@dataclass
+class DataReport:
+    """What open_dataset found: counts, plus up to 5 example messages per problem kind."""
+
+    source: str
+    samples_seen: int
+    kept: int
+    dropped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class TokenDataset:
-    """Zero-copy view of a token shard.
+    """Zero-copy, validated view of a token shard.
 
-    ``lengths`` is an int64 array computed from the offsets alone; ``dataset[i]`` returns numpy
-    views (ids, loss_mask) into the memory map, copying nothing.
+    Attributes (one entry per KEPT sample, in source order):
+      lengths     int64 [N], after truncation to max_length
+      starts      int64 [N], offset of each sample's first token in ``ids`` / ``loss_mask``
+      source_index int64 [N], the sample's row number in the source
+      ids         memmap [num_tokens] of the shard's ids dtype (uint16 / uint32)
+      loss_mask   memmap [num_tokens] uint8
+    ``dataset[i]`` returns numpy views (ids, loss_mask) into the memory map, copying nothing.
+    Build one with ``open_dataset``.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path, meta, ids, loss_mask, starts, lengths, source_index, vocab_size, report):
         self.path = Path(path)
-        self.meta, self.ids, self.loss_mask, self.offsets = read_token_shard(self.path)
-        self.lengths = np.diff(self.offsets)
-        self.vocab_size = int(self.meta["vocab_size"])
+        self.meta = meta
+        self.ids = ids
+        self.loss_mask = loss_mask
+        self.starts = starts
+        self.lengths = lengths
+        self.source_index = source_index
+        self.vocab_size = int(vocab_size)
+        self.report: DataReport = report
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        start, end = self.offsets[i], self.offsets[i + 1]
+        start = int(self.starts[i])
+        end = start + int(self.lengths[i])
         return self.ids[start:end], self.loss_mask[start:end]
 
     @property
     def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+        """Tokens in kept samples, after truncation."""
+        return int(self.lengths.sum())
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({str(self.path)!r}, samples={len(self)}, tokens={self.num_tokens}, vocab_size={self.vocab_size})"
+
+
+def open_dataset(
+    path: str | os.PathLike,
+    *,
+    vocab_size: int | None = None,
+    max_length: int | None = None,
+    min_supervised: int = 0,
+    on_invalid: str = "raise",
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> TokenDataset:
+    """Open training data as a validated, memory-mapped TokenDataset.
+
+    path: a token shard, a HF save_to_disk dir, a parquet file or a dir of parquet files
+      (the last three converted once, cached under ``cache_dir``; default next to the source).
+    vocab_size: the target tokenizer's vocab size; ids must lie in [0, vocab_size). None: the
+      shard's own (for converted sources: largest id + 1, i.e. unchecked).
+    max_length: samples longer than this are truncated to it (counted in ``report.truncated``).
+    min_supervised: samples with fewer loss_mask=1 tokens (after truncation) are invalid.
+    on_invalid: "raise" -> ValueError naming the file, sample index, problem and fix;
+      "drop" -> invalid samples are skipped and counted in ``report.dropped``.
+    """
+    from flashdraft.data.convert import cached_shard, source_kind
+
+    if on_invalid not in ("raise", "drop"):
+        raise ValueError(f"on_invalid={on_invalid!r}: use 'raise' or 'drop'")
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length={max_length}: use a positive token count (data.max_length)")
+    path = Path(path)
+    source = path
+    shard = path if source_kind(path) == "shard" else cached_shard(path, cache_dir, progress=progress)
+    meta, ids, mask, offsets = read_token_shard(shard)
+    if meta.get("source", {}).get("path"):
+        source = Path(meta["source"]["path"])
+    vocab_size = int(vocab_size if vocab_size is not None else meta["vocab_size"])
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size={vocab_size}: pass the target tokenizer's vocab size")
+
+    raw_lengths = np.diff(offsets)
+    n = len(raw_lengths)
+    problem = np.zeros(n, dtype=np.int8)  # 0 = fine, k = index+1 into FIXES kinds
+    kinds = list(FIXES)
+    details: dict[str, dict[int, str]] = {k: {} for k in kinds}
+
+    def flag(kind: str, idx: np.ndarray) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        idx = idx[problem[idx] == 0]
+        problem[idx] = kinds.index(kind) + 1
+
+    for kind, records in (meta.get("problems") or {}).items():
+        if kind not in FIXES or not records:
+            continue
+        rows = np.array([r[0] for r in records], dtype=np.int64)
+        flag(kind, rows)
+        for r in records[:5]:
+            if kind == "mask_length_mismatch":
+                details[kind][r[0]] = f"input_ids has {r[1]} tokens but loss_mask has {r[2]}"
+            elif kind == "id_out_of_range":
+                details[kind][r[0]] = f"token ids span [{r[1]}, {r[2]}], outside [0, {vocab_size})"
+
+    if int(meta.get("max_id", vocab_size)) >= vocab_size:
+        # Slow path, only when the shard's largest id is out of range: find the samples.
+        nonempty = np.flatnonzero(raw_lengths > 0)
+        sample_max = np.maximum.reduceat(np.asarray(ids), offsets[nonempty]) if len(nonempty) else np.zeros(0)
+        bad = nonempty[sample_max >= vocab_size]
+        flag("id_out_of_range", bad)
+        for i in bad[:5]:
+            details["id_out_of_range"][int(i)] = f"token id {int(ids[offsets[i]:offsets[i + 1]].max())} is >= vocab_size {vocab_size}"
+
+    flag("empty", np.flatnonzero(raw_lengths == 0))
+
+    lengths = raw_lengths if max_length is None else np.minimum(raw_lengths, max_length)
+    truncated = np.flatnonzero(lengths < raw_lengths)
+    if min_supervised > 0:
+        supervised = read_num_supervised(shard, offsets, mask)
+        if len(truncated):
+            supervised = supervised.copy()
+            # Truncated samples only: count the kept prefix's supervised tokens exactly.
+            for i in truncated:
+                s = offsets[i]
+                supervised[i] = np.count_nonzero(mask[s : s + max_length])
+        few = np.flatnonzero(supervised < min_supervised)
+        flag("too_few_supervised", few)
+        for i in few[:5]:
+            details["too_few_supervised"][int(i)] = (
+                f"{int(supervised[i])} supervised tokens (loss_mask=1), fewer than min_supervised={min_supervised}"
+            )
+
+    report = DataReport(source=str(source), samples_seen=n, kept=n)
+    bad_rows = np.flatnonzero(problem)
+    if len(bad_rows):
+        counts = np.bincount(problem[bad_rows], minlength=len(kinds) + 1)
+        report.dropped = {k: int(counts[j + 1]) for j, k in enumerate(kinds) if counts[j + 1]}
+        for j, kind in enumerate(kinds):
+            rows = bad_rows[problem[bad_rows] == j + 1][:5]
+            report.examples[kind] = [
+                f"sample {int(i)}: {details[kind].get(int(i), _default_detail(kind, int(raw_lengths[i])))}" for i in rows
+            ]
+        report.examples = {k: v for k, v in report.examples.items() if v}
+        if on_invalid == "raise":
+            raise ValueError(_invalid_message(source, report))
+        keep = problem == 0
+        source_index = np.flatnonzero(keep)
+        starts = offsets[:-1][keep]
+        lengths = lengths[keep]
+        report.kept = len(source_index)
+        truncated = np.intersect1d(truncated, source_index, assume_unique=True)
+    else:
+        source_index = np.arange(n, dtype=np.int64)
+        starts = offsets[:-1]
+    report.truncated = int(len(truncated))
+    return TokenDataset(shard, meta, ids, mask, starts, lengths.astype(np.int64, copy=False), source_index, vocab_size, report)
+
+
+def _default_detail(kind: str, length: int) -> str:
+    return {"empty": "has no tokens", "null_row": "is null"}.get(kind, kind.replace("_", " "))
+
+
+def _invalid_message(source: Path, report: DataReport) -> str:
+    lines = [f"{source}: {report.num_dropped} of {report.samples_seen} samples are invalid:"]
+    for kind, count in report.dropped.items():
+        lines.append(f"  {kind} ({count} samples), e.g. " + "; ".join(report.examples[kind][:3]))
+        lines.append(f"    fix: {FIXES[kind]}")
+    return "\n".join(lines)

@@ -1,0 +1,527 @@
+"""Atomic, verifiable training checkpoints: the only module that reads or writes them.
+
+On-disk format (safetensors and JSON only -- nothing is ever unpickled)::
+
+    <root>/
+      latest                      text file naming the newest checkpoint ("step_00000500")
+      step_00000500/
+        <part>.safetensors        the tensors of one state (drafter, optimizer, scheduler, ...)
+        <part>.json               its skeleton: the non-tensor structure (see flatten_state)
+        <name>_rank<r>.*          per-rank parts (e.g. rng_rank0, rng_rank1), one per rank
+        config.json               the resolved run config (optional)
+        export/...                whatever ``export_fn`` wrote (e.g. the serving-format drafter)
+        manifest.json             written LAST: every other file with its size and sha256
+
+A checkpoint is complete iff its manifest exists and every listed file has the listed size
+and sha256. Writes go to ``<root>/.tmp-step_XXXXXXXX-<pid>``; files and the directory are
+fsynced, the manifest is written last, then the directory is renamed into place and the
+``latest`` pointer replaced atomically. A crash at any moment therefore leaves either the
+previous checkpoints untouched plus a stale temp dir (removed on the next load) or the new,
+complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from flashdraft import distributed
+
+log = logging.getLogger(__name__)
+
+FORMAT = "flashdraft-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+CONFIG = "config.json"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_RESERVED = {"manifest", "config", "export"}
+_MAX_JSON_INT = 2**53  # larger ints are written as strings so any JSON reader keeps them exact
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path."""
+
+
+# --------------------------------------------------------------------------------------------
+# Generic state <-> (tensors, JSON skeleton)
+# --------------------------------------------------------------------------------------------
+
+def flatten_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state into flat named tensors and a JSON-able skeleton.
+
+    Supported leaves: torch.Tensor (any device; returned detached, contiguous, on CPU, never
+    sharing storage with another returned tensor), numpy arrays and scalars, int (any size),
+    float (incl. nan/inf), bool, None, str. Containers: dict and OrderedDict (keys: str, int,
+    float, bool or None), list, tuple. This covers optimizer / LR scheduler state_dicts, torch / numpy /
+    python RNG states and data cursors. ``unflatten_state`` inverts it exactly: same container
+    and leaf types, bit-identical tensors. Raises TypeError naming the path of anything else.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+
+    def add_tensor(path: str, t: torch.Tensor) -> str:
+        name = path or "_"
+        if name in tensors:  # e.g. keys "a.b" and ("a", "b") flatten to the same path
+            i = 1
+            while f"{name}#{i}" in tensors:
+                i += 1
+            name = f"{name}#{i}"
+        t = t.detach().to("cpu")
+        # safetensors refuses tensors that share memory and writes only contiguous data; copy
+        # only when needed so large CPU states are not duplicated in memory.
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        if not t.is_contiguous() or (ptr is not None and ptr in seen_storages) \
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)
+            ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        if ptr is not None:
+            seen_storages.add(ptr)
+        tensors[name] = t
+        return name
+
+    def enc(x: Any, path: str) -> Any:
+        if isinstance(x, np.generic):  # before float: np.float64 subclasses float
+            if x.dtype.hasobject:
+                raise TypeError(f"state at {path or '<root>'}: numpy object scalars are not supported")
+            return {"npscalar": x.dtype.str, "hex": x.tobytes().hex()}
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return x if abs(x) < _MAX_JSON_INT else {"int": str(x)}
+        if isinstance(x, float):
+            return x if math.isfinite(x) else {"float": repr(x)}
+        if isinstance(x, torch.Tensor):
+            return {"tensor": add_tensor(path, x)}
+        if isinstance(x, np.ndarray):
+            if x.dtype.hasobject:
+                raise TypeError(f"state at {path or '<root>'}: numpy object arrays are not supported")
+            raw = torch.from_numpy(np.frombuffer(np.ascontiguousarray(x).tobytes(), dtype=np.uint8).copy())
+            return {"ndarray": add_tensor(path, raw), "dtype": x.dtype.str, "shape": list(x.shape)}
+        if isinstance(x, tuple):
+            return {"tuple": [enc(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                if not (k is None or isinstance(k, (str, int, float, bool))) or isinstance(k, np.generic):
+                    raise TypeError(f"state at {path or '<root>'}: dict key {k!r} of type {type(k).__name__} "
+                                    "is not supported (use str, int, float, bool or None)")
+                items.append([enc(k, path), enc(v, f"{path}.{k}" if path else str(k))])
+            # OrderedDict (module state_dicts) keeps its type; its ``_metadata`` attribute
+            # (per-module version numbers) is not kept -- load_state_dict does not need it.
+            return {"odict": items} if isinstance(x, OrderedDict) else {"dict": items}
+        raise TypeError(f"state at {path or '<root>'}: type {type(x).__module__}.{type(x).__qualname__} "
+                        "is not supported; convert it to tensors, numbers, strings, lists or dicts")
+
+    skeleton = enc(obj, "")
+    return tensors, skeleton
+
+
+def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
+    """Rebuild the object ``flatten_state`` split; raises CheckpointError on a malformed skeleton."""
+
+    def dec(s: Any) -> Any:
+        if s is None or isinstance(s, (bool, int, float, str)):
+            return s
+        if isinstance(s, list):
+            return [dec(v) for v in s]
+        if isinstance(s, dict) and len(s) >= 1:
+            if "tensor" in s:
+                return tensors[s["tensor"]]
+            if "dict" in s:
+                return {dec(k): dec(v) for k, v in s["dict"]}
+            if "odict" in s:
+                return OrderedDict((dec(k), dec(v)) for k, v in s["odict"])
+            if "tuple" in s:
+                return tuple(dec(v) for v in s["tuple"])
+            if "int" in s:
+                return int(s["int"])
+            if "float" in s:
+                return float(s["float"])
+            if "ndarray" in s:
+                raw = tensors[s["ndarray"]].numpy().tobytes()
+                return np.frombuffer(raw, dtype=np.dtype(s["dtype"])).reshape(s["shape"]).copy()
+            if "npscalar" in s:
+                return np.frombuffer(bytes.fromhex(s["hex"]), dtype=np.dtype(s["npscalar"]))[0]
+        raise CheckpointError(f"malformed checkpoint skeleton node: {str(s)[:200]}")
+
+    try:
+        return dec(skeleton)
+    except KeyError as exc:
+        raise CheckpointError(f"checkpoint skeleton references missing tensor {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# File helpers
+# --------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes renames and new directory entries durable; not supported on every platform.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
+
+
+def _serialize_part(state: Any) -> tuple[bytes, bytes]:
+    """(safetensors bytes, skeleton JSON bytes) of one state."""
+    tensors, skeleton = flatten_state(state)
+    return safetensors.torch.save(tensors), (json.dumps(skeleton, allow_nan=False) + "\n").encode()
+
+
+def _write_part(tmp: Path, name: str, state: Any) -> None:
+    tensors, skeleton = flatten_state(state)
+    path = tmp / f"{name}.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    _fsync_file(path)
+    _write_bytes(tmp / f"{name}.json", (json.dumps(skeleton, allow_nan=False) + "\n").encode())
+
+
+def _read_part(ckpt: Path, name: str) -> Any:
+    tensors = safetensors.torch.load_file(str(ckpt / f"{name}.safetensors"), device="cpu")
+    skeleton = json.loads((ckpt / f"{name}.json").read_text())
+    return unflatten_state(tensors, skeleton)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Return the manifest of a complete checkpoint, else raise CheckpointError saying why.
+
+    Reads every listed file once (sizes first, then sha256).
+    """
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (partial or not a checkpoint)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{mpath}: not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{mpath}: format version {manifest.get('version')} unsupported (this is {VERSION})")
+    files = manifest["files"]
+    for rel, meta in files.items():
+        f = path / rel
+        try:
+            size = f.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{f}: listed in the manifest but missing") from None
+        if size != meta["size"]:
+            raise CheckpointError(f"{f}: size {size} != {meta['size']} in the manifest (truncated or modified)")
+    for rel, meta in files.items():
+        if _sha256(path / rel) != meta["sha256"]:
+            raise CheckpointError(f"{path / rel}: sha256 mismatch (corrupted)")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# Manager
+# --------------------------------------------------------------------------------------------
+
+class Loaded(NamedTuple):
+    """What load / load_latest return: unpack as ``step, parts, config = ...``."""
+
+    step: int
+    parts: dict[str, Any]
+    config: dict | None
+
+
+class CheckpointManager:
+    """Saves and restores training state under ``root``, keeping the last ``keep_last``.
+
+    Every public method is collective in a distributed job: call it on every rank, in the
+    same order. Rank 0 reads/writes files; other ranks exchange small control data with it.
+    ``root`` must be visible to all ranks at the same path (a shared filesystem for
+    multi-node jobs) for loading; saving writes from rank 0 only.
+    """
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3):
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} is invalid: keep at least 1 checkpoint")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    # ---------------------------------------------------------------------------- save
+    def save(
+        self,
+        step: int,
+        parts: Mapping[str, Any],
+        *,
+        per_rank_parts: Mapping[str, Any] | None = None,
+        config: dict | None = None,
+        export_fn: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Write checkpoint ``step`` atomically and return its final directory (on every rank).
+
+        ``parts``: name -> state (anything ``flatten_state`` takes), identical on every rank
+        (replicated model/optimizer); taken from rank 0, ignored elsewhere. ``per_rank_parts``:
+        name -> state that differs per rank (RNG); every rank's is gathered to rank 0 and
+        stored as ``<name>_rank<r>``. ``config``: JSON-able dict saved as config.json.
+        ``export_fn(tmp_dir)``: called on rank 0 only, before the manifest, to write extra
+        files (e.g. ``tmp_dir / "export"``); they are covered by the manifest.
+
+        Collective and a host sync: returns on every rank only after rank 0 has finished
+        (so no rank runs ahead of a half-written checkpoint). On failure every rank raises
+        CheckpointError naming the path; earlier checkpoints and ``latest`` are untouched.
+        """
+        if step < 0:
+            raise ValueError(f"step={step} is invalid: use a non-negative step")
+        names = list(parts) + list(per_rank_parts or {})
+        for name in names:
+            if not _PART_RE.match(name) or name in _RESERVED or re.search(r"_rank\d+$", name):
+                raise ValueError(f"checkpoint part name {name!r} is invalid: use letters, digits, _ or - "
+                                 f"(not {sorted(_RESERVED)} and not ending in _rank<N>)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"checkpoint part names must be unique across parts and per_rank_parts: {names}")
+        rank = distributed.get_rank()
+        world = distributed.get_world_size()
+        final = self.root / step_dir_name(step)
+
+        # Per-rank states are serialised to file bytes on their own rank and shipped to rank 0
+        # as plain bytes, so rank 0 writes exactly what the owner produced.
+        payload = {n: _serialize_part(s) for n, s in (per_rank_parts or {}).items()}
+        gathered = distributed.gather_object(payload, dst=0)
+
+        error: str | None = None
+        if rank == 0:
+            try:
+                self._write(step, final, parts, gathered or [payload], world, config, export_fn)
+            except Exception as exc:  # reported to every rank below, then raised everywhere
+                error = f"{type(exc).__name__}: {exc}"
+                log.error("checkpoint save of step %d to %s failed: %s", step, final, error)
+                if not isinstance(exc, (OSError, CheckpointError)):
+                    distributed.broadcast_object(error, src=0)
+                    raise
+        # The broadcast doubles as the end-of-save barrier: other ranks block here until rank 0
+        # has renamed the checkpoint into place (or failed).
+        error = distributed.broadcast_object(error, src=0)
+        if error is not None:
+            raise CheckpointError(f"could not save checkpoint step {step} to {final}: {error}. "
+                                  "Previous checkpoints and 'latest' are unchanged; free disk space or fix "
+                                  "permissions of the output directory.")
+        return final
+
+    def _write(self, step: int, final: Path, parts: Mapping[str, Any], gathered: list[dict[str, tuple[bytes, bytes]]],
+               world: int, config: dict | None, export_fn: Callable[[Path], None] | None) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            tmp.mkdir()
+            for name, state in parts.items():
+                _write_part(tmp, name, state)
+            for r, payload in enumerate(gathered):
+                for name, (st_bytes, skel_bytes) in payload.items():
+                    _write_bytes(tmp / f"{name}_rank{r}.safetensors", st_bytes)
+                    _write_bytes(tmp / f"{name}_rank{r}.json", skel_bytes)
+            if config is not None:
+                _write_json(tmp / CONFIG, config)
+            if export_fn is not None:
+                export_fn(tmp)
+            files = {}
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                rel = f.relative_to(tmp).as_posix()
+                if f.parent != tmp:  # files export_fn wrote are not fsynced by us
+                    _fsync_file(f)
+                files[rel] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                _fsync_dir(d)
+            manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                        "parts": list(parts), "per_rank_parts": sorted(gathered[0]) if gathered else [],
+                        "files": files}
+            _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving a step (e.g. after resuming from an earlier one)
+                trash = self.root / f".tmp-replaced-{final.name}-{os.getpid()}"
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._set_latest(final.name)
+        self._prune(step, final.name)
+
+    def _set_latest(self, name: str) -> None:
+        tmp = self.root / f".{LATEST}.tmp-{os.getpid()}"
+        try:
+            _write_bytes(tmp, (name + "\n").encode())
+            os.replace(tmp, self.root / LATEST)
+            _fsync_dir(self.root)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"{self.root / name} is complete but updating {self.root / LATEST} failed: {exc}") \
+                from exc
+
+    def _read_latest_pointer(self) -> str | None:
+        try:
+            return (self.root / LATEST).read_text().strip() or None
+        except OSError:
+            return None
+
+    def _prune(self, step: int, just_written: str) -> None:
+        # "Complete" here means "has a manifest" (cheap); loading verifies hashes. Checkpoints
+        # with a step above the one just written belong to a timeline abandoned by resuming
+        # from an earlier step; keeping them would make the next load_latest resume from them.
+        protected = {just_written, self._read_latest_pointer()}
+        entries = sorted(((s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None), reverse=True)
+        kept = 0
+        for s, p in entries:  # newest first
+            complete = (p / MANIFEST).is_file()
+            if s > step:
+                log.warning("removing %s: it is newer than the checkpoint just written (step %d), "
+                            "left over from a run that was resumed from an earlier step", p, step)
+            elif p.name in protected:
+                kept += complete
+                continue
+            elif not complete:
+                continue  # partial or damaged: load_latest skips it with a warning
+            elif kept < self.keep_last:
+                kept += 1
+                continue
+            # Rename first so a crash mid-delete leaves a stale temp dir, never a damaged step dir.
+            doomed = self.root / f".tmp-prune-{p.name}-{os.getpid()}"
+            try:
+                os.replace(p, doomed)
+            except OSError as exc:
+                log.warning("could not prune %s: %s", p, exc)
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---------------------------------------------------------------------------- load
+    def checkpoints(self) -> list[Path]:
+        """Step directories under root, newest first (complete or not)."""
+        if not self.root.is_dir():
+            return []
+        entries = [(s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None and p.is_dir()]
+        return [p for _, p in sorted(entries, reverse=True)]
+
+    def latest_complete(self) -> Path | None:
+        """The newest checkpoint whose manifest verifies (rank-local, reads every file)."""
+        for p in self.checkpoints():
+            try:
+                verify_checkpoint(p)
+                return p
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s", p, exc)
+        return None
+
+    def load_latest(self, rank: int | None = None) -> Loaded | None:
+        """Load the newest complete checkpoint, or return None when there is none.
+
+        Collective: rank 0 removes stale temp dirs, verifies candidates newest first (sizes
+        and sha256; corrupt or partial ones are skipped with a warning) and broadcasts its
+        choice, so every rank loads the same step. ``rank`` (default: this process's rank)
+        selects which per-rank parts are returned under their plain names (e.g. ``"rng"``).
+        """
+        choice: str | None = None
+        if distributed.get_rank() == 0:
+            self._remove_stale_tmp()
+            found = self.latest_complete()
+            choice = str(found) if found is not None else None
+        choice = distributed.broadcast_object(choice, src=0)
+        if choice is None:
+            return None
+        return self._load_verified(Path(choice), rank)
+
+    def load(self, path: str | os.PathLike, rank: int | None = None) -> Loaded:
+        """Load the checkpoint in ``path`` after verifying it; CheckpointError if incomplete.
+
+        Rank-local (no collective): each caller verifies and reads the files itself.
+        """
+        verify_checkpoint(path)
+        return self._load_verified(Path(path), rank)
+
+    def _load_verified(self, path: Path, rank: int | None) -> Loaded:
+        rank = distributed.get_rank() if rank is None else rank
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read the checkpoint on rank {rank} ({exc}); in a multi-node "
+                                  "job the output directory must be on a filesystem shared by all nodes") from None
+        try:
+            parts = {name: _read_part(path, name) for name in manifest["parts"]}
+            saved_world = manifest["world_size"]
+            for name in manifest["per_rank_parts"]:
+                if rank < saved_world:
+                    parts[name] = _read_part(path, f"{name}_rank{rank}")
+                else:
+                    log.warning("%s was saved by %d ranks; rank %d gets no %r part and must re-seed it",
+                                path, saved_world, rank, name)
+            config = json.loads((path / CONFIG).read_text()) if CONFIG in manifest["files"] else None
+        except (OSError, ValueError, KeyError, safetensors.SafetensorError) as exc:
+            raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
+        return Loaded(step=int(manifest["step"]), parts=parts, config=config)
+
+    def _remove_stale_tmp(self) -> None:
+        if not self.root.is_dir():
+            return
+        for p in self.root.iterdir():
+            if p.name.startswith(".tmp-") or p.name.startswith(f".{LATEST}.tmp-"):
+                log.warning("removing stale partial checkpoint %s (a save was interrupted)", p)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)

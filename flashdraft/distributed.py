@@ -1,0 +1,240 @@
+"""Process topology and collectives: the only module that touches torch.distributed state.
+
+One code path for 1 and N processes: ``init_distributed`` reads the environment torchrun sets
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and creates a process group only when
+WORLD_SIZE > 1 -- NCCL on CUDA, gloo on CPU. Every helper here (``barrier``, ``all_reduce``,
+``broadcast_object``, ``gather_object``, ``all_gather_object``) is a no-op or the identity when
+no process group exists, so callers never branch on world size.
+
+Failure contract: the process group is created with ``timeout_s``. When a peer dies or hangs,
+a collective on a live rank raises :class:`CollectiveError` (naming the operation, the rank
+and the timeout) instead of blocking forever. With gloo the timeout is enforced per
+operation; with NCCL the watchdog aborts the communicator after the timeout (PyTorch's
+default TORCH_NCCL_ASYNC_ERROR_HANDLING=3 then tears the process down, which torchrun sees).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as tdist
+
+ReduceOpName = Literal["mean", "sum", "max", "min"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed, typically because a peer rank died, hung or timed out."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job. ``backend`` is None when no process group exists."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    timeout_s: float = 600.0
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that writes files and logs (global rank 0)."""
+        return self.rank == 0
+
+
+# The process-wide topology. Set by init_distributed, reset by teardown; a default single
+# CPU process until then, so library code may query it without initialising anything.
+_STATE: Dist | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
+
+
+def _pick_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cpu":
+        return torch.device("cpu")
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device_type='cuda' but no CUDA device is visible; use device_type='cpu' or 'auto'")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible on this node; "
+                f"use torchrun --nproc-per-node={count} or fix CUDA_VISIBLE_DEVICES"
+            )
+        return torch.device("cuda", local_rank)
+    raise ValueError(f"device_type={device_type!r} is invalid: use auto, cuda or cpu")
+
+
+def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Read the torchrun environment, pick the device and (when WORLD_SIZE > 1) join the group.
+
+    ``device_type``: "auto" (CUDA when available, else CPU), "cuda" or "cpu". On CUDA this
+    process uses ``cuda:LOCAL_RANK`` and calls ``torch.cuda.set_device`` so NCCL and default
+    allocations land on it. ``timeout_s`` bounds every collective (see module doc).
+    Idempotent: a second call returns the existing topology. Blocks until all WORLD_SIZE
+    ranks have joined the rendezvous (or ``timeout_s`` passes).
+    """
+    global _STATE
+    if _STATE is not None:
+        return _STATE
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} is invalid: use a positive number of seconds")
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world_size} is inconsistent; launch with torchrun")
+    device = _pick_device(device_type, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = None
+    if world_size > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise ValueError(f"WORLD_SIZE={world_size} but {', '.join(missing)} unset; launch with torchrun "
+                             "(docs/distributed.md)")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
+        tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    _STATE = Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
+                  timeout_s=float(timeout_s))
+    return _STATE
+
+
+def get_dist() -> Dist:
+    """The current topology: what init_distributed returned, else a single CPU process."""
+    if _STATE is not None:
+        return _STATE
+    if _active():  # a group created outside init_distributed (e.g. by a test harness)
+        return Dist(rank=tdist.get_rank(), world_size=tdist.get_world_size(), backend=tdist.get_backend())
+    return Dist()
+
+
+def get_rank() -> int:
+    return tdist.get_rank() if _active() else 0
+
+
+def get_world_size() -> int:
+    return tdist.get_world_size() if _active() else 1
+
+
+def teardown() -> None:
+    """Leave the process group (if any) and forget the topology. Safe to call twice."""
+    global _STATE
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+    _STATE = None
+
+
+def _active() -> bool:
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def _fail(op: str, exc: BaseException) -> CollectiveError:
+    d = get_dist()
+    return CollectiveError(
+        f"{op} failed on rank {d.rank}/{d.world_size} (collective timeout {d.timeout_s:g} s): {exc}. "
+        "A peer rank probably died or hung -- check the other ranks' logs for the first error."
+    )
+
+
+def barrier() -> None:
+    """Block until every rank arrives. Host sync. No-op at world size 1."""
+    if not _active():
+        return
+    try:
+        if get_dist().backend == "nccl":
+            tdist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            tdist.barrier()
+    except RuntimeError as exc:
+        raise _fail("barrier", exc) from exc
+
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "mean") -> torch.Tensor:
+    """Reduce ``tensor`` in place across ranks and return it. Identity at world size 1.
+
+    Enqueued on the current stream without a host sync on CUDA (the host waits only when the
+    result is read). "mean" divides the sum by the world size (gloo has no AVG op).
+    """
+    if op not in ("mean", "sum", "max", "min"):
+        raise ValueError(f"op={op!r} is invalid: use mean, sum, max or min")
+    if not _active():
+        return tensor
+    try:
+        if op == "mean":
+            if get_dist().backend == "nccl":
+                tdist.all_reduce(tensor, op=tdist.ReduceOp.AVG)
+            else:
+                tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
+                tensor.div_(tdist.get_world_size())
+        else:
+            tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, _OPS[op]))
+    except RuntimeError as exc:
+        raise _fail(f"all_reduce({op})", exc) from exc
+    return tensor
+
+
+# Object collectives pickle in memory between our own ranks (never from disk). They are for
+# small control data (decisions, RNG states, counters); tensors of real size go through
+# all_reduce.
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Return rank ``src``'s ``obj`` on every rank. Host sync. Identity at world size 1."""
+    if not _active():
+        return obj
+    box = [obj]
+    try:
+        tdist.broadcast_object_list(box, src=src)
+    except RuntimeError as exc:
+        raise _fail("broadcast_object", exc) from exc
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank, on every rank. Host sync. ``[obj]`` at world 1."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    try:
+        tdist.all_gather_object(out, obj)
+    except RuntimeError as exc:
+        raise _fail("all_gather_object", exc) from exc
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj``, indexed by rank, on rank ``dst``; None elsewhere. Host sync.
+
+    ``[obj]`` at world size 1.
+    """
+    if not _active():
+        return [obj]
+    rank = tdist.get_rank()
+    out: list[Any] | None = [None] * tdist.get_world_size() if rank == dst else None
+    try:
+        tdist.gather_object(obj, out, dst=dst)
+    except RuntimeError as exc:
+        raise _fail("gather_object", exc) from exc
+    return out

@@ -1,0 +1,183 @@
+"""Worker processes for the multi-process tests: ``python _workers.py SCENARIO ARGS...``.
+
+Launched by tests/conftest.py with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT). Each scenario prints one ``RESULT <json>`` line for the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+from flashdraft import distributed as D
+
+
+def result(obj) -> None:
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+def collectives_then_peer_hangs(timeout_s: str) -> None:
+    """Every helper on 2 gloo ranks, then rank 1 hangs and rank 0's barrier must time out."""
+    d = D.init_distributed("cpu", timeout_s=float(timeout_s))
+    out: dict = {"rank": d.rank, "world_size": d.world_size, "backend": d.backend, "is_main": d.is_main,
+                 "device": str(d.device)}
+    x = torch.tensor([float(d.rank + 1), 10.0 * (d.rank + 1)])
+    out["mean"] = D.all_reduce(x.clone(), "mean").tolist()
+    out["sum"] = D.all_reduce(x.clone(), "sum").tolist()
+    out["max"] = D.all_reduce(x.clone(), "max").tolist()
+    out["bcast"] = D.broadcast_object({"from": d.rank, "big": 2**70} if d.rank == 0 else None)
+    out["bcast"]["big"] = str(out["bcast"]["big"])
+    out["all_gather"] = D.all_gather_object(d.rank * 3)
+    out["gather"] = D.gather_object(f"r{d.rank}")
+    D.barrier()
+    if d.rank == 1:
+        result(out)
+        time.sleep(120)  # hung rank: the test kills it
+        return
+    t0 = time.monotonic()
+    try:
+        D.barrier()
+        out["error"] = None
+    except D.CollectiveError as exc:
+        out["error"] = str(exc)
+    out["waited_s"] = time.monotonic() - t0
+    result(out)
+    os._exit(0)  # do not wait for the hung peer in process-group teardown
+
+
+def peer_exits(timeout_s: str) -> None:
+    """Rank 1 dies without a word; rank 0's next collective must fail, not hang."""
+    d = D.init_distributed("cpu", timeout_s=float(timeout_s))
+    D.barrier()
+    if d.rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        D.all_reduce(torch.ones(4), "sum")
+        err = None
+    except D.CollectiveError as exc:
+        err = str(exc)
+    result({"error": err, "waited_s": time.monotonic() - t0})
+    os._exit(0)
+
+
+def checkpoint_per_rank_rng(root: str) -> None:
+    """Each rank saves its own RNG state; after scrambling, load_latest gives each its own back."""
+    import numpy as np
+
+    from flashdraft.checkpoint import CheckpointManager
+
+    d = D.init_distributed("cpu", timeout_s=60)
+    torch.manual_seed(1000 + d.rank)
+    random.seed(2000 + d.rank)
+    rng_np = np.random.default_rng(3000 + d.rank)
+
+    def rng_state():
+        return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": rng_np.bit_generator.state}
+
+    model = {"w": torch.arange(6.0).reshape(2, 3)}  # replicated: identical on every rank
+    mgr = CheckpointManager(root, keep_last=2)
+    path = mgr.save(7, {"model": model}, per_rank_parts={"rng": rng_state()}, config={"seed": 0})
+    # Right after save returns, rank 0 has finished: the checkpoint must be complete here.
+    visible = (path / "manifest.json").is_file()
+    expected = (torch.rand(5).tolist(), random.random(), rng_np.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    rng_np = np.random.default_rng(0)
+    step, parts, config = mgr.load_latest()
+    torch.set_rng_state(parts["rng"]["torch"])
+    random.setstate(parts["rng"]["python"])
+    rng_np.bit_generator.state = parts["rng"]["numpy"]
+    got = (torch.rand(5).tolist(), random.random(), rng_np.random())
+    files = sorted(p.name for p in path.iterdir())
+    result({"rank": d.rank, "visible": visible, "step": step, "config": config, "same": got == expected,
+            "w": parts["model"]["w"].tolist(), "files": files})
+    D.teardown()
+
+
+def checkpoint_writer(root: str) -> None:
+    """Save checkpoints 1, 2, 3, ... under ``root`` until killed; print each completed step."""
+    from flashdraft.checkpoint import CheckpointManager
+
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(6 * 1024 * 1024, generator=gen)  # 24 MB: saves take long enough to be interrupted
+    mgr = CheckpointManager(root, keep_last=2)
+    print("writing", flush=True)
+    step = 1
+    while True:
+        t0 = time.monotonic()
+        mgr.save(step, {"model": {"w": big, "marker": torch.full((4,), step)}, "meta": {"step": step}})
+        print(f"saved {step} {time.monotonic() - t0:.3f}", flush=True)
+        step += 1
+
+
+SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng,
+                                     checkpoint_writer)}
+
+
+def serve() -> None:
+    """Fork server: torch is imported once here and every worker is forked from this process,
+    so a multi-process test costs milliseconds to launch instead of an interpreter start each
+    (seconds on 2 cores). Nothing here starts threads or runs torch compute before forking.
+
+    stdin, one JSON per line: {"scenario", "args", "env", "out"} -> stdout "started <pid>".
+    Exits of children are reported as "exited <pid> <status>" (negative: killed by signal).
+    """
+    import select
+    import traceback
+
+    import flashdraft.checkpoint  # noqa: F401  (warm the import for the children)
+
+    torch.set_num_threads(1)
+    print("ready", flush=True)
+    children: set[int] = set()
+    stdin_open, pending = True, b""
+    while stdin_open or children:
+        if stdin_open and select.select([0], [], [], 0.02)[0]:
+            chunk = os.read(0, 1 << 16)
+            pending += chunk
+            if not chunk:  # the test session ended: take the children down with us
+                stdin_open = False
+                for pid in children:
+                    os.kill(pid, 9)
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                cmd = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    code = 0
+                    try:
+                        os.environ.update(cmd["env"])
+                        fd = os.open(cmd["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        os.dup2(fd, 1)
+                        os.dup2(fd, 2)
+                        SCENARIOS[cmd["scenario"]](*cmd["args"])
+                    except BaseException:
+                        traceback.print_exc()
+                        code = 1
+                    finally:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        os._exit(code)
+                children.add(pid)
+                print(f"started {pid}", flush=True)
+        elif not stdin_open:
+            time.sleep(0.02)
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                print(f"exited {pid} {code}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve()
+    else:
+        SCENARIOS[sys.argv[1]](*sys.argv[2:])

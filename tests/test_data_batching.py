@@ -1,0 +1,147 @@
+"""Batch plan and BatchSampler: coverage, budget, determinism, rank split, resume."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashdraft.data.batching import BatchSampler, build_batches, padding_waste, split_for_ranks
+
+
+def lengths_strategy():
+    return st.lists(st.integers(1, 300), min_size=1, max_size=400).map(lambda x: np.array(x, dtype=np.int64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths_strategy(), extra=st.integers(0, 2000), max_bs=st.integers(1, 64),
+       seed=st.integers(0, 2**31), epoch=st.integers(0, 50))
+def test_plan_covers_each_sample_once_within_budget(lengths, extra, max_bs, seed, epoch):
+    budget = int(lengths.max()) + extra
+    plan = build_batches(lengths, token_budget=budget, max_batch_size=max_bs, seed=seed, epoch=epoch)
+    flat = np.concatenate(plan)
+    assert np.array_equal(np.sort(flat), np.arange(len(lengths)))
+    for b in plan:
+        assert 1 <= len(b) <= max_bs and len(b) * lengths[b].max() <= budget
+    again = build_batches(lengths, token_budget=budget, max_batch_size=max_bs, seed=seed, epoch=epoch)
+    assert all(np.array_equal(a, b) for a, b in zip(plan, again)) and len(plan) == len(again)
+    assert 0.0 <= padding_waste(lengths, plan) < 1.0
+
+
+def test_plan_differs_across_epochs_and_seeds():
+    lengths = np.random.default_rng(0).integers(1, 500, 2000)
+    plans = [build_batches(lengths, token_budget=2048, max_batch_size=16, seed=s, epoch=e) for s, e in [(0, 0), (0, 1), (1, 0)]]
+    key = lambda p: [tuple(b.tolist()) for b in p]
+    assert key(plans[0]) != key(plans[1]) and key(plans[0]) != key(plans[2])
+    assert len(plans[0]) == len(plans[1])  # same number of batches every epoch
+
+
+def test_bucketing_keeps_padding_low():
+    lengths = np.random.default_rng(0).lognormal(5, 1, 20_000).astype(np.int64).clip(1, 4096)
+    plan = build_batches(lengths, token_budget=16384, max_batch_size=64, seed=0, epoch=0)
+    assert padding_waste(lengths, plan) < 0.05
+
+
+def test_over_budget_sample_names_fix():
+    with pytest.raises(ValueError, match=r"sample 2 has 900 tokens.*raise data.token_budget.*data.max_length"):
+        build_batches([5, 6, 900], token_budget=512, max_batch_size=4, seed=0, epoch=0)
+
+
+def collect(sampler_args, world_size, epochs=1, resume_after=None, new_world=None):
+    """Run all ranks in lockstep; optionally stop after `resume_after` steps and resume with new_world ranks."""
+    samplers = [BatchSampler(**sampler_args, rank=r, world_size=world_size, num_epochs=epochs) for r in range(world_size)]
+    its = [iter(s) for s in samplers]
+    out = []  # (epoch, step, rank, indices)
+    step = 0
+    while True:
+        if resume_after is not None and step == resume_after:
+            state = samplers[0].state_dict()
+            assert all(s.state_dict() == state for s in samplers)
+            samplers = [BatchSampler(**sampler_args, rank=r, world_size=new_world, num_epochs=epochs) for r in range(new_world)]
+            for s in samplers:
+                s.load_state_dict(state)
+            its = [iter(s) for s in samplers]
+            resume_after = None
+        items = [next(it, None) for it in its]
+        if items[0] is None:
+            assert all(i is None for i in items)  # every rank ends together
+            return out, samplers
+        assert len({(e, s) for e, s, _ in items}) == 1
+        out += [(e, s, r, idx) for r, (e, s, idx) in enumerate(items)]
+        step += 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_strategy(), world=st.integers(1, 8), seed=st.integers(0, 1000))
+def test_ranks_cover_epoch_once_with_equal_counts(lengths, world, seed):
+    args = dict(lengths=lengths, token_budget=int(lengths.max()) * 2, max_batch_size=8, seed=seed)
+    out, samplers = collect(args, world, epochs=2)
+    for epoch in range(2):
+        got = [idx for e, _, _, idx in out if e == epoch]
+        per_rank = [sum(1 for e, _, r, _ in out if e == epoch and r == k) for k in range(world)]
+        assert len(set(per_rank)) == 1 and per_rank[0] == samplers[0].batches_per_epoch
+        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
+        dropped = samplers[0].dropped.get(epoch, 0)
+        assert len(flat) + dropped == len(lengths) and len(np.unique(flat)) == len(flat)
+        for idx in got:
+            assert len(idx) * lengths[idx].max() <= args["token_budget"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_strategy(), world=st.integers(1, 6), new_world=st.integers(1, 6), data=st.data())
+def test_resume_reproduces_remaining_batches(lengths, world, new_world, data):
+    args = dict(lengths=lengths, token_budget=int(lengths.max()) * 3, max_batch_size=6, seed=7)
+    full, _ = collect(args, world, epochs=2)
+    steps = len({(e, s) for e, s, _, _ in full})
+    cut = data.draw(st.integers(0, steps))
+    resumed, _ = collect(args, world, epochs=2, resume_after=cut, new_world=world)
+    assert [(e, s, r, i.tolist()) for e, s, r, i in resumed] == [(e, s, r, i.tolist()) for e, s, r, i in full]
+    # A different world size re-splits what is left: with the steps done before the cut, every
+    # sample of epoch 0 is trained on exactly once (or counted as dropped).
+    cut0 = min(cut, len({s for e, s, _, _ in full if e == 0}))
+    other, samplers = collect(args, world, epochs=1, resume_after=cut0, new_world=new_world)
+    flat = np.concatenate([i for *_, i in other]) if other else np.zeros(0, np.int64)
+    dropped = samplers[0].dropped.get(0, 0) if cut0 < steps else 0
+    assert len(np.unique(flat)) == len(flat)
+    assert len(flat) + dropped == len(lengths) or (dropped == 0 and len(flat) <= len(lengths))
+
+
+def test_resume_with_other_world_size_covers_epoch():
+    lengths = np.random.default_rng(1).integers(1, 200, 500)
+    args = dict(lengths=lengths, token_budget=400, max_batch_size=8, seed=3)
+    for world, new_world, cut in [(4, 3, 5), (2, 5, 7), (3, 1, 2)]:
+        first = [BatchSampler(**args, rank=r, world_size=world, num_epochs=1) for r in range(world)]
+        its = [iter(s) for s in first]
+        seen = []
+        for _ in range(cut):
+            for it in its:
+                seen.append(next(it)[2])
+        state = first[0].state_dict()
+        assert state["consumed"] == cut * world and state["epoch"] == 0
+        rest = [BatchSampler(**args, rank=r, world_size=new_world, num_epochs=1) for r in range(new_world)]
+        counts = []
+        for s in rest:
+            s.load_state_dict(state)
+            batches = [idx for _, _, idx in s]
+            counts.append(len(batches))
+            seen += batches
+        assert len(set(counts)) == 1
+        flat = np.concatenate(seen)
+        dropped = sum(rest[0].dropped.values())
+        assert len(flat) == len(np.unique(flat)) == len(lengths) - dropped
+
+
+def test_split_for_ranks_splits_tail_instead_of_dropping():
+    batches = [np.arange(i * 4, i * 4 + 4) for i in range(5)]
+    out, dropped = split_for_ranks(batches, 4)
+    assert dropped == 0 and len(out) == 8
+    assert sorted(np.concatenate(out).tolist()) == list(range(20))
+    out, dropped = split_for_ranks([np.array([0, 1]), np.array([2])], 4)
+    assert out == [] and dropped == 3
+
+
+def test_load_state_dict_rejects_other_plan():
+    s = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=0)
+    state = s.state_dict()
+    t = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=1)
+    with pytest.raises(ValueError, match="seed=0.*restore seed=0"):
+        t.load_state_dict(state)
