@@ -100,6 +100,21 @@ def checkpoint_per_rank_rng(root: str) -> None:
     D.teardown()
 
 
+def checkpoint_save_fails_everywhere(root: str) -> None:
+    """Rank 0 cannot write (``root`` lies under a regular file): every rank must raise, none hang."""
+    from flashdraft.checkpoint import CheckpointError, CheckpointManager
+
+    d = D.init_distributed("cpu", timeout_s=30)
+    t0 = time.monotonic()
+    try:
+        CheckpointManager(root).save(1, {"m": {"w": torch.ones(2)}}, per_rank_parts={"rng": torch.get_rng_state()})
+        err = None
+    except CheckpointError as exc:
+        err = str(exc)
+    result({"rank": d.rank, "error": err, "waited_s": time.monotonic() - t0})
+    D.teardown()
+
+
 def checkpoint_writer(root: str) -> None:
     """Save checkpoints 1, 2, 3, ... under ``root`` until killed; print each completed step."""
     from flashdraft.checkpoint import CheckpointManager
@@ -117,7 +132,7 @@ def checkpoint_writer(root: str) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng,
-                                     checkpoint_writer)}
+                                     checkpoint_save_fails_everywhere, checkpoint_writer)}
 
 
 def serve() -> None:

@@ -313,3 +313,11 @@ def test_two_gloo_ranks_save_and_get_back_their_own_rng(tmp_path, forkserver):
     single = CheckpointManager(tmp_path)
     assert "rng" in single.load(tmp_path / "step_00000007", rank=0).parts
     assert "rng" not in single.load(tmp_path / "step_00000007", rank=2).parts
+
+
+def test_failed_save_on_rank_0_raises_on_every_rank(tmp_path, forkserver):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for r in results(run_ranks(forkserver, "checkpoint_save_fails_everywhere", str(blocker / "ckpt"))):
+        assert r["error"] and "could not save checkpoint step 1" in r["error"] and str(blocker) in r["error"]
+        assert r["waited_s"] < 20  # told by rank 0, not timed out

@@ -1,0 +1,518 @@
+"""Observability: where the step time goes, how fast the run goes, and where metrics are written.
+
+- :class:`StageTimer` times named stages of each step. On CUDA it records CUDA events and
+  resolves them only in :meth:`StageTimer.summary` (one host sync per log line, none per
+  step); on CPU it uses ``time.perf_counter``.
+- :class:`Throughput` estimates steps/s, tokens/s and the ETA over a window of recent steps.
+- Sinks: JSONL (always), TensorBoard and Weights & Biases (optional, imported lazily), fanned
+  out by :class:`MetricsLogger`, which writes on rank 0 only.
+- :func:`format_line` renders one compact human line; :class:`Progress` shows it with a tqdm
+  bar on an interactive terminal and as plain lines otherwise (log files, CI).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Protocol, Sequence, TextIO
+
+import torch
+
+# --------------------------------------------------------------------------------------------
+# Stage timing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimingSummary:
+    """Mean per-step times over the steps since the previous summary.
+
+    ``stage_ms`` has one entry per stage seen plus ``"other"``: step time not inside any stage
+    (host work between stages, waiting). With non-overlapping stages the entries sum to
+    ``step_ms``. Stages that overlap (e.g. run by concurrent pipeline threads) can sum to more;
+    ``"other"`` is then 0.
+    """
+
+    num_steps: int
+    step_ms: float
+    stage_ms: dict[str, float]
+
+    @property
+    def share(self) -> dict[str, float]:
+        """Fraction of the step time per stage (incl. "other")."""
+        if self.step_ms <= 0:
+            return {k: 0.0 for k in self.stage_ms}
+        return {k: v / self.step_ms for k, v in self.stage_ms.items()}
+
+    def as_metrics(self, prefix: str = "time/") -> dict[str, float]:
+        """Flat metrics: ``time/step_ms``, ``time/<stage>_ms`` and ``time/<stage>_share``."""
+        out = {f"{prefix}step_ms": self.step_ms}
+        for k, v in self.stage_ms.items():
+            out[f"{prefix}{k}_ms"] = v
+        for k, v in self.share.items():
+            out[f"{prefix}{k}_share"] = v
+        return out
+
+
+class StageTimer:
+    """Per-stage wall time of training steps, without host syncs in the hot loop.
+
+    Usage::
+
+        with timer.stage("target_forward"):
+            ...
+        timer.step_done()              # once per optimizer step
+        ...
+        summary = timer.summary()      # at log time: the only place that waits for the GPU
+
+    A step runs from the previous ``step_done()`` (the first one: from the first stage entry)
+    to its ``step_done()``. On CUDA each boundary is an event recorded on the current stream,
+    so a stage measures when the GPU reached its start and end marks; a host-only stage with an
+    idle GPU measures host time. Thread-safe: pipeline threads may time their own stages.
+    ``max_pending_steps`` bounds memory when ``summary`` is never called (oldest dropped).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", max_pending_steps: int = 10_000):
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._stages: list[tuple[str, Any, Any]] = []  # (name, start mark, end mark) of the open step
+        self._steps: deque[tuple[Any, Any, list[tuple[str, Any, Any]]]] = deque(maxlen=max_pending_steps)
+        self._step_start: Any = None
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()  # asynchronous: enqueued on the current stream
+            return ev
+        return time.perf_counter()
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        if self._cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1e3
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the body as stage ``name`` of the current step. No host sync."""
+        start = self._mark()
+        with self._lock:
+            if self._step_start is None:
+                self._step_start = start
+        try:
+            yield
+        finally:
+            end = self._mark()
+            with self._lock:
+                self._stages.append((name, start, end))
+
+    def step_done(self) -> None:
+        """Close the current step. No host sync."""
+        end = self._mark()
+        with self._lock:
+            if self._step_start is not None:
+                self._steps.append((self._step_start, end, self._stages))
+            self._stages = []
+            self._step_start = end
+
+    def summary(self) -> TimingSummary:
+        """Mean times over the steps closed since the last summary, then forget them.
+
+        On CUDA this waits for the last recorded event (one deliberate host sync per call).
+        """
+        with self._lock:
+            steps = list(self._steps)
+            self._steps.clear()
+        if not steps:
+            return TimingSummary(0, 0.0, {})
+        if self._cuda:
+            steps[-1][1].synchronize()  # deliberate sync: resolve every event of the window at once
+        total_step = 0.0
+        totals: dict[str, float] = {}
+        for start, end, stages in steps:
+            total_step += self._elapsed_ms(start, end)
+            for name, s, e in stages:
+                totals[name] = totals.get(name, 0.0) + self._elapsed_ms(s, e)
+        n = len(steps)
+        stage_ms = {k: v / n for k, v in totals.items()}
+        step_ms = total_step / n
+        stage_ms["other"] = max(0.0, step_ms - sum(stage_ms.values()))
+        return TimingSummary(n, step_ms, stage_ms)
+
+
+# --------------------------------------------------------------------------------------------
+# Throughput and ETA
+# --------------------------------------------------------------------------------------------
+
+
+class Throughput:
+    """Steps/s, tokens/s and ETA over the last ``window`` updates.
+
+    Call ``update(step, tokens)`` once per step (or per log interval) with the number of steps
+    completed so far and the tokens processed since the previous update, both host ints (e.g.
+    from the batch plan), so this never syncs the device. A window rather than the run mean
+    makes the estimate follow speed changes (warm-up, eval pauses, resumed runs).
+    """
+
+    def __init__(self, window: int = 50):
+        if window < 1:
+            raise ValueError(f"window={window} is invalid: use 1 or more updates")
+        self._marks: deque[tuple[float, int, int]] = deque(maxlen=window + 1)
+        self._tokens = 0
+
+    def update(self, step: int, tokens: int = 0, now: float | None = None) -> None:
+        self._tokens += int(tokens)
+        self._marks.append((time.perf_counter() if now is None else now, int(step), self._tokens))
+
+    def _span(self) -> tuple[float, int, int] | None:
+        if len(self._marks) < 2:
+            return None
+        (t0, s0, k0), (t1, s1, k1) = self._marks[0], self._marks[-1]
+        return (t1 - t0, s1 - s0, k1 - k0) if t1 > t0 else None
+
+    @property
+    def steps_per_s(self) -> float | None:
+        span = self._span()
+        return span[1] / span[0] if span else None
+
+    @property
+    def s_per_step(self) -> float | None:
+        rate = self.steps_per_s
+        return 1.0 / rate if rate else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        span = self._span()
+        return span[2] / span[0] if span else None
+
+    def eta_s(self, total_steps: int) -> float | None:
+        """Seconds until ``total_steps`` at the recent rate; None until two updates exist."""
+        rate = self.steps_per_s
+        if not rate or not self._marks:
+            return None
+        return max(0, total_steps - self._marks[-1][1]) / rate
+
+
+# --------------------------------------------------------------------------------------------
+# Memory and formatting
+# --------------------------------------------------------------------------------------------
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Peak memory: CUDA ``max_memory_allocated`` on a CUDA device, else this process's peak RSS.
+
+    Host-side query (no device sync).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def format_duration(seconds: float | None) -> str:
+    """45s, 12m05s, 2h08m, 3d04h; "?" when unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_count(x: float) -> str:
+    """950, 5.2k, 16.0k, 1.3M."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: 512B, 1.5K, 12.3G."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}B"
+
+
+def _format_number(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    if not math.isfinite(v):
+        return str(v)
+    if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
+        return f"{v:.2e}"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def format_line(
+    step: int,
+    total_steps: int | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    *,
+    tokens_per_s: float | None = None,
+    s_per_step: float | None = None,
+    eta_s: float | None = None,
+    shares: Mapping[str, float] | None = None,
+    peak_mem_bytes: int | None = None,
+) -> str:
+    """One compact log line, e.g.::
+
+        step 120/6000 loss 2.31 acc 0.41 tau~3.1 | 5.2k tok/s 1.31 s/step ETA 2h08m mem 61.2G
+        | data 2% h2d 1% target 61% drafter 20% backward 12% sync 3% optim 1%
+
+    (one line; wrapped here). ``scalars`` print in order as ``name value`` with 3 significant
+    digits; a name ending in ``~`` is glued to its value (``tau~3.1``: an estimate). Any
+    argument left None is omitted. ``shares`` are fractions (0.61 -> 61%).
+    """
+    head = f"step {step}/{total_steps}" if total_steps else f"step {step}"
+    for name, value in (scalars or {}).items():
+        head += f" {name}{_format_number(value)}" if name.endswith("~") else f" {name} {_format_number(value)}"
+    groups = [head]
+    speed = []
+    if tokens_per_s is not None:
+        speed.append(f"{format_count(tokens_per_s)} tok/s")
+    if s_per_step is not None:
+        speed.append(f"{s_per_step:.2f} s/step" if s_per_step < 100 else f"{format_duration(s_per_step)}/step")
+    if eta_s is not None:
+        speed.append(f"ETA {format_duration(eta_s)}")
+    if peak_mem_bytes is not None:
+        speed.append(f"mem {format_bytes(peak_mem_bytes)}")
+    if speed:
+        groups.append(" ".join(speed))
+    if shares:
+        groups.append(" ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()))
+    return " | ".join(groups)
+
+
+# --------------------------------------------------------------------------------------------
+# Sinks
+# --------------------------------------------------------------------------------------------
+
+
+class MetricsSink(Protocol):
+    """Receives one record per log step. Values are Python numbers or strings."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _jsonable(v: Any) -> Any:
+    # Strict JSON has no NaN/Infinity; a diverged loss must still be visible, so name it.
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    return v
+
+
+class JsonlSink:
+    """Appends one JSON object per ``log`` call to ``path`` and flushes it, so a crash loses
+    at most the record being written. Each record: ``{"step", "time" (unix s), **metrics}``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: TextIO | None = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._f is None:
+            raise RuntimeError(f"{self.path}: metrics sink already closed")
+        record = {"step": step, "time": round(time.time(), 3), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(record, allow_nan=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _require(module: str, backend: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(f"metrics backend {backend!r} was requested but {module.split('.')[0]!r} is not "
+                           f"installed: pip install 'flashdraft[{extra}]' (or drop {backend!r} from the "
+                           f"metrics backends)") from exc
+
+
+class TensorBoardSink:
+    """Scalars to TensorBoard event files in ``log_dir`` (needs the ``tensorboard`` package)."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        _require("tensorboard", "tensorboard", "tensorboard")
+        tb = _require("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        self._writer = tb.SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._writer.add_scalar(k, v, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """Logs to a Weights & Biases run (needs the ``wandb`` package and its login/API key)."""
+
+    def __init__(self, project: str, name: str | None = None, config: dict | None = None,
+                 dir: str | os.PathLike | None = None):
+        wandb = _require("wandb", "wandb", "wandb")
+        self._run = wandb.init(project=project, name=name, config=config, dir=str(dir) if dir else None)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+BACKENDS = ("jsonl", "tensorboard", "wandb")
+
+
+class MetricsLogger:
+    """Fans records out to sinks; a no-op when ``enabled`` is False (every rank but 0).
+
+    ``log`` converts tensor values with ``.item()`` -- a host sync per value, so pass
+    tensors only at log time (better: stack them and convert once before calling).
+    """
+
+    def __init__(self, sinks: Sequence[MetricsSink], enabled: bool = True):
+        self.sinks = list(sinks) if enabled else []
+        self.enabled = enabled
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean: dict[str, Any] = {}
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()  # deliberate sync: log time only (see class doc)
+            elif hasattr(v, "item") and not isinstance(v, (int, float, str, bool)):
+                v = v.item()  # numpy scalars
+            clean[k] = v
+        for sink in self.sinks:
+            sink.log(step, clean)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_metrics(
+    output_dir: str | os.PathLike,
+    backends: Sequence[str] = ("jsonl",),
+    *,
+    is_main: bool | None = None,
+    run_name: str | None = None,
+    config: dict | None = None,
+    wandb_project: str = "flashdraft",
+) -> MetricsLogger:
+    """Build the run's logger: ``<output_dir>/metrics.jsonl`` always, plus the optional backends.
+
+    ``is_main`` defaults to "this is global rank 0" (flashdraft.distributed). Missing optional
+    packages are reported on every rank (RuntimeError with the pip command), so no rank starts
+    training while another has failed.
+    """
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"metrics backend {unknown[0]!r} is unknown: use any of {', '.join(BACKENDS)}")
+    needs = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+    for b in backends:
+        if b in needs and importlib.util.find_spec(needs[b][0]) is None:
+            _require(needs[b][0], b, needs[b][1])  # raises the clear error
+    if is_main is None:
+        from flashdraft import distributed
+
+        is_main = distributed.get_rank() == 0
+    if not is_main:
+        return MetricsLogger([], enabled=False)
+    out = Path(output_dir)
+    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl")]
+    if "tensorboard" in backends:
+        sinks.append(TensorBoardSink(out / "tensorboard"))
+    if "wandb" in backends:
+        sinks.append(WandbSink(wandb_project, name=run_name, config=config, dir=out))
+    return MetricsLogger(sinks)
+
+
+# --------------------------------------------------------------------------------------------
+# Progress display
+# --------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Log lines for people: a tqdm bar with lines above it on a terminal, plain lines otherwise.
+
+    ``update(step)`` moves the bar (cheap; no-op without a bar); ``write(line)`` prints a log
+    line. Disabled (silent) when ``enabled`` is False, i.e. on every rank but 0.
+    """
+
+    def __init__(self, total_steps: int | None, initial: int = 0, *, enabled: bool = True,
+                 stream: TextIO | None = None, interactive: bool | None = None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        if interactive is None:
+            interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar = None
+        if enabled and interactive:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial, file=self.stream, unit="step",
+                             dynamic_ncols=True, smoothing=0.05)
+        self._step = initial
+
+    @property
+    def interactive(self) -> bool:
+        return self._bar is not None
+
+    def update(self, step: int) -> None:
+        if self._bar is not None and step > self._step:
+            self._bar.update(step - self._step)
+        self._step = max(self._step, step)
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

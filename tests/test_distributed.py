@@ -1,0 +1,95 @@
+"""flashdraft.distributed: world-size-1 no-ops, real 2-rank gloo collectives, failing peers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import read_log, results, run_ranks
+from flashdraft.distributed import CollectiveError, Dist
+
+
+def test_single_process_needs_no_process_group(fresh_dist):
+    D = fresh_dist
+    d = D.init_distributed("cpu")
+    assert d == Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None, timeout_s=600.0)
+    assert d.is_main and not torch.distributed.is_initialized()
+    assert D.init_distributed("cpu") is d  # idempotent
+    assert D.get_dist() is d and D.get_rank() == 0 and D.get_world_size() == 1
+    x = torch.tensor([1.0, 2.0])
+    assert D.all_reduce(x, "mean") is x and x.tolist() == [1.0, 2.0]
+    assert D.all_reduce(x, "max") is x
+    assert D.broadcast_object({"a": 1}) == {"a": 1}
+    assert D.all_gather_object(5) == [5]
+    assert D.gather_object("x") == ["x"]
+    D.barrier()
+    D.teardown()
+    D.teardown()  # safe twice
+    assert D.get_dist() == Dist()
+
+
+def test_auto_device_and_torchrun_env_with_world_size_one(fresh_dist, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    d = fresh_dist.init_distributed("auto", timeout_s=5)
+    assert d.world_size == 1 and d.backend is None and d.timeout_s == 5.0
+    assert d.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(
+    ("env", "kwargs", "match"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "0"}, {}, "MASTER_ADDR, MASTER_PORT unset; launch with torchrun"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, {}, "inconsistent"),
+        ({"WORLD_SIZE": "two"}, {}, "WORLD_SIZE='two' is not an integer"),
+        ({}, {"device_type": "tpu"}, "use auto, cuda or cpu"),
+        ({}, {"timeout_s": 0}, "positive"),
+    ],
+)
+def test_bad_launch_environment_gives_clear_errors(fresh_dist, monkeypatch, env, kwargs, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        fresh_dist.init_distributed(**{"device_type": "cpu", **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_requested_without_gpu_is_a_clear_error(fresh_dist):
+    with pytest.raises(ValueError, match="no CUDA device"):
+        fresh_dist.init_distributed("cuda")
+
+
+def test_all_reduce_rejects_unknown_op(fresh_dist):
+    with pytest.raises(ValueError, match="mean, sum, max or min"):
+        fresh_dist.all_reduce(torch.ones(1), "avg")  # type: ignore[arg-type]
+
+
+def test_two_gloo_ranks_collectives_then_hung_peer_times_out(forkserver):
+    timeout_s = 3
+    workers = run_ranks(forkserver, "collectives_then_peer_hangs", str(timeout_s), expect_exit=False)
+    (pid0, out0), (pid1, out1) = workers
+    try:
+        code = forkserver.wait(pid0, timeout=60)
+        assert code == 0, read_log(out0)
+        r0, r1 = results(workers)
+    finally:
+        forkserver.kill(pid1)
+    for r in (r0, r1):
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu"
+        assert r["mean"] == [1.5, 15.0] and r["sum"] == [3.0, 30.0] and r["max"] == [2.0, 20.0]
+        assert r["bcast"] == {"from": 0, "big": str(2**70)}
+        assert r["all_gather"] == [0, 3]
+    assert r0["is_main"] and not r1["is_main"]
+    assert r0["gather"] == ["r0", "r1"] and r1["gather"] is None
+    # Rank 1 never reached the second barrier: rank 0 must fail after ~timeout_s, not hang.
+    assert r0["error"] and "barrier failed on rank 0/2" in r0["error"] and f"timeout {timeout_s} s" in r0["error"]
+    assert timeout_s * 0.8 <= r0["waited_s"] <= timeout_s + 10
+
+
+def test_dead_peer_makes_the_next_collective_fail_fast(forkserver):
+    workers = run_ranks(forkserver, "peer_exits", "30")
+    assert forkserver.wait(workers[1][0], 0) == 3
+    r0 = results(workers[:1])[0]
+    assert r0["error"] and "all_reduce(sum) failed on rank 0/2" in r0["error"]
+    assert r0["waited_s"] < 30  # well before the timeout: the closed connection is noticed
