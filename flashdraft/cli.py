@@ -11,7 +11,10 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Only commands that work are listed.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
+    "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
+}
 
 
 def _usage() -> str:

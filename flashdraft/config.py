@@ -47,6 +47,7 @@ class ModelConfig:
 class DataConfig:
     path: str = ""  # training data: a token shard, a HF save_to_disk dir or parquet files
     eval_path: str = ""  # held-out data for eval loss/accuracy ("" = none)
+    eval_prompts: str = ""  # JSONL of {"input_ids": [...]} prompts for tau ("" = from eval_path)
     max_length: int = 3072  # samples longer than this are truncated (tokens)
     token_budget: int = 16384  # max padded tokens per micro-batch (batch_size x padded length)
     max_batch_size: int = 64  # max samples per micro-batch
@@ -63,12 +64,12 @@ class DataConfig:
 @dataclass(frozen=True)
 class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
-    gamma: float | None = 7.0  # decay exp(-(k-1)/gamma) of slot weights; None disables decay
+    gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
     loss_chunk_size: int = 4096  # block slots per LM-head + CE chunk (0: all at once)
 
     def __post_init__(self):
         _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
-        _check(self.gamma is None or self.gamma > 0, "objective.gamma", f"{self.gamma}",
+        _check(self.gamma is None or self.gamma >= 0, "objective.gamma", f"{self.gamma}",
                "use a positive decay (7 for block 16, 5 for 10, 4 for 8) or null to disable")
         _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
 
@@ -100,6 +101,12 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations (0: only at the end)
     eval_prompts: int = 8  # held-out prompts for the real draft/verify tau
     eval_max_new_tokens: int = 64  # tokens generated per eval prompt
+    grad_accum: int = 1  # micro-batches per optimizer step (gradient sync only on the last)
+    resume: str = "auto"  # auto (latest checkpoint in output_dir, if any), never, or a checkpoint dir
+    device: str = "auto"  # auto (cuda if available), cuda or cpu
+    metrics: tuple[str, ...] = ("jsonl",)  # metric sinks: jsonl, tensorboard, wandb
+    collective_timeout_s: float = 600.0  # a dead or hung rank fails the others after this long
+    max_nonfinite_steps: int = 20  # skipped non-finite steps tolerated before the run stops
     deterministic: bool = False  # torch deterministic algorithms (exact resume tests)
 
     def __post_init__(self):
@@ -107,6 +114,12 @@ class TrainConfig:
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
         _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
+        _check(self.grad_accum >= 1, "train.grad_accum", f"{self.grad_accum}", "use 1 or more")
+        _check(self.device in ("auto", "cuda", "cpu"), "train.device", self.device, "use auto, cuda or cpu")
+        bad = [m for m in self.metrics if m not in ("jsonl", "tensorboard", "wandb")]
+        _check(not bad, "train.metrics", f"{list(self.metrics)}", "use any of jsonl, tensorboard, wandb")
+        _check(self.collective_timeout_s > 0, "train.collective_timeout_s", f"{self.collective_timeout_s}",
+               "use a positive number of seconds")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,32 @@ def checkpoint_writer(root: str) -> None:
         step += 1
 
 
-SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng,
+def train_ranks(overrides_json: str) -> None:
+    """flashdraft training on every rank; reports per-step losses and whether the drafter's
+    parameters were bit-identical across ranks after every optimizer step."""
+    from flashdraft.config import load_config
+    from flashdraft.trainer import Trainer
+
+    class Checked(Trainer):
+        identical: list[bool] = []
+
+        def train_step(self, micro, stats):
+            norm = super().train_step(micro, stats)
+            flat = torch.cat([p.detach().flatten() for p in self.drafter.parameters()])
+            digests = D.all_gather_object(flat.numpy().tobytes())
+            self.identical.append(all(d == digests[0] for d in digests))
+            return norm
+
+    trainer = Checked(load_config(overrides=json.loads(overrides_json)))
+    target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
+    trainer.fit()
+    losses = [h["loss"] for h in trainer.history if "loss" in h]
+    result({"losses": losses, "identical": Checked.identical, "target_in_ddp": target_in_ddp,
+            "ddp": type(trainer.model).__name__})
+    D.teardown()
+
+
+SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer)}
 
 

@@ -1,0 +1,496 @@
+"""The online trainer: `flashdraft train`.
+
+Each optimizer step: collate ``grad_accum`` micro-batches, draw their anchored blocks, agree on
+the GLOBAL loss normaliser (one tiny all-reduce), then per micro-batch run the frozen target
+up to its last tapped layer, the drafter forward + weighted CE, and backward (DDP syncs the
+drafter's gradients, bucketed and overlapped with backward, on the last micro-batch only);
+then clip, step, schedule. One code path for 1 process and N (torchrun); the frozen target
+never enters a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from flashdraft import distributed
+from flashdraft.checkpoint import CheckpointManager
+from flashdraft.config import Config, save_config
+from flashdraft.data.batching import BatchSampler
+from flashdraft.data.collate import CollateBuffers, pad_batch
+from flashdraft.data.dataset import open_dataset
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.evaluate import eos_ids_of, evaluate_tau, prompts_from_dataset, read_prompts
+from flashdraft.metrics import Progress, StageTimer, Throughput, format_line, open_metrics, peak_memory_bytes
+from flashdraft.objective import block_loss, default_gamma, make_blocks
+from flashdraft.target import TargetModel
+
+log = logging.getLogger(__name__)
+
+
+def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
+    """The configured id, else the tokenizer's <|MASK|> (DFlash's convention) or mask_token."""
+    if configured is not None:
+        return configured
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{target_dir}: no tokenizer to find the mask token in ({exc}); set model.mask_token_id") from None
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab:
+        return vocab["<|MASK|>"]
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    raise ValueError(
+        f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set model.mask_token_id to an unused id "
+        "inside the target's embedding table (Qwen3: 151669, the id <|MASK|> gets when added)"
+    )
+
+
+def warmup_cosine(total_steps: int, warmup_frac: float):
+    """LR multiplier: linear warmup over warmup_frac of the steps, then cosine to 0."""
+    warmup = max(1, round(total_steps * warmup_frac)) if warmup_frac > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(tuple(state["numpy"]) if isinstance(state["numpy"], list) else state["numpy"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]) if isinstance(py, list) else py)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and exits 0."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+@dataclass
+class StepStats:
+    """Device-side sums since the last log (no host sync until logging)."""
+
+    loss_total: torch.Tensor
+    weight_total: torch.Tensor
+    hits: torch.Tensor  # [bs - 1]
+    counts: torch.Tensor  # [bs - 1]
+
+    @classmethod
+    def zeros(cls, block_size: int, device) -> "StepStats":
+        z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
+        return cls(z(()), z(()), z(block_size - 1), z(block_size - 1))
+
+    def add(self, out) -> None:
+        self.loss_total += out.total.double()
+        self.weight_total += out.weight_sum.double()
+        self.hits += (out.correct & out.scored).flatten(0, 1).sum(0)[1:].double()
+        self.counts += out.scored.flatten(0, 1).sum(0)[1:].double()
+
+    def reduce(self) -> dict:
+        """All-reduce over ranks and return host floats (deliberate sync: log time only)."""
+        return self._values(distributed.all_reduce(self._packed(), "sum"))
+
+    def reduce_local(self) -> dict:
+        """This rank's values only (used by rank-0 evaluation)."""
+        return self._values(self._packed())
+
+    def _packed(self) -> torch.Tensor:
+        return torch.cat([self.loss_total.view(1), self.weight_total.view(1), self.hits, self.counts])
+
+    def _values(self, packed: torch.Tensor) -> dict:
+        packed = packed.cpu()
+        n = self.hits.numel()
+        acc = packed[2 : 2 + n] / packed[2 + n :].clamp(min=1)
+        return {
+            "loss": float(packed[0] / packed[1].clamp(min=1e-12)),
+            "acc": float(acc.mean()),
+            "acc_first": float(acc[0]),
+            "tau_sim": float(1 + acc.cumprod(0).sum()),
+        }
+
+
+class Trainer:
+    """Builds everything from a Config and runs the loop; ``fit()`` returns the final metrics."""
+
+    def __init__(self, config: Config):
+        cfg = self.config = config
+        self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
+        self.device = self.dist.device
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        if not cfg.model.target:
+            raise ValueError("config model.target is empty: give the Hugging Face target directory (model.target=DIR)")
+        if not cfg.data.path:
+            raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
+        self.output = Path(cfg.train.output_dir)
+        self.target = TargetModel.from_pretrained(
+            cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
+            device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        bs = cfg.model.block_size
+        self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
+        self.drafter = DFlashDrafter.for_target(
+            self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
+            mask_token_id=resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
+        )
+        self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
+        self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
+        self.model = self.drafter
+        if self.dist.world_size > 1:
+            self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                             gradient_as_bucket_view=True)
+
+        min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * bs
+        open_kw = dict(vocab_size=self.target.config.vocab_size, max_length=cfg.data.max_length,
+                       min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
+        self.dataset = open_dataset(cfg.data.path, **open_kw)
+        self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
+        longest = int(self.dataset.lengths.max()) if len(self.dataset) else 0
+        if longest > cfg.data.token_budget:
+            raise ValueError(
+                f"data.token_budget={cfg.data.token_budget} is smaller than the longest sample ({longest} tokens after "
+                f"truncation to data.max_length={cfg.data.max_length}); raise data.token_budget or lower data.max_length"
+            )
+        self.sampler = BatchSampler(
+            self.dataset.lengths, token_budget=cfg.data.token_budget, max_batch_size=cfg.data.max_batch_size,
+            seed=cfg.train.seed, rank=self.dist.rank, world_size=self.dist.world_size,
+        )
+        steps_per_epoch = max(1, self.sampler.batches_per_epoch // cfg.train.grad_accum)
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           weight_decay=cfg.optim.weight_decay, fused=fused)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(self.total_steps, cfg.optim.warmup_frac))
+        self.checkpoints = CheckpointManager(self.output / "checkpoints", cfg.train.keep_last)
+        self.step = 0
+        self.skipped_steps = 0
+        self.timer = StageTimer(self.device)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else contextlib.nullcontext())
+        self.buffers = [CollateBuffers() for _ in range(cfg.train.grad_accum)]
+        self.history: list[dict] = []
+        # Fault-injection tests pace the loop with this to kill it at a chosen moment.
+        self._debug_step_sleep = float(os.environ.get("FLASHDRAFT_DEBUG_STEP_SLEEP", "0"))
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_parts(self) -> dict:
+        return {
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "trainer": {"step": self.step, "skipped_steps": self.skipped_steps,
+                        "sampler": self.sampler.state_dict(), "world_size": self.dist.world_size},
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint (collective) with the serving-format export inside it."""
+        return self.checkpoints.save(
+            self.step, self.state_parts(), per_rank_parts={"rng": rng_state()}, config=self.config.to_dict(),
+            export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"),
+        )
+
+    def maybe_resume(self) -> bool:
+        mode = self.config.train.resume
+        if mode == "never":
+            return False
+        loaded = self.checkpoints.load_latest() if mode == "auto" else self.checkpoints.load(mode)
+        if loaded is None:
+            return False
+        self._check_compatible(loaded.config or {})
+        parts = loaded.parts
+        self.drafter.load_state_dict(parts["drafter"])
+        self.optimizer.load_state_dict(parts["optimizer"])
+        self.scheduler.load_state_dict(parts["scheduler"])
+        trainer = parts["trainer"]
+        self.step, self.skipped_steps = int(trainer["step"]), int(trainer["skipped_steps"])
+        self.sampler.load_state_dict(trainer["sampler"])  # re-split when the world size changed
+        if "rng" in parts and int(trainer["world_size"]) == self.dist.world_size:
+            set_rng_state(parts["rng"])
+        if self.dist.is_main:
+            log.warning("resumed from step %d (%s)", self.step, self.checkpoints.root)
+        return True
+
+    def _check_compatible(self, saved: dict) -> None:
+        """A resume must not silently change what is being trained."""
+        mine = self.config.to_dict()
+        keys = [("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps", "mask_token_id")]
+        keys += [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")]
+        diffs = [f"{s}.{k}: checkpoint {saved.get(s, {}).get(k)!r} vs now {mine[s][k]!r}"
+                 for s, k in keys if saved.get(s, {}).get(k) != mine[s][k]]
+        if diffs:
+            raise ValueError(
+                f"cannot resume from {self.checkpoints.root}: the config changed ({'; '.join(diffs)}); restore those "
+                "values, or start a fresh run with another train.output_dir (or train.resume=never)"
+            )
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def train_step(self, micro: list[tuple[object, np.ndarray]], stats: StepStats) -> torch.Tensor:
+        """One optimizer step over micro-batches [(Batch, sample_ids)]; returns the grad norm (device)."""
+        cfg, bs = self.config, self.drafter.block_size
+        with self.timer.stage("h2d"):
+            batches = [b.to(self.device) for b, _ in micro]
+            ids = [torch.from_numpy(i).to(self.device, non_blocking=True) for _, i in micro]
+        blocks = [
+            make_blocks(b.input_ids, b.loss_mask, b.lengths, block_size=bs, mask_token_id=self.drafter.mask_token_id,
+                        num_anchors=cfg.objective.num_anchors, gamma=self.gamma,
+                        seed=cfg.train.seed * 1_000_003 + self.step, sample_ids=i)
+            for b, i in zip(batches, ids)
+        ]
+        with self.timer.stage("sync"):
+            # The global normaliser makes any split of the batch (ranks x micro-batches) give the
+            # same gradient; DDP averages over ranks, hence the world_size factor.
+            normalizer = distributed.all_reduce(torch.stack([blk.weight_sum for blk in blocks]).sum(), "sum")
+            normalizer = normalizer / self.dist.world_size
+        for i, (batch, blk) in enumerate(zip(batches, blocks)):
+            with self.timer.stage("target"):
+                features = self.target.features(batch.input_ids, batch.attention_mask)
+            last = i == len(batches) - 1
+            no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
+            with no_sync:
+                with self.timer.stage("drafter"), self.autocast:
+                    out = block_loss(self.model, self.target, features, blk,
+                                     chunk_size=cfg.objective.loss_chunk_size, normalizer=normalizer)
+                with self.timer.stage("backward"):  # includes DDP's overlapped gradient all-reduce
+                    out.loss.backward()
+            stats.add(out)
+        with self.timer.stage("optim"):
+            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
+            # Deliberate sync: never let a non-finite gradient into the weights.
+            if torch.isfinite(grad_norm).item():
+                self.optimizer.step()
+            else:
+                self._nonfinite(micro, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        return grad_norm
+
+    def _nonfinite(self, micro, grad_norm) -> None:
+        self.skipped_steps += 1
+        samples = np.concatenate([i for _, i in micro]).tolist()
+        msg = (f"step {self.step}: non-finite gradient norm ({float(grad_norm)}) on rank {self.dist.rank}; step "
+               f"skipped ({self.skipped_steps} so far); samples {samples[:16]}{'...' if len(samples) > 16 else ''}")
+        if self.skipped_steps > self.config.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                msg + f". More than train.max_nonfinite_steps={self.config.train.max_nonfinite_steps} skipped: "
+                "stopping. Check those samples, lower optim.lr, or use model.dtype=float32 to rule out overflow."
+            )
+        log.warning(msg)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        cfg = self.config
+        main = self.dist.is_main
+        if main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.output / "config.yaml")
+        self.maybe_resume()
+        metrics = open_metrics(self.output, cfg.train.metrics, is_main=main, config=cfg.to_dict())
+        progress = Progress(self.total_steps, self.step, enabled=main)
+        speed = Throughput()
+        speed.update(self.step)
+        stats = StepStats.zeros(self.drafter.block_size, self.device)
+        batches = iter(self.sampler)
+        last_saved = self.step
+        tokens = 0
+        record: dict = {}
+        self.drafter.train()
+        with GracefulStop() as stop:
+            while self.step < self.total_steps:
+                with self.timer.stage("data"):
+                    micro = []
+                    for k in range(cfg.train.grad_accum):
+                        _, _, idx = next(batches)
+                        micro.append((pad_batch(self.dataset, idx, buffers=self.buffers[k]), idx))
+                tokens += sum(int(b.lengths.sum()) for b, _ in micro)  # host tensors: no device sync
+                grad_norm = self.train_step(micro, stats)
+                self.step += 1
+                self.timer.step_done()
+                if self._debug_step_sleep:
+                    time.sleep(self._debug_step_sleep)
+                speed.update(self.step, tokens)
+                tokens = 0
+                progress.update(self.step)
+                done = self.step >= self.total_steps
+                if self.step % cfg.train.log_every == 0 or done:
+                    record = self._log(stats, grad_norm, speed, metrics, progress)
+                    stats = StepStats.zeros(self.drafter.block_size, self.device)
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not done:
+                    self._eval(metrics, progress)
+                    self.drafter.train()
+                stopping = bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item()) \
+                    if self.dist.world_size > 1 else stop.requested
+                if stopping or (cfg.train.save_every and self.step % cfg.train.save_every == 0 and not done):
+                    self.save_checkpoint()
+                    last_saved = self.step
+                if stopping:
+                    progress.write(f"stopped by signal at step {self.step}; checkpoint saved")
+                    break
+        final = {}
+        if self.step >= self.total_steps:
+            final = self._eval(metrics, progress)
+            if last_saved != self.step:
+                self.save_checkpoint()
+            if main:
+                self.drafter.save_pretrained(self.output / "drafter")
+        progress.close()
+        metrics.close()
+        return {**record, **final}
+
+    def _log(self, stats: StepStats, grad_norm, speed: Throughput, metrics, progress) -> dict:
+        values = stats.reduce()  # deliberate sync: log time only
+        timing = self.timer.summary()
+        record = {**values, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                  "tokens_per_s": speed.tokens_per_s or 0.0, "s_per_step": speed.s_per_step or 0.0,
+                  "skipped_steps": self.skipped_steps, **timing.as_metrics()}
+        self.history.append({"step": self.step, **record})
+        metrics.log(self.step, record)
+        progress.write(format_line(
+            self.step, self.total_steps,
+            {"loss": values["loss"], "acc": values["acc"], "tau~": values["tau_sim"], "lr": record["lr"]},
+            tokens_per_s=speed.tokens_per_s, s_per_step=speed.s_per_step, eta_s=speed.eta_s(self.total_steps),
+            shares=timing.share, peak_mem_bytes=peak_memory_bytes(self.device),
+        ))
+        return record
+
+    @torch.no_grad()
+    def _eval(self, metrics, progress) -> dict:
+        """Held-out loss/accuracy and REAL tau on held-out prompts (rank 0; others wait)."""
+        result: dict = {}
+        if self.dist.is_main:
+            self.drafter.eval()
+            cfg = self.config
+            if self.eval_dataset is not None:
+                result.update(self.eval_loss())
+            prompts = self._eval_prompts()
+            if prompts:
+                with self.autocast:
+                    report = evaluate_tau(self.target, self.drafter, prompts,
+                                          max_new_tokens=cfg.train.eval_max_new_tokens,
+                                          eos_ids=eos_ids_of(cfg.model.target, self.target.config), check_lossless=False)
+                result.update(eval_tau=report["tau"], eval_acceptance=report["per_position_acceptance"])
+            if result:
+                metrics.log(self.step, result)
+                self.history.append({"step": self.step, **result})
+                progress.write(f"eval step {self.step}: " + " ".join(
+                    f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float)))
+        distributed.barrier()
+        return result
+
+    def _eval_prompts(self) -> list[list[int]]:
+        cfg = self.config
+        if cfg.data.eval_prompts:
+            return read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
+        if self.eval_dataset is not None:
+            return prompts_from_dataset(self.eval_dataset, cfg.train.eval_prompts)
+        return []
+
+    def eval_loss(self, max_batches: int = 8) -> dict:
+        """Weighted CE / accuracy / simulated tau on the held-out set (fixed anchors: seed 0)."""
+        cfg, bs = self.config, self.drafter.block_size
+        stats = StepStats.zeros(bs, self.device)
+        plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
+                            max_batch_size=cfg.data.max_batch_size, seed=0)
+        buffers = CollateBuffers()
+        for n, (_, _, idx) in enumerate(plan):
+            if n >= min(max_batches, plan.batches_per_epoch):
+                break
+            batch = pad_batch(self.eval_dataset, idx, buffers=buffers).to(self.device)
+            blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
+                              mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
+                              gamma=self.gamma, seed=0, sample_ids=torch.from_numpy(idx).to(self.device))
+            with self.autocast:
+                out = block_loss(self.drafter, self.target, self.target.features(batch.input_ids, batch.attention_mask),
+                                 blk, chunk_size=cfg.objective.loss_chunk_size)
+            stats.add(out)
+        values = {}
+        for k, v in stats.reduce_local().items():
+            values[f"eval_{k}"] = v
+        return values
+
+
+def train(config: Config) -> dict:
+    trainer = Trainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        distributed.teardown()
+
+
+# ---- `flashdraft train` --------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="YAML config file (sections model, data, objective, optim, train)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
+
+
+def run(args) -> int:
+    from flashdraft.config import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = load_config(args.config, args.overrides)
+    result = train(config)
+    if distributed.get_rank() == 0:
+        print({k: v for k, v in result.items() if isinstance(v, (int, float))}, file=sys.stderr)
+    return 0
