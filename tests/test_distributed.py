@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import read_log, results, run_ranks
-from flashdraft.distributed import CollectiveError, Dist
+from flashdraft.distributed import Dist
 
 
 def test_single_process_needs_no_process_group(fresh_dist):
