@@ -37,7 +37,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from flashdraft import distributed
+from flashdraft import __version__, distributed
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{mpath}: format version {manifest.get('version')} unsupported (this is {VERSION})")
     files = manifest["files"]
     for rel, meta in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(meta, dict) \
+                or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+            raise CheckpointError(f"{mpath}: malformed entry {rel!r}")
         f = path / rel
         try:
             size = f.stat().st_size
@@ -287,8 +290,10 @@ class Loaded(NamedTuple):
 class CheckpointManager:
     """Saves and restores training state under ``root``, keeping the last ``keep_last``.
 
-    Every public method is collective in a distributed job: call it on every rank, in the
-    same order. Rank 0 reads/writes files; other ranks exchange small control data with it.
+    ``save`` and ``load_latest`` are collective in a distributed job: call them on every rank,
+    in the same order. Rank 0 writes files and picks the checkpoint to load; other ranks
+    exchange small control data with it. ``load``, ``checkpoints`` and ``latest_complete``
+    are rank-local.
     ``root`` must be visible to all ranks at the same path (a shared filesystem for
     multi-node jobs) for loading; saving writes from rank 0 only.
     """
@@ -376,16 +381,18 @@ class CheckpointManager:
             if config is not None:
                 _write_json(tmp / CONFIG, config)
             if export_fn is not None:
+                ours = set(tmp.iterdir())
                 export_fn(tmp)
+                for f in tmp.rglob("*"):  # the caller's files: make them as durable as ours
+                    if f.is_file() and f not in ours:
+                        _fsync_file(f)
             files = {}
             for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                rel = f.relative_to(tmp).as_posix()
-                if f.parent != tmp:  # files export_fn wrote are not fsynced by us
-                    _fsync_file(f)
-                files[rel] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+                files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
             for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 _fsync_dir(d)
-            manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+            manifest = {"format": FORMAT, "version": VERSION, "flashdraft_version": __version__,
+                        "step": step, "world_size": world,
                         "parts": list(parts), "per_rank_parts": sorted(gathered[0]) if gathered else [],
                         "files": files}
             _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete

@@ -180,6 +180,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "mean") -> torch.Tensor:
     """
     if op not in ("mean", "sum", "max", "min"):
         raise ValueError(f"op={op!r} is invalid: use mean, sum, max or min")
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"all_reduce(op='mean') needs a floating-point tensor, got {tensor.dtype}; use op='sum'")
     if not _active():
         return tensor
     try:

@@ -156,7 +156,8 @@ def test_export_fn_files_are_covered_by_the_manifest(tmp_path):
         verify_checkpoint(path)
 
 
-@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_manifest", "delete_part", "garble_manifest"])
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_manifest", "delete_part", "garble_manifest",
+                                    "manifest_escapes_dir"])
 def test_damaged_newest_checkpoint_is_skipped_and_previous_loaded(tmp_path, caplog, damage):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     for step in (10, 20):
@@ -173,14 +174,27 @@ def test_damaged_newest_checkpoint_is_skipped_and_previous_loaded(tmp_path, capl
         (newest / "manifest.json").unlink()
     elif damage == "delete_part":
         f.unlink()
-    else:
+    elif damage == "garble_manifest":
         (newest / "manifest.json").write_text("{not json")
+    else:
+        manifest = json.loads((newest / "manifest.json").read_text())
+        manifest["files"]["../step_00000010/m.safetensors"] = manifest["files"].pop("m.safetensors")
+        (newest / "manifest.json").write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING, logger="flashdraft.checkpoint"):
         step, parts, _ = mgr.load_latest()
     assert step == 10 and torch.equal(parts["m"]["w"], torch.full((1000,), 10.0))
     assert "skipping checkpoint" in caplog.text and "step_00000020" in caplog.text
     with pytest.raises(CheckpointError):
         mgr.load(newest)
+
+
+def test_newest_complete_checkpoint_wins_over_a_stale_latest_pointer(tmp_path):
+    # A crash between the rename and the pointer update leaves `latest` one checkpoint behind.
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"m": {"v": 1}})
+    mgr.save(2, {"m": {"v": 2}})
+    (tmp_path / "latest").write_text("step_00000001\n")
+    assert mgr.load_latest().step == 2
 
 
 def test_no_checkpoint_returns_none_and_stale_tmp_dirs_are_removed(tmp_path, caplog):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import read_log, results, run_ranks
-from flashdraft.distributed import CollectiveError, Dist
+from flashdraft.distributed import Dist
 
 
 def test_single_process_needs_no_process_group(fresh_dist):
@@ -63,6 +63,8 @@ def test_cuda_requested_without_gpu_is_a_clear_error(fresh_dist):
 def test_all_reduce_rejects_unknown_op(fresh_dist):
     with pytest.raises(ValueError, match="mean, sum, max or min"):
         fresh_dist.all_reduce(torch.ones(1), "avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="floating-point"):
+        fresh_dist.all_reduce(torch.ones(1, dtype=torch.int64), "mean")
 
 
 def test_two_gloo_ranks_collectives_then_hung_peer_times_out(forkserver):
