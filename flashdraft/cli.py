@@ -11,7 +11,10 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Only commands that work are listed.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("flashdraft.data.prepare", "chats -> chat template + assistant loss mask -> token shard"),
+    "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
+}
 
 
 def _usage() -> str:

@@ -313,3 +313,42 @@ def _as_list(x) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+_TOPICS = ["the weather", "prime numbers", "a sorting algorithm", "French cooking", "the moon", "tax forms",
+           "a poem about rivers", "unit tests", "graph theory", "bicycles"]
+_WORDS = ("alpha beta gamma delta token model answer question reason step first then finally because "
+          "therefore example value result number list table point line code data").split()
+
+
+def synthetic_conversations(n: int, seed: int = 0, *, max_turns: int = 3, think_share: float = 0.3,
+                            shape: str = "openai"):
+    """``n`` deterministic pseudo-random chat records (dicts) for tests and benchmarks.
+
+    Multi-turn (1..max_turns user/assistant pairs), some with a system prompt and some with
+    ``<think>`` reasoning in the last reply. ``shape``: "openai" (messages/role/content) or
+    "sharegpt" (conversations/from/value). Each record has an ``id``.
+    """
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": "You are a concise assistant."})
+        turns = rng.randint(1, max_turns)
+        for t in range(turns):
+            topic = rng.choice(_TOPICS)
+            msgs.append({"role": "user", "content": f"Question {i}.{t}: tell me about {topic}?"})
+            reply = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 120))) + "."
+            if t == turns - 1 and rng.random() < think_share:
+                thought = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30)))
+                reply = f"<think>\n{thought}\n</think>\n\n{reply}"
+            msgs.append({"role": "assistant", "content": reply})
+        if shape == "sharegpt":
+            names = {"system": "system", "user": "human", "assistant": "gpt"}
+            out.append({"id": f"s{i}", "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in msgs]})
+        else:
+            out.append({"id": f"s{i}", "messages": msgs})
+    return out
