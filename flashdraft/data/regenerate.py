@@ -124,6 +124,9 @@ class OpenAIClient:
         self.num_requests = 0
         self.num_retries = 0
         self._lock = threading.Lock()
+        # No proxy handler: requests go to base_url itself and nowhere else, whatever the
+        # environment's *_proxy variables say.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.model = model or self._first_model()
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
@@ -136,7 +139,7 @@ class OpenAIClient:
                 self.num_requests += 1
             try:
                 req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with self._opener.open(req, timeout=self.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as exc:
                 body = exc.read()[:300].decode("utf-8", "replace")
@@ -347,7 +350,7 @@ def _drain(in_flight: dict, finish, fail, return_when) -> None:
         rid, where = in_flight.pop(future)
         try:
             messages, finishes = future.result()
-        except (GenerationError, OSError, ValueError) as exc:
+        except Exception as exc:  # one conversation's failure is counted and reported; the run goes on
             fail(where, exc)
             continue
         finish(rid, where, messages, finishes)
