@@ -12,6 +12,8 @@ import sys
 
 # name -> (module, one-line help). Only commands that work are listed.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("flashdraft.data.prepare", "chats -> chat template + assistant loss mask -> token shard"),
+    "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
     "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
 }

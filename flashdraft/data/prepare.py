@@ -1,0 +1,268 @@
+"""`flashdraft prepare`: conversations -> chat template -> (input_ids, loss_mask) -> one token shard.
+
+Worker processes (all cores by default) decode, normalise and tokenize chunks of records; the
+main process appends their results to a ``TokenShardWriter`` in input order, so the shard is
+deterministic whatever the worker count. Bad records never stop the run: each is skipped and
+counted by reason (the first few messages, naming file and line, are kept in the summary).
+
+The output is cache-keyed: ``meta.json``'s ``source`` holds ``cache_key`` = sha256 of (input
+file contents, tokenizer vocabulary + chat template + special tokens, max_length,
+min_supervised, thinking options, prepare version). A rerun with the same key returns the
+stored summary at once; any change (a new template included) rebuilds the shard.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flashdraft.data.chat import SampleError, normalize_record, probe_template, tokenize_conversation
+from flashdraft.data.shards import META, TokenShardWriter, is_token_shard
+from flashdraft.data.sources import decode_record, iter_records, source_files
+
+PREPARE_VERSION = 1  # bump when the produced tokens/masks change for identical inputs
+CHUNK = 64  # records per worker task: amortises inter-process overhead
+MAX_ERRORS_KEPT = 20
+
+
+def load_tokenizer(tokenizer_dir: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{tokenizer_dir}: a fast (tokenizers-backed) tokenizer is required for offset mapping")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of everything that decides how text becomes tokens: vocab, merges, added and
+    special tokens, normaliser/pre-tokeniser, and the chat template."""
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    template = tokenizer.chat_template
+    h.update(json.dumps(template, sort_keys=True).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_key(inputs, tokenizer, options: dict) -> str:
+    """The prepared data's identity: sources' content, tokenizer + template, and options."""
+    payload = {
+        "version": PREPARE_VERSION,
+        "sources": [_file_digest(p) for p in source_files(inputs)],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "options": options,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+# ---- worker side -------------------------------------------------------------------------
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_dir: str, options: dict) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    tokenizer = load_tokenizer(tokenizer_dir)
+    _STATE.update(tokenizer=tokenizer, options=options,
+                  info=probe_template(tokenizer, options["enable_thinking"]) if tokenizer.chat_template else None)
+
+
+def process_record(where: str, payload: Any) -> tuple:
+    """One record -> ("ok", ids uint32, mask uint8, truncated) or ("drop", reason, message)."""
+    opts, tokenizer, info = _STATE["options"], _STATE["tokenizer"], _STATE["info"]
+    try:
+        record = normalize_record(decode_record(where, payload), where)
+        if info is None:
+            raise SampleError("template_mismatch", f"{where}: the tokenizer has no chat template")
+        ids, mask = tokenize_conversation(
+            tokenizer, record.get("messages"), text=record.get("text"), supervise_thinking=opts["supervise_thinking"],
+            info=info, where=where)
+    except SampleError as exc:
+        return ("drop", exc.reason, str(exc))
+    except Exception as exc:  # a template error on one odd record must not end the run
+        return ("drop", "error", f"{where}: {type(exc).__name__}: {exc}")
+    truncated = len(ids) > opts["max_length"]
+    ids, mask = ids[:opts["max_length"]], mask[:opts["max_length"]]
+    supervised = int(mask.sum())
+    if supervised < opts["min_supervised"]:
+        return ("drop", "too_few_supervised",
+                f"{where}: {supervised} supervised tokens < min_supervised {opts['min_supervised']}")
+    return ("ok", ids.astype(np.uint32), mask, truncated)
+
+
+def _process_chunk(chunk: list) -> list:
+    return [process_record(where, payload) for where, payload in chunk]
+
+
+# ---- main side ---------------------------------------------------------------------------
+def _chunks(records, size: int):
+    chunk = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _results(chunks, tokenizer_dir: str, options: dict, num_workers: int):
+    """Yield per-record results in input order; at most a few chunks per worker in flight."""
+    if num_workers <= 1:
+        _STATE.clear()
+        tokenizer = load_tokenizer(tokenizer_dir)
+        _STATE.update(tokenizer=tokenizer, options=options, info=probe_template(tokenizer, options["enable_thinking"]))
+        for chunk in chunks:
+            yield from _process_chunk(chunk)
+        return
+    # fork: workers start in milliseconds and inherit imported modules; each loads its own
+    # tokenizer in the initializer (nothing Rust-side is shared across the fork).
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer_dir, options)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_process_chunk, (chunk,)))
+            while len(pending) >= 4 * num_workers:  # bounded: memory stays flat on any input size
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_supervised: int = 32,
+            num_workers: int | None = None, supervise_thinking: bool = True, enable_thinking: bool | None = None,
+            split: str | None = None, force: bool = False, progress: bool = True, log=print) -> dict:
+    """Tokenize conversations into a token shard at ``out_dir``; returns the summary dict.
+
+    ``inputs``: JSONL / JSON / parquet files, directories of them, globs, or Hugging Face
+    ``save_to_disk`` directories (``split`` picks a DatasetDict split). ``tokenizer_dir``: the
+    target's tokenizer (its chat template is applied). Samples are truncated to
+    ``max_length`` tokens; those with fewer than ``min_supervised`` supervised tokens are
+    dropped (DFlash: 2 * block_size). ``enable_thinking`` must match how the target is served
+    (None: the template's default); ``supervise_thinking`` decides whether ``<think>`` blocks
+    get loss. ``num_workers`` defaults to all cores. If ``out_dir`` already holds a shard with
+    the same cache key, nothing is recomputed (``summary["cached"]`` is True) unless ``force``.
+
+    Summary keys: samples_in, samples, tokens, supervised_tokens, supervised_share, truncated,
+    dropped {reason: count}, errors [first messages], seconds, samples_per_s, num_workers,
+    cache_key, cached, out_dir.
+    """
+    t0 = time.perf_counter()
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    out_dir = Path(out_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{tokenizer_dir}: the tokenizer has no chat_template; prepare needs the target's template")
+    options = {"max_length": int(max_length), "min_supervised": int(min_supervised),
+               "supervise_thinking": bool(supervise_thinking), "enable_thinking": enable_thinking, "split": split}
+    probe_template(tokenizer, enable_thinking)  # fail fast, in the main process, on an unusable template
+    key = cache_key(inputs, tokenizer, options)
+    if not force and is_token_shard(out_dir):
+        source = json.loads((out_dir / META).read_text()).get("source", {})
+        if source.get("cache_key") == key:
+            summary = dict(source["summary"], cached=True, seconds=time.perf_counter() - t0)
+            log(f"prepare: {out_dir} is up to date (cache key {key[:12]}), nothing to do")
+            return summary
+        log(f"prepare: {out_dir} was prepared from other inputs / tokenizer / template / options; rebuilding")
+    num_workers = max(1, int(num_workers or os.cpu_count() or 1))
+
+    counts = collections.Counter()
+    dropped = collections.Counter()
+    errors: list[str] = []
+    from tqdm import tqdm
+
+    bar = tqdm(desc="prepare", unit=" samples", disable=not progress, mininterval=0.5, smoothing=0.1)
+    source = {"tool": "flashdraft prepare", "cache_key": key, "inputs": inputs, "tokenizer": str(tokenizer_dir),
+              "options": options}
+    with TokenShardWriter(out_dir, vocab_size=len(tokenizer), source=source) as writer:
+        chunks = _chunks(iter_records(inputs, split), CHUNK)
+        for result in _results(chunks, str(tokenizer_dir), options, num_workers):
+            counts["samples_in"] += 1
+            if result[0] == "ok":
+                _, ids, mask, truncated = result
+                writer.add(ids, mask)
+                counts["samples"] += 1
+                counts["tokens"] += len(ids)
+                counts["supervised_tokens"] += int(mask.sum())
+                counts["truncated"] += int(truncated)
+            else:
+                dropped[result[1]] += 1
+                # Filtered-out short samples are expected; keep the messages of real input problems.
+                if len(errors) < MAX_ERRORS_KEPT and result[1] != "too_few_supervised":
+                    errors.append(result[2])
+            bar.update(1)
+        bar.close()
+        seconds = time.perf_counter() - t0
+        summary = {
+            "samples_in": counts["samples_in"], "samples": counts["samples"], "tokens": counts["tokens"],
+            "supervised_tokens": counts["supervised_tokens"],
+            "supervised_share": counts["supervised_tokens"] / max(1, counts["tokens"]),
+            "truncated": counts["truncated"], "dropped": dict(sorted(dropped.items())), "errors": errors,
+            "seconds": seconds, "samples_per_s": counts["samples_in"] / max(seconds, 1e-9),
+            "num_workers": num_workers, "cache_key": key, "cached": False, "out_dir": str(out_dir),
+        }
+        writer.source["summary"] = summary  # stored in meta.json when the writer closes
+    log(format_summary(summary))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"prepare: {s['samples']:,} of {s['samples_in']:,} samples -> {s['out_dir']}",
+        f"  tokens {s['tokens']:,}, supervised {s['supervised_tokens']:,} ({100 * s['supervised_share']:.1f} %), "
+        f"truncated {s['truncated']:,}",
+        f"  {s['seconds']:.1f} s, {s['samples_per_s']:,.0f} samples/s on {s['num_workers']} workers",
+    ]
+    if s["dropped"]:
+        lines.append("  dropped: " + ", ".join(f"{reason} {n:,}" for reason, n in s["dropped"].items()))
+        lines += [f"    {e}" for e in s["errors"][:5]]
+        if len(s["errors"]) > 5:
+            lines.append(f"    ... ({len(s['errors'])} messages kept in meta.json source.summary.errors)")
+    return "\n".join(lines)
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("inputs", nargs="+", help="JSONL/JSON/parquet files, dirs, globs or HF dataset dirs")
+    parser.add_argument("--tokenizer", required=True, help="the target's tokenizer dir (its chat template is used)")
+    parser.add_argument("--out", required=True, help="output token shard directory")
+    parser.add_argument("--max-length", type=int, default=3072, help="truncate samples to this many tokens")
+    parser.add_argument("--block-size", type=int, default=16, help="drafter block size (min supervised = 2x this)")
+    parser.add_argument("--min-supervised", type=int, default=None,
+                        help="drop samples with fewer supervised tokens (default: 2 * block size)")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
+    parser.add_argument("--thinking", choices=["default", "on", "off"], default="default",
+                        help="the target's serving mode, passed to the template as enable_thinking")
+    parser.add_argument("--no-supervise-thinking", dest="supervise_thinking", action="store_false",
+                        help="give <think>...</think> blocks no loss (default: supervised)")
+    parser.add_argument("--split", default=None, help="split of a HF DatasetDict (default: train)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the cache key matches")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def thinking_flag(value: str) -> bool | None:
+    return {"default": None, "on": True, "off": False}[value]
+
+
+def run(args) -> int:
+    prepare(args.inputs, args.tokenizer, args.out, max_length=args.max_length,
+            min_supervised=args.min_supervised if args.min_supervised is not None else 2 * args.block_size,
+            num_workers=args.workers, supervise_thinking=args.supervise_thinking,
+            enable_thinking=thinking_flag(args.thinking), split=args.split, force=args.force, progress=args.progress)
+    return 0

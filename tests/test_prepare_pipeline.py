@@ -1,0 +1,122 @@
+"""`flashdraft prepare` end to end: input formats, bad inputs, workers, cache key, CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from flashdraft.cli import main
+from flashdraft.data.prepare import prepare
+from flashdraft.data.shards import read_token_shard
+from flashdraft.toy import synthetic_conversations, train_toy_tokenizer
+
+N = 120
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prep")
+    records = synthetic_conversations(N, seed=3)
+    corpus = [m["content"] for r in records[:40] for m in r["messages"]]
+    for style in ("qwen3", "llama3"):
+        train_toy_tokenizer(corpus, 800, template=style).save_pretrained(d / f"tok-{style}")
+    with open(d / "chats.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return d, records
+
+
+def shard(path):
+    meta, ids, mask, offsets = read_token_shard(path)
+    return meta, [(np.array(ids[a:b]), np.array(mask[a:b])) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def test_prepare_writes_masked_samples_and_a_summary(workdir):
+    d, records = workdir
+    s = prepare([d / "chats.jsonl"], d / "tok-qwen3", d / "out", max_length=256, min_supervised=32,
+                num_workers=1, progress=False)
+    meta, samples = shard(d / "out")
+    assert s["samples_in"] == N and s["samples"] + sum(s["dropped"].values()) == N
+    assert meta["num_samples"] == s["samples"] and meta["source"]["summary"]["tokens"] == s["tokens"]
+    assert all(len(ids) <= 256 and m.sum() >= 32 for ids, m in samples)
+    assert 0 < s["supervised_share"] < 1 and s["truncated"] > 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d / "tok-qwen3")
+    assert meta["vocab_size"] == len(tok)  # includes the added <think>, </think>, <|MASK|> tokens
+
+
+def test_workers_give_an_identical_shard(workdir):
+    d, _ = workdir
+    prepare([d / "chats.jsonl"], d / "tok-qwen3", d / "w1", max_length=512, num_workers=1, progress=False)
+    prepare([d / "chats.jsonl"], d / "tok-qwen3", d / "w2", max_length=512, num_workers=2, progress=False)
+    for name in ("input_ids.bin", "loss_mask.bin", "offsets.bin"):
+        assert (d / "w1" / name).read_bytes() == (d / "w2" / name).read_bytes()
+
+
+def test_json_parquet_and_hf_dataset_inputs_match_jsonl(workdir):
+    import datasets
+
+    d, records = workdir
+    sub = records[:30]
+    (d / "chats.json").write_text(json.dumps(sub))
+    sharegpt = [{"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                                    "value": m["content"]} for m in r["messages"]]} for r in sub]
+    datasets.Dataset.from_list(sharegpt).to_parquet(str(d / "chats.parquet"))
+    datasets.Dataset.from_list([{"messages": r["messages"]} for r in sub]).save_to_disk(str(d / "hfdir"))
+    with open(d / "sub.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in sub)
+    ref = None
+    for name in ("sub.jsonl", "chats.json", "chats.parquet", "hfdir"):
+        prepare([d / name], d / "tok-llama3", d / f"fmt-{name}", max_length=512, num_workers=1, progress=False)
+        samples = shard(d / f"fmt-{name}")[1]
+        ref = ref or samples
+        assert len(samples) == len(ref) > 0
+        assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(samples, ref))
+
+
+def test_bad_inputs_are_counted_not_fatal(workdir):
+    d, records = workdir
+    good = [json.dumps(r).encode() for r in records[:5]]
+    bad = [
+        b"{not json",
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}).encode(),
+        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}).encode(),
+        json.dumps({"messages": records[0]["messages"] + [{"role": "user", "content": "and?"}]}).encode(),
+        b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
+    ]
+    (d / "bad.jsonl").write_bytes(b"\n".join(good[:2] + bad + good[2:]) + b"\n")
+    s = prepare([d / "bad.jsonl"], d / "tok-qwen3", d / "bad-out", max_length=4096, min_supervised=1,
+                num_workers=2, progress=False)
+    assert s["samples"] == 5 and s["samples_in"] == 10
+    assert s["dropped"] == {"bad_json": 1, "unknown_role": 1, "empty_assistant": 1, "ends_with_user": 1, "bad_utf8": 1}
+    assert any("bad.jsonl:3" in e for e in s["errors"])  # errors name file and line
+
+
+def test_cache_key_hits_and_changed_template_rebuilds(workdir, tmp_path):
+    d, _ = workdir
+    args = ([d / "chats.jsonl"], d / "tok-qwen3", tmp_path / "c")
+    first = prepare(*args, max_length=512, num_workers=1, progress=False)
+    again = prepare(*args, max_length=512, num_workers=1, progress=False)
+    assert not first["cached"] and again["cached"] and again["cache_key"] == first["cache_key"]
+    assert not prepare(*args, max_length=256, num_workers=1, progress=False)["cached"]
+    # Same vocabulary, different chat template: never silently reused.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d / "tok-qwen3")
+    tok.chat_template = tok.chat_template.replace("'<|im_start|>' + m.role", "'<|im_start|>' + m.role + ' '")
+    tok.save_pretrained(tmp_path / "tok-changed")
+    changed = prepare([d / "chats.jsonl"], tmp_path / "tok-changed", tmp_path / "c", max_length=512,
+                      num_workers=1, progress=False)
+    assert not changed["cached"] and changed["cache_key"] != first["cache_key"]
+
+
+def test_cli_prepare(workdir, tmp_path, capsys):
+    d, _ = workdir
+    rc = main(["prepare", str(d / "chats.jsonl"), "--tokenizer", str(d / "tok-qwen3"), "--out", str(tmp_path / "cli"),
+               "--max-length", "512", "--block-size", "8", "--workers", "2", "--thinking", "default",
+               "--no-supervise-thinking", "--no-progress"])
+    assert rc == 0
+    meta = read_token_shard(tmp_path / "cli")[0]
+    assert meta["source"]["options"]["min_supervised"] == 16 and not meta["source"]["options"]["supervise_thinking"]
+    assert "samples/s" in capsys.readouterr().out

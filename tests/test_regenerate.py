@@ -1,0 +1,121 @@
+"""`flashdraft regenerate` against a real OpenAI-compatible server on 127.0.0.1 and in-process HF."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft.data.prepare import prepare
+from flashdraft.data.regenerate import load_done_ids, regenerate, reply_slots
+from flashdraft.toy import ToyOpenAIServer, synthetic_conversations, tiny_causal_lm, train_toy_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models: intra-op threads only add synchronisation cost (and contend on shared CPUs).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    tok = train_toy_tokenizer(template="qwen3")
+    return tiny_causal_lm(tok, num_layers=2, hidden=32), tok
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_out(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_reply_slots_turn_by_turn():
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "b"}]
+    assert reply_slots(chat) == [chat[0], chat[1], None, chat[3], None]
+
+
+def test_http_concurrent_with_retries_matches_in_process_greedy(target, tmp_path):
+    model, tok = target
+    records = synthetic_conversations(16, seed=5, max_turns=2)
+    records[2]["messages"] = records[2]["messages"][:-1]  # ends with a user turn: its reply is generated
+    write_jsonl(tmp_path / "in.jsonl", records)
+    with ToyOpenAIServer(model, tok, fail_every=4, delay_s=0.01) as server:
+        s = regenerate([tmp_path / "in.jsonl"], tmp_path / "http.jsonl", base_url=server.url, max_tokens=MAX_TOKENS,
+                       concurrency=8, backoff_s=0.01, progress=False, log=lambda *_: None)
+        assert server.num_failed > 0  # errors were injected ...
+    assert s["retries"] == server.num_failed and s["failed"] == 0  # ... and every one was retried
+    assert s["generated"] == 16
+    http = {r["id"]: r for r in read_out(tmp_path / "http.jsonl")}
+    assert sorted(http) == sorted(r["id"] for r in records)
+    for r in records:
+        out = http[r["id"]]
+        users = [m["content"] for m in r["messages"] if m["role"] == "user"]
+        assert [m["content"] for m in out["messages"] if m["role"] == "user"] == users
+        assert [m["role"] for m in out["messages"]][-1] == "assistant"
+        assert out["generation"]["temperature"] == 0.0 and out["generation"]["max_tokens"] == MAX_TOKENS
+    s2 = regenerate([tmp_path / "in.jsonl"], tmp_path / "hf.jsonl", backend="hf", hf_model=model, hf_tokenizer=tok,
+                    max_tokens=MAX_TOKENS, batch_size=5, progress=False, log=lambda *_: None)
+    assert s2["generated"] == 16
+    hf = {r["id"]: r["messages"] for r in read_out(tmp_path / "hf.jsonl")}
+    assert hf == {k: v["messages"] for k, v in http.items()}  # same greedy replies, batched or not
+
+
+def test_killed_run_resumes_without_duplicates_or_losses(target, tmp_path):
+    model, tok = target
+    records = synthetic_conversations(24, seed=7, max_turns=1)
+    write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    with ToyOpenAIServer(model, tok, delay_s=0.05) as server:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flashdraft.cli", "regenerate", str(tmp_path / "in.jsonl"), "--out", str(out),
+             "--base-url", server.url, "--max-tokens", str(MAX_TOKENS), "--concurrency", "2", "--no-progress"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 4):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        first = len(read_out(out))
+        assert 4 <= first < 24, "the run must be killed part-way"
+        with open(out, "ab") as f:  # and as if it died in the middle of a write
+            f.write(b'{"id": "s23", "messages": [')
+        assert len(load_done_ids(out)) == first and out.read_bytes().endswith(b"\n")
+        s = regenerate([tmp_path / "in.jsonl"], out, base_url=server.url, max_tokens=MAX_TOKENS, concurrency=4,
+                       progress=False, log=lambda *_: None)
+    assert s["skipped_done"] == first and s["generated"] == 24 - first
+    ids = [r["id"] for r in read_out(out)]
+    assert sorted(ids) == sorted(r["id"] for r in records) and len(ids) == len(set(ids))
+
+
+def test_bad_records_are_skipped_and_output_feeds_prepare(target, tmp_path):
+    model, tok = target
+    good = synthetic_conversations(3, seed=9, max_turns=1)
+    lines = [json.dumps(r).encode() for r in good] + [
+        b"{oops", b'{"messages": [{"role": "alien", "content": "x"}]}', b'{"text": "\xff"}',
+        json.dumps({"messages": [{"role": "system", "content": "only a system prompt"}]}).encode()]
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    s = regenerate([tmp_path / "in.jsonl"], tmp_path / "out.jsonl", backend="hf", hf_model=model, hf_tokenizer=tok,
+                   max_tokens=MAX_TOKENS, temperature=0.8, seed=1, progress=False, log=lambda *_: None)
+    assert s["generated"] == 3 and s["invalid"] == {"bad_json": 1, "bad_utf8": 1, "no_user": 1, "unknown_role": 1}
+    assert read_out(tmp_path / "out.jsonl")[0]["generation"]["temperature"] == 0.8
+    tok.save_pretrained(tmp_path / "tok")
+    p = prepare([tmp_path / "out.jsonl"], tmp_path / "tok", tmp_path / "shard", max_length=512, min_supervised=1,
+                num_workers=1, progress=False, log=lambda *_: None)
+    assert p["samples_in"] == 3 and p["samples"] + sum(p["dropped"].values()) == 3
