@@ -12,6 +12,7 @@ import sys
 
 # name -> (module, one-line help). Only commands that work are listed.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("flashdraft.quickstart", "the whole job on a built-in tiny default, in minutes on a CPU"),
     "prepare": ("flashdraft.data.prepare", "chats -> chat template + assistant loss mask -> token shard"),
     "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
     "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),

@@ -200,7 +200,12 @@ class Trainer:
                        min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
-        longest = int(self.dataset.lengths.max()) if len(self.dataset) else 0
+        if len(self.dataset) == 0:
+            raise ValueError(
+                f"{cfg.data.path}: no usable training samples ({self.dataset.report.to_dict()}); check the data "
+                f"(`flashdraft inspect {cfg.data.path}`) or lower data.min_supervised"
+            )
+        longest = int(self.dataset.lengths.max())
         if longest > cfg.data.token_budget:
             raise ValueError(
                 f"data.token_budget={cfg.data.token_budget} is smaller than the longest sample ({longest} tokens after "
