@@ -11,7 +11,10 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Only commands that work are listed.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
+    "bench": ("flashdraft.bench", "benchmarks: flashdraft bench data [--samples N --mean-length L ...]"),
+}
 
 
 def _usage() -> str:
