@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashdraft.data.batching import BatchSampler, build_batches, padding_waste, split_for_ranks
+from flashdraft.data.batching import BatchSampler, build_batches, padding_waste, plan_steps
 
 
 def lengths_strategy():
@@ -78,9 +78,11 @@ def test_ranks_cover_epoch_once_with_equal_counts(lengths, world, seed):
     for epoch in range(2):
         got = [idx for e, _, _, idx in out if e == epoch]
         per_rank = [sum(1 for e, _, r, _ in out if e == epoch and r == k) for k in range(world)]
-        assert len(set(per_rank)) == 1 and per_rank[0] == samplers[0].batches_per_epoch
-        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
         dropped = samplers[0].dropped.get(epoch, 0)
+        assert len(set(per_rank)) == 1
+        if not dropped:
+            assert per_rank[0] == -(-samplers[0].num_global_batches // world)
+        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
         assert len(flat) + dropped == len(lengths) and len(np.unique(flat)) == len(flat)
         for idx in got:
             assert len(idx) * lengths[idx].max() <= args["token_budget"]
@@ -110,6 +112,7 @@ def test_resume_with_other_world_size_covers_epoch():
     args = dict(lengths=lengths, token_budget=400, max_batch_size=8, seed=3)
     for world, new_world, cut in [(4, 3, 5), (2, 5, 7), (3, 1, 2)]:
         first = [BatchSampler(**args, rank=r, world_size=world, num_epochs=1) for r in range(world)]
+        assert first[0].batches_per_epoch == -(-first[0].num_global_batches // world) == len(first[1])
         its = [iter(s) for s in first]
         seen = []
         for _ in range(cut):
@@ -130,13 +133,18 @@ def test_resume_with_other_world_size_covers_epoch():
         assert len(flat) == len(np.unique(flat)) == len(lengths) - dropped
 
 
-def test_split_for_ranks_splits_tail_instead_of_dropping():
+def test_plan_steps_splits_tail_instead_of_dropping():
     batches = [np.arange(i * 4, i * 4 + 4) for i in range(5)]
-    out, dropped = split_for_ranks(batches, 4)
-    assert dropped == 0 and len(out) == 8
-    assert sorted(np.concatenate(out).tolist()) == list(range(20))
-    out, dropped = split_for_ranks([np.array([0, 1]), np.array([2])], 4)
-    assert out == [] and dropped == 3
+    steps, dropped = plan_steps(batches, 4)
+    assert dropped == 0 and [e for e, _ in steps] == [4, 1] and all(len(b) == 4 for _, b in steps)
+    assert sorted(np.concatenate([x for _, b in steps for x in b]).tolist()) == list(range(20))
+    # One sample per batch: the tail cannot be split -- dropped and counted.
+    steps, dropped = plan_steps([np.array([i]) for i in range(5)], 4)
+    assert dropped == 1 and [e for e, _ in steps] == [4]
+    # The last entry alone is too small, but with the 4 before it two steps of 4 work.
+    batches = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7]), np.array([8])]
+    steps, dropped = plan_steps(batches, 4)
+    assert dropped == 0 and len(steps) == 2 and sum(e for e, _ in steps) == 5
 
 
 def test_load_state_dict_rejects_other_plan():
