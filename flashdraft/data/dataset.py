@@ -94,6 +94,17 @@ class TokenDataset:
         """Tokens in kept samples, after truncation."""
         return int(self.lengths.sum())
 
+    def num_supervised(self) -> np.ndarray:
+        """int64 [N]: loss_mask=1 tokens per kept sample, after truncation (reads num_supervised.bin;
+        scans the mask only for truncated samples)."""
+        offsets = np.fromfile(self.path / "offsets.bin", dtype=np.int64)
+        full = read_num_supervised(self.path, offsets, self.loss_mask)[self.source_index].astype(np.int64)
+        raw = np.diff(offsets)[self.source_index]
+        for i in np.flatnonzero(self.lengths < raw):
+            s = self.starts[i]
+            full[i] = np.count_nonzero(self.loss_mask[s : s + self.lengths[i]])
+        return full
+
     def __repr__(self) -> str:
         return f"TokenDataset({str(self.path)!r}, samples={len(self)}, tokens={self.num_tokens}, vocab_size={self.vocab_size})"
 
@@ -141,10 +152,12 @@ def open_dataset(
     kinds = list(FIXES)
     details: dict[str, dict[int, str]] = {k: {} for k in kinds}
 
-    def flag(kind: str, idx: np.ndarray) -> None:
+    def flag(kind: str, idx: np.ndarray) -> np.ndarray:
+        """Mark samples not already flagged; returns those newly marked."""
         idx = np.asarray(idx, dtype=np.int64)
         idx = idx[problem[idx] == 0]
         problem[idx] = kinds.index(kind) + 1
+        return idx
 
     for kind, records in (meta.get("problems") or {}).items():
         if kind not in FIXES or not records:
@@ -161,8 +174,7 @@ def open_dataset(
         # Slow path, only when the shard's largest id is out of range: find the samples.
         nonempty = np.flatnonzero(raw_lengths > 0)
         sample_max = np.maximum.reduceat(np.asarray(ids), offsets[nonempty]) if len(nonempty) else np.zeros(0)
-        bad = nonempty[sample_max >= vocab_size]
-        flag("id_out_of_range", bad)
+        bad = flag("id_out_of_range", nonempty[sample_max >= vocab_size])
         for i in bad[:5]:
             details["id_out_of_range"][int(i)] = f"token id {int(ids[offsets[i]:offsets[i + 1]].max())} is >= vocab_size {vocab_size}"
 
@@ -178,8 +190,7 @@ def open_dataset(
             for i in truncated:
                 s = offsets[i]
                 supervised[i] = np.count_nonzero(mask[s : s + max_length])
-        few = np.flatnonzero(supervised < min_supervised)
-        flag("too_few_supervised", few)
+        few = flag("too_few_supervised", np.flatnonzero(supervised < min_supervised))
         for i in few[:5]:
             details["too_few_supervised"][int(i)] = (
                 f"{int(supervised[i])} supervised tokens (loss_mask=1), fewer than min_supervised={min_supervised}"
