@@ -29,14 +29,34 @@ def test_inspect_json_reports_problems(tmp_path, capsys):
     assert all(e.startswith("sample ") for e in s["examples"]["id_out_of_range"])
 
 
-def test_bench_data_small(tmp_path, capsys):
-    code = main(["bench", "data", "--samples", "3000", "--mean-length", "128", "--max-length", "2048",
-                 "--naive-subset", "200", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")])
-    assert code == 0
-    out = capsys.readouterr().out
-    assert "| Measure | Seed data path | flashdraft | Ratio |" in out
-    r = json.loads((tmp_path / "r.json").read_text())
-    assert r["flashdraft"]["samples"] == 3000 and r["seed"]["preload_subset"] == 200
+def test_bench_data_pieces(tmp_path, capsys):
+    # The benchmark's probes run in-process here (the real run starts fresh interpreters, whose
+    # torch imports alone would dominate the test suite's time).
+    from flashdraft.data import bench
+    from flashdraft.data.dataset import open_dataset
+
+    make_hf_dataset(tmp_path / "hf", 3000, 128, 2048, 151_936)
+    shard = open_dataset(tmp_path / "hf", cache_dir=tmp_path / "cache", progress=False).path
+    params = dict(shard=str(shard), hf=str(tmp_path / "hf"), cache=str(tmp_path / "cache"), vocab_size=151_936,
+                  max_length=2048, token_budget=4096, max_batch_size=64, min_supervised=32, subset=100)
+    figures = {}
+    for name, code in (("flashdraft", bench._FLASHDRAFT_PROBE), ("seed", bench._NAIVE_PROBE)):
+        exec(code, {"PARAMS": params})
+        out = capsys.readouterr().out
+        figures[name] = json.loads(out.strip().splitlines()[-1])
+    assert figures["flashdraft"]["samples"] == 3000 and figures["seed"]["preload_subset"] == 100
+    results = {"args": {"max_length": 2048, "vocab_size": 151_936, "token_budget": 4096, "max_batch_size": 64},
+               "python_start_s": 0.02, "convert_s": 1.0, "machine": bench.machine(), **figures}
+    table = bench.format_table(results)
+    assert "| Measure | Seed data path | flashdraft | Ratio |" in table and "Time to ready" in table
+
+
+def test_bench_dispatcher_help(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "data", "--help"])
+    assert exit_.value.code == 0 and "--mean-length" in capsys.readouterr().out
 
 
 def test_lognormal_lengths_long_tailed():

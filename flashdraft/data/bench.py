@@ -225,6 +225,7 @@ print(json.dumps({
     "collate_tokens_mean": float(np.mean([len(b) * int(ds.lengths[b].max()) for b in pick])),
     "collate_median_s": float(np.median(times)), "collate_p90_s": float(np.percentile(times, 90)),
     "peak_rss_mb": rss_mb("VmHWM"), "rss_after_imports_mb": rss0,
+    "end_rss_anon_mb": rss_mb("RssAnon"), "end_rss_file_mb": rss_mb("RssFile"),
 }))
 """
 
@@ -295,6 +296,7 @@ print(json.dumps({
     "preload_extrapolated_s": t_pre * n / k, "access_per_sample_s": t_access,
     "access_per_batch_median_s": float(np.median(acc)), "collate_median_s": float(np.median(coll)),
     "collate_batches": len(pick), "peak_rss_mb": rss_mb("VmHWM"),
+    "end_rss_anon_mb": rss_mb("RssAnon"), "end_rss_file_mb": rss_mb("RssFile"),
 }))
 """
 
@@ -342,10 +344,13 @@ def format_table(r: dict) -> str:
          f"{sd['collate_median_s'] / fd['collate_median_s']:,.0f}x"),
         (f"Batch plan, all {fd['samples']:,} samples", "(none)",
          f"{ms(fd['plan_s'])} ({fd['batches']:,} batches, padding waste {fd['padding_waste']:.1%})", ""),
-        ("RSS growth from opening", "", f"{fd['rss_growth_mb']:.1f} MB", ""),
-        ("Peak RSS of the process", f"{sd['peak_rss_mb']:,.0f} MB (preload of {sd['preload_subset']:,} samples only, "
-         f"+ the HF batches)",
-         f"{fd['peak_rss_mb']:,.0f} MB (open + plan + {fd['collate_batches']} batches)", ""),
+        ("RSS growth from opening (after imports)", "", f"{fd['rss_growth_mb']:.1f} MB", ""),
+        ("Peak RSS of the process (VmHWM)", f"{sd['peak_rss_mb']:,.0f} MB (preload of {sd['preload_subset']:,} "
+         f"samples only, + the HF batches)", f"{fd['peak_rss_mb']:,.0f} MB (open + plan + {fd['collate_batches']} batches)", ""),
+        ("RSS at the end: anonymous / file-backed",
+         f"{sd['end_rss_anon_mb']:,.0f} MB / {sd['end_rss_file_mb']:,.0f} MB",
+         f"{fd['end_rss_anon_mb']:,.0f} MB / {fd['end_rss_file_mb']:,.0f} MB (file-backed = page-cache pages of the "
+         "memory map touched by gathers, shared and reclaimable)", ""),
         ("Imports / interpreter start", f"{ms(sd['imports_s'])} / {ms(r['python_start_s'])}",
          f"{ms(fd['imports_s'])} / {ms(r['python_start_s'])}", ""),
     ]
