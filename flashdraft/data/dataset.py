@@ -99,10 +99,9 @@ class TokenDataset:
         scans the mask only for truncated samples)."""
         offsets = np.fromfile(self.path / "offsets.bin", dtype=np.int64)
         full = read_num_supervised(self.path, offsets, self.loss_mask)[self.source_index].astype(np.int64)
-        raw = np.diff(offsets)[self.source_index]
-        for i in np.flatnonzero(self.lengths < raw):
-            s = self.starts[i]
-            full[i] = np.count_nonzero(self.loss_mask[s : s + self.lengths[i]])
+        cut = np.flatnonzero(self.lengths < np.diff(offsets)[self.source_index])
+        if len(cut):
+            full[cut] = _prefix_counts(self.loss_mask, self.starts[cut], self.lengths[cut])
         return full
 
     def __repr__(self) -> str:
@@ -185,11 +184,13 @@ def open_dataset(
     if min_supervised > 0:
         supervised = read_num_supervised(shard, offsets, mask)
         if len(truncated):
-            supervised = supervised.copy()
-            # Truncated samples only: count the kept prefix's supervised tokens exactly.
-            for i in truncated:
-                s = offsets[i]
-                supervised[i] = np.count_nonzero(mask[s : s + max_length])
+            # Truncation can only remove supervised tokens: count exactly only the samples that
+            # could fall below the threshold (full count minus tokens cut off < min_supervised).
+            cut = raw_lengths[truncated] - lengths[truncated]
+            unsure = truncated[supervised[truncated] - cut < min_supervised]
+            if len(unsure):
+                supervised = supervised.copy()
+                supervised[unsure] = _prefix_counts(mask, offsets[unsure], lengths[unsure])
         few = flag("too_few_supervised", np.flatnonzero(supervised < min_supervised))
         for i in few[:5]:
             details["too_few_supervised"][int(i)] = (
@@ -223,6 +224,22 @@ def open_dataset(
     # memmap object each time, which made the per-sample slices of pad_batch ~2x slower.
     ids, mask = np.asarray(ids), np.asarray(mask)
     return TokenDataset(shard, meta, ids, mask, starts, lengths.astype(np.int64, copy=False), source_index, vocab_size, report)
+
+
+def _prefix_counts(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64 count of nonzero mask[starts[i] : starts[i] + lengths[i]] for each i.
+
+    One vectorised reduceat over interleaved (start, end) bounds; needs increasing starts,
+    non-overlapping ranges and lengths >= 1 (true for samples in shard order).
+    """
+    if len(starts) < 2000:  # few ranges: slicing reads only them, reduceat reads the gaps too
+        return np.array([np.count_nonzero(mask[a : a + n]) for a, n in zip(starts.tolist(), lengths.tolist())], dtype=np.int64)
+    bounds = np.empty(2 * len(starts), dtype=np.int64)
+    bounds[0::2] = starts
+    bounds[1::2] = starts + lengths
+    if bounds[-1] >= len(mask):  # reduceat indices must be < len; the last range then runs to the end
+        bounds = bounds[:-1]
+    return np.add.reduceat(mask, bounds, dtype=np.int64)[0::2]
 
 
 def _default_detail(kind: str, length: int) -> str:
