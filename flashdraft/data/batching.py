@@ -223,9 +223,12 @@ class BatchSampler:
                 self.segment_start, self.segment_world_size = self.consumed, self.world_size
             steps = self._segment_steps(epoch)
             pos, k = self.segment_start, 0
-            while pos < self.consumed:  # skip the steps already done (no data touched)
+            while pos < self.consumed and k < len(steps):  # skip the steps already done (no data touched)
                 pos += steps[k][0]
                 k += 1
+            if pos != self.consumed:
+                raise ValueError(f"data cursor consumed={self.consumed} does not fall on a step boundary of epoch "
+                                 f"{epoch}'s plan; the cursor does not belong to this data / plan")
             for k in range(k, len(steps)):
                 entries, batches = steps[k]
                 step = self.step

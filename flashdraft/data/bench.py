@@ -343,7 +343,7 @@ def format_table(r: dict) -> str:
         ("`.tolist()` pad alone vs pad_batch", ms(sd["collate_median_s"]), ms(fd["collate_median_s"]),
          f"{sd['collate_median_s'] / fd['collate_median_s']:,.0f}x"),
         (f"Batch plan, all {fd['samples']:,} samples", "(none)",
-         f"{ms(fd['plan_s'])} ({fd['batches']:,} batches, padding waste {fd['padding_waste']:.1%})", ""),
+         f"{ms(fd['plan_s'])} ({fd['batches']:,} batches, padding waste {fd['padding_waste']:.2%})", ""),
         ("RSS growth from opening (after imports)", "", f"{fd['rss_growth_mb']:.1f} MB", ""),
         ("Peak RSS of the process (VmHWM)", f"{sd['peak_rss_mb']:,.0f} MB (preload of {sd['preload_subset']:,} "
          f"samples only, + the HF batches)", f"{fd['peak_rss_mb']:,.0f} MB (open + plan + {fd['collate_batches']} batches)", ""),

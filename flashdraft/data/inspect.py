@@ -75,7 +75,7 @@ def format_summary(s: dict) -> str:
             lines.append(f"  batch plan      cannot be built: {plan['error']}")
         else:
             lines.append(f"  batch plan      {plan['batches']:,} batches at token_budget {plan['token_budget']:,} / "
-                         f"max_batch_size {plan['max_batch_size']}: padding waste {plan['padding_waste']:.1%} "
+                         f"max_batch_size {plan['max_batch_size']}: padding waste {plan['padding_waste']:.2%} "
                          f"(planned in {plan['plan_s'] * 1e3:.0f} ms)")
     if s["dropped"]:
         from flashdraft.data.dataset import FIXES
