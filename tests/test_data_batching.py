@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashdraft.data.batching import BatchSampler, build_batches, padding_waste, plan_steps
+from flashdraft.data.batching import BatchSampler, budget_fill, build_batches, padding_waste, plan_steps
 
 
 def lengths_strategy():
@@ -25,6 +25,7 @@ def test_plan_covers_each_sample_once_within_budget(lengths, extra, max_bs, seed
     again = build_batches(lengths, token_budget=budget, max_batch_size=max_bs, seed=seed, epoch=epoch)
     assert all(np.array_equal(a, b) for a, b in zip(plan, again)) and len(plan) == len(again)
     assert 0.0 <= padding_waste(lengths, plan) < 1.0
+    assert 0.0 < budget_fill(lengths, plan, budget) <= 1.0
 
 
 def test_plan_differs_across_epochs_and_seeds():

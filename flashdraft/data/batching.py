@@ -94,6 +94,17 @@ def padding_waste(lengths, batches) -> float:
     return 0.0 if padded == 0 else 1.0 - real / padded
 
 
+def budget_fill(lengths, batches, token_budget: int) -> float:
+    """Real tokens / (number of batches * token_budget): how full the plan keeps each step.
+
+    Padding waste measures tokens lost inside batches; this measures steps lost to batches
+    that cannot reach the budget (max_batch_size caps short samples; budget // length rounds
+    down for long ones). 1 / fill is the most that packing several samples per row could save.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return 0.0 if not batches else float(lengths.sum()) / (len(batches) * token_budget)
+
+
 def plan_steps(remaining: list[np.ndarray], world_size: int) -> tuple[list[tuple[int, list[np.ndarray]]], int]:
     """Group plan entries into global steps of exactly ``world_size`` batches.
 

@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
 def summarize(path, *, vocab_size=None, max_length=3072, token_budget=16384, max_batch_size=64,
               min_supervised=32, cache_dir=None) -> dict:
     """The inspect figures as a dict (see module docstring)."""
-    from flashdraft.data.batching import build_batches, padding_waste
+    from flashdraft.data.batching import budget_fill, build_batches, padding_waste
     from flashdraft.data.dataset import open_dataset
 
     t = time.perf_counter()
@@ -54,7 +54,8 @@ def summarize(path, *, vocab_size=None, max_length=3072, token_budget=16384, max
         try:
             plan = build_batches(ds.lengths, token_budget=token_budget, max_batch_size=max_batch_size, seed=0, epoch=0)
             out["plan"] = {"token_budget": token_budget, "max_batch_size": max_batch_size, "batches": len(plan),
-                           "padding_waste": padding_waste(ds.lengths, plan), "plan_s": time.perf_counter() - t}
+                           "padding_waste": padding_waste(ds.lengths, plan),
+                           "budget_fill": budget_fill(ds.lengths, plan, token_budget), "plan_s": time.perf_counter() - t}
         except ValueError as exc:
             out["plan"] = {"error": str(exc)}
     return out
@@ -75,8 +76,8 @@ def format_summary(s: dict) -> str:
             lines.append(f"  batch plan      cannot be built: {plan['error']}")
         else:
             lines.append(f"  batch plan      {plan['batches']:,} batches at token_budget {plan['token_budget']:,} / "
-                         f"max_batch_size {plan['max_batch_size']}: padding waste {plan['padding_waste']:.2%} "
-                         f"(planned in {plan['plan_s'] * 1e3:.0f} ms)")
+                         f"max_batch_size {plan['max_batch_size']}: padding waste {plan['padding_waste']:.2%}, "
+                         f"budget fill {plan['budget_fill']:.1%} (planned in {plan['plan_s'] * 1e3:.0f} ms)")
     if s["dropped"]:
         from flashdraft.data.dataset import FIXES
 
