@@ -139,7 +139,7 @@ def open_dataset(
     source = path
     shard = path if source_kind(path) == "shard" else cached_shard(path, cache_dir, progress=progress)
     meta, ids, mask, offsets = read_token_shard(shard)
-    if meta.get("source", {}).get("path"):
+    if (meta.get("source") or {}).get("kind") in ("hf", "parquet"):  # converted here: name the user's source
         source = Path(meta["source"]["path"])
     vocab_size = int(vocab_size if vocab_size is not None else meta["vocab_size"])
     if vocab_size <= 0:
