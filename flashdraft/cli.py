@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
     "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
+    "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
+    "bench": ("flashdraft.bench", "benchmarks: flashdraft bench data [--samples N --mean-length L ...]"),
 }
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashdraft.data.batching import BatchSampler, build_batches, padding_waste, split_for_ranks
+from flashdraft.data.batching import BatchSampler, budget_fill, build_batches, padding_waste, plan_steps
 
 
 def lengths_strategy():
@@ -25,6 +25,7 @@ def test_plan_covers_each_sample_once_within_budget(lengths, extra, max_bs, seed
     again = build_batches(lengths, token_budget=budget, max_batch_size=max_bs, seed=seed, epoch=epoch)
     assert all(np.array_equal(a, b) for a, b in zip(plan, again)) and len(plan) == len(again)
     assert 0.0 <= padding_waste(lengths, plan) < 1.0
+    assert 0.0 < budget_fill(lengths, plan, budget) <= 1.0
 
 
 def test_plan_differs_across_epochs_and_seeds():
@@ -78,9 +79,11 @@ def test_ranks_cover_epoch_once_with_equal_counts(lengths, world, seed):
     for epoch in range(2):
         got = [idx for e, _, _, idx in out if e == epoch]
         per_rank = [sum(1 for e, _, r, _ in out if e == epoch and r == k) for k in range(world)]
-        assert len(set(per_rank)) == 1 and per_rank[0] == samplers[0].batches_per_epoch
-        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
         dropped = samplers[0].dropped.get(epoch, 0)
+        assert len(set(per_rank)) == 1
+        if not dropped:
+            assert per_rank[0] == -(-samplers[0].num_global_batches // world)
+        flat = np.concatenate(got) if got else np.zeros(0, np.int64)
         assert len(flat) + dropped == len(lengths) and len(np.unique(flat)) == len(flat)
         for idx in got:
             assert len(idx) * lengths[idx].max() <= args["token_budget"]
@@ -97,12 +100,17 @@ def test_resume_reproduces_remaining_batches(lengths, world, new_world, data):
     assert [(e, s, r, i.tolist()) for e, s, r, i in resumed] == [(e, s, r, i.tolist()) for e, s, r, i in full]
     # A different world size re-splits what is left: with the steps done before the cut, every
     # sample of epoch 0 is trained on exactly once (or counted as dropped).
-    cut0 = min(cut, len({s for e, s, _, _ in full if e == 0}))
+    steps0 = len({s for e, s, _, _ in full if e == 0})
+    cut0 = min(cut, steps0)
     other, samplers = collect(args, world, epochs=1, resume_after=cut0, new_world=new_world)
     flat = np.concatenate([i for *_, i in other]) if other else np.zeros(0, np.int64)
-    dropped = samplers[0].dropped.get(0, 0) if cut0 < steps else 0
+    if 0 < cut0 == steps0:  # epoch 0 finished before the resume: any drop happened at the old world size
+        plan0 = build_batches(lengths, token_budget=args["token_budget"], max_batch_size=6, seed=7, epoch=0)
+        dropped = plan_steps(plan0, world)[1]
+    else:
+        dropped = samplers[0].dropped.get(0, 0)
     assert len(np.unique(flat)) == len(flat)
-    assert len(flat) + dropped == len(lengths) or (dropped == 0 and len(flat) <= len(lengths))
+    assert len(flat) + dropped == len(lengths)
 
 
 def test_resume_with_other_world_size_covers_epoch():
@@ -110,6 +118,7 @@ def test_resume_with_other_world_size_covers_epoch():
     args = dict(lengths=lengths, token_budget=400, max_batch_size=8, seed=3)
     for world, new_world, cut in [(4, 3, 5), (2, 5, 7), (3, 1, 2)]:
         first = [BatchSampler(**args, rank=r, world_size=world, num_epochs=1) for r in range(world)]
+        assert first[0].batches_per_epoch == -(-first[0].num_global_batches // world) == len(first[1])
         its = [iter(s) for s in first]
         seen = []
         for _ in range(cut):
@@ -130,13 +139,18 @@ def test_resume_with_other_world_size_covers_epoch():
         assert len(flat) == len(np.unique(flat)) == len(lengths) - dropped
 
 
-def test_split_for_ranks_splits_tail_instead_of_dropping():
+def test_plan_steps_splits_tail_instead_of_dropping():
     batches = [np.arange(i * 4, i * 4 + 4) for i in range(5)]
-    out, dropped = split_for_ranks(batches, 4)
-    assert dropped == 0 and len(out) == 8
-    assert sorted(np.concatenate(out).tolist()) == list(range(20))
-    out, dropped = split_for_ranks([np.array([0, 1]), np.array([2])], 4)
-    assert out == [] and dropped == 3
+    steps, dropped = plan_steps(batches, 4)
+    assert dropped == 0 and [e for e, _ in steps] == [4, 1] and all(len(b) == 4 for _, b in steps)
+    assert sorted(np.concatenate([x for _, b in steps for x in b]).tolist()) == list(range(20))
+    # One sample per batch: the tail cannot be split -- dropped and counted.
+    steps, dropped = plan_steps([np.array([i]) for i in range(5)], 4)
+    assert dropped == 1 and [e for e, _ in steps] == [4]
+    # The last entry alone is too small, but with the 4 before it two steps of 4 work.
+    batches = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7]), np.array([8])]
+    steps, dropped = plan_steps(batches, 4)
+    assert dropped == 0 and len(steps) == 2 and sum(e for e, _ in steps) == 5
 
 
 def test_load_state_dict_rejects_other_plan():

@@ -193,3 +193,16 @@ def test_null_row(tmp_path):
         open_dataset(tmp_path / "p.parquet", progress=False)
     ds = open_dataset(tmp_path / "p.parquet", progress=False, on_invalid="drop")
     assert ds.report.dropped == {"null_row": 1} and [ds[i][0].tolist() for i in range(2)] == [[1, 2], [3]]
+
+
+def test_supervised_counts_after_truncation_vectorised(tmp_path):
+    # Enough truncated samples to take the vectorised path, with the last one ending the file.
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(0, 50, int(n)).tolist() for n in rng.integers(30, 80, 3000)]
+    mask = [rng.integers(0, 2, len(x)).tolist() for x in ids]
+    src = write_token_shard(tmp_path / "s", zip(ids, mask), vocab_size=50)
+    ds = open_dataset(src, max_length=25, min_supervised=12, on_invalid="drop")
+    want = [sum(m[:25]) for m in mask]
+    kept = [i for i, w in enumerate(want) if w >= 12]
+    assert ds.source_index.tolist() == kept and ds.report.truncated == len(kept)
+    assert ds.num_supervised().tolist() == [want[i] for i in kept]

@@ -10,17 +10,20 @@ sequence is the same every epoch, so is the number of batches.
 Rank split (``BatchSampler``): global batch ``g`` belongs to global step ``g // world_size`` and
 goes to rank ``g % world_size``, so a step consumes ``world_size`` consecutive plan entries.
 The remainder: when the batches left in an epoch are not a multiple of the world size, the
-``r`` batches with the most samples are split (each part of a valid batch is a valid batch)
-into exactly ``world_size`` smaller batches, which form the epoch's final step; every rank
-therefore gets the same number of batches and no sample is lost. Only if those ``r`` batches
-hold fewer than ``world_size`` samples together (e.g. every batch is a single long sample) are
-the ``r`` smallest batches dropped -- counted in ``BatchSampler.dropped`` and logged with the
-reason -- never silently.
+last few plan entries are cut into contiguous groups of at most ``world_size`` entries and each
+group is split (each part of a valid batch is a valid batch) into exactly ``world_size``
+smaller batches (``plan_steps``). Every rank therefore gets the same number of batches,
+ceil(global batches / world_size), and no sample is lost. Only in degenerate data, where
+almost every batch is a single sample, are the last ``r`` entries dropped -- counted in
+``BatchSampler.dropped`` and logged with the reason -- never silently.
 
-Cursor: ``state_dict()`` is ``{"epoch", "consumed", ...}`` where ``consumed`` counts GLOBAL plan
-entries of that epoch already trained on (a multiple of the world size it ran with). Resuming
-with any world size rebuilds the same global plan and splits the remaining entries
-``plan[consumed:]`` across the new ranks; nothing before the cursor is read again.
+Cursor: ``state_dict()`` holds ``epoch``, ``consumed`` (GLOBAL plan entries of that epoch
+already trained on; every step consumes whole entries) and ``step``, plus the segment the
+epoch's steps were cut from (``segment_start``, ``segment_world_size``). Resuming with the
+same world size rebuilds the same steps and skips the consumed ones -- the remaining batches
+are identical. Resuming with a different world size starts a new segment at ``consumed`` and
+splits the remaining entries ``plan[consumed:]`` across the new ranks. Nothing before the
+cursor is read again.
 """
 
 from __future__ import annotations
@@ -58,22 +61,26 @@ def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int,
             f"{token_budget} (samples are truncated to max_length)"
         )
     rng = _rng(seed, epoch)
-    # Longest first, random among equal lengths: lexsort sorts by the last key first.
-    order = np.lexsort((rng.permutation(n), -lengths))
-    sorted_len = lengths[order]
-    # Greedy packing: a batch starting at sorted position i has max length sorted_len[i] (longest
-    # first), so it holds min(max_batch_size, token_budget // sorted_len[i]) samples. One O(1)
-    # step per batch, not per sample.
-    per_batch_cap = np.minimum(max_batch_size, token_budget // np.maximum(sorted_len, 1))
+    # Longest first, random among equal lengths. Two stable sorts on 16-bit keys (numpy radix-
+    # sorts those in O(n)): first by a random key, then by length -- 8x faster than lexsort
+    # with a permutation for 1M samples. Lengths over 65,535 take the general path.
+    random_key = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    order = np.argsort(random_key, kind="stable")
+    if lengths.max() <= 65535:
+        length_key = (np.uint16(65535) - lengths.astype(np.uint16))[order]
+    else:
+        length_key = -lengths[order]
+    order = order[np.argsort(length_key, kind="stable")]
+    # Greedy packing: a batch starting at sorted position i has max length lengths[order[i]]
+    # (longest first), so it holds min(max_batch_size, token_budget // that) samples: one O(1)
+    # step per batch (~20K for 1M samples), nothing per sample.
     bounds = [0]
     i = 0
-    cap = per_batch_cap.tolist()  # one bulk conversion; indexing a list is cheaper than numpy scalars
     while i < n:
-        i = min(n, i + cap[i])
+        i = min(n, i + min(max_batch_size, token_budget // max(int(lengths[order[i]]), 1)))
         bounds.append(i)
-    batches = np.split(order, bounds[1:-1])
-    perm = rng.permutation(len(batches))
-    return [batches[j] for j in perm]
+    batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # views; np.split is 3x slower
+    return [batches[j] for j in rng.permutation(len(batches))]
 
 
 def padding_waste(lengths, batches) -> float:
@@ -87,41 +94,92 @@ def padding_waste(lengths, batches) -> float:
     return 0.0 if padded == 0 else 1.0 - real / padded
 
 
-def split_for_ranks(remaining: list[np.ndarray], world_size: int) -> tuple[list[np.ndarray], int]:
-    """Make ``remaining`` a multiple of ``world_size`` long; returns (batches, samples dropped).
+def budget_fill(lengths, batches, token_budget: int) -> float:
+    """Real tokens / (number of batches * token_budget): how full the plan keeps each step.
 
-    With ``r = len % world_size``, the ``r`` batches holding the most samples are taken out and
-    split into exactly ``world_size`` parts (largest part halved first) that form the final
-    step. Choosing by sample count, not position, makes the outcome depend only on the multiset
-    of batch sizes -- the same every epoch -- so every epoch has the same number of steps.
-    If those batches hold fewer than ``world_size`` samples, the ``r`` batches with the FEWEST
-    samples are dropped instead and their sample count returned.
+    Padding waste measures tokens lost inside batches; this measures steps lost to batches
+    that cannot reach the budget (max_batch_size caps short samples; budget // length rounds
+    down for long ones). 1 / fill is the most that packing several samples per row could save.
     """
-    r = len(remaining) % world_size
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return 0.0 if not batches else float(lengths.sum()) / (len(batches) * token_budget)
+
+
+def plan_steps(remaining: list[np.ndarray], world_size: int) -> tuple[list[tuple[int, list[np.ndarray]]], int]:
+    """Group plan entries into global steps of exactly ``world_size`` batches.
+
+    Returns ``(steps, dropped)``: each step is ``(entries, batches)`` -- it consumes the next
+    ``entries`` plan entries (contiguous, in order) and gives ``batches[rank]`` to each rank.
+    Full steps take ``world_size`` entries as they are. When ``r = len % world_size`` is not 0,
+    the last ``r + m * world_size`` entries (smallest m that works, m < 16) are cut into
+    ``m + 1`` contiguous groups of at most ``world_size`` entries holding at least
+    ``world_size`` samples each, and each group is split into exactly ``world_size`` batches
+    (halving the largest part; a part of a valid batch is valid). Only if no m works (almost
+    every batch is a single sample) are the last ``r`` entries dropped; ``dropped`` is their
+    sample count.
+    """
+    n, w = len(remaining), world_size
+    r = n % w
+    full = [(w, remaining[i : i + w]) for i in range(0, n - r, w)]
     if r == 0:
-        return remaining, 0
-    sizes = np.array([len(b) for b in remaining])
-    by_size = np.argsort(-sizes, kind="stable")
-    if int(sizes[by_size[:r]].sum()) < world_size:
-        drop = set(by_size[-r:].tolist())
-        return [b for j, b in enumerate(remaining) if j not in drop], int(sizes[by_size[-r:]].sum())
-    take = set(by_size[:r].tolist())
-    parts = [remaining[j] for j in sorted(take)]
-    while len(parts) < world_size:
-        k = max(range(len(parts)), key=lambda j: len(parts[j]))
-        big = parts.pop(k)
+        return full, 0
+    sizes = np.array([len(b) for b in remaining], dtype=np.int64)
+    prefix = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    for m in range(min(_MAX_TAIL_STEPS, (n - r) // w + 1)):
+        start = n - (r + m * w)
+        groups = _tail_groups(prefix, start, n, m + 1, w)
+        if groups is not None:
+            tail, a = [], start
+            for e in groups:
+                tail.append((e, _split_into(remaining[a : a + e], w)))
+                a += e
+            return full[: start // w] + tail, 0
+    return full, int(sizes[n - r :].sum())
+
+
+_MAX_TAIL_STEPS = 16  # tails longer than this many steps are not searched (only degenerate data needs them)
+
+
+def _tail_groups(prefix: list[int], start: int, end: int, groups: int, w: int) -> tuple[int, ...] | None:
+    """Entries per group cutting [start, end) into ``groups`` contiguous groups of at most ``w``
+    entries holding at least ``w`` samples each (so each splits into ``w`` batches), or None."""
+    from functools import lru_cache
+
+    @lru_cache(maxsize=None)
+    def solve(p: int, g: int):
+        left = end - p
+        if g == 0:
+            return () if left == 0 else None
+        if left < g or left > g * w:
+            return None
+        for e in range(1, min(w, left) + 1):
+            if prefix[p + e] - prefix[p] >= w:
+                rest = solve(p + e, g - 1)
+                if rest is not None:
+                    return (e,) + rest
+        return None
+
+    return solve(start, groups)
+
+
+def _split_into(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
+    out = list(batches)
+    while len(out) < parts:
+        k = max(range(len(out)), key=lambda j: len(out[j]))
+        big = out.pop(k)
         half = (len(big) + 1) // 2
-        parts[k:k] = [big[:half], big[half:]]
-    return [b for j, b in enumerate(remaining) if j not in take] + parts, 0
+        out[k:k] = [big[:half], big[half:]]
+    return out
 
 
 class BatchSampler:
     """This rank's batches, epoch after epoch: yields ``(epoch, step_in_epoch, indices)``.
 
     indices: int64 array of dataset indices for this rank's micro-batch of that global step.
-    Every rank yields the same number of batches per epoch (``batches_per_epoch``). Iterates
-    forever unless ``num_epochs`` is given. ``state_dict()`` after a yielded batch resumes right
-    after it, with the same or a different ``world_size`` (see module docstring).
+    Every rank yields the same number of batches in an epoch. Iterates forever unless
+    ``num_epochs`` is given. ``state_dict()`` taken after a yielded batch resumes right after
+    it, with the same world size (exactly the same remaining batches) or a different one (the
+    remaining plan entries re-split; see the module docstring).
     """
 
     def __init__(self, lengths, *, token_budget: int, max_batch_size: int, seed: int, rank: int = 0,
@@ -131,8 +189,10 @@ class BatchSampler:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.token_budget, self.max_batch_size, self.seed = token_budget, max_batch_size, seed
         self.rank, self.world_size, self.num_epochs = rank, world_size, num_epochs
-        self.epoch = 0
-        self.consumed = 0  # global plan entries of self.epoch already yielded (all ranks)
+        # Cursor (global, identical on every rank): epoch, plan entries consumed, steps done, and
+        # the segment -- where in the plan, and with which world size, this epoch's steps were cut.
+        self.epoch = self.consumed = self.step = self.segment_start = 0
+        self.segment_world_size = world_size
         self.dropped: dict[int, int] = {}  # epoch -> samples dropped by the remainder rule
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
         self._num_global = len(self._plan(0))
@@ -144,52 +204,61 @@ class BatchSampler:
             self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
 
-    def _steps(self, epoch: int, consumed: int) -> list[list[np.ndarray]]:
-        """Remaining global steps of ``epoch`` from cursor ``consumed``: lists of world_size batches."""
-        remaining, dropped = split_for_ranks(self._plan(epoch)[consumed:], self.world_size)
-        if dropped:
+    def _segment_steps(self, epoch: int) -> list[tuple[int, list[np.ndarray]]]:
+        steps, dropped = plan_steps(self._plan(epoch)[self.segment_start :], self.world_size)
+        if dropped and epoch not in self.dropped:
             self.dropped[epoch] = dropped
-            log.warning("epoch %d: dropped %d samples -- the last batches held fewer samples than world_size=%d "
-                        "ranks need for one step", epoch, dropped, self.world_size)
-        w = self.world_size
-        return [remaining[s : s + w] for s in range(0, len(remaining), w)]
+            log.warning("epoch %d: dropped %d samples: the last batches hold too few samples to split across "
+                        "world_size=%d ranks (each batch holds ~1 sample; raise data.token_budget)",
+                        epoch, dropped, self.world_size)
+        return steps
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches this rank gets in a full epoch (from cursor 0); the same on every rank and epoch."""
-        r = self._num_global % self.world_size
-        full = self._num_global // self.world_size
-        if r == 0:
-            return full
-        sizes = np.sort([len(b) for b in self._plan(self.epoch)])[::-1]  # same multiset every epoch
-        return full + (1 if sizes[:r].sum() >= self.world_size else 0)
+        """Batches this rank gets in the current epoch from its start (the same on every rank).
+
+        ceil(global batches / world_size), and the same every epoch, unless the remainder rule
+        had to drop samples (then logged and counted in ``dropped``).
+        """
+        return len(plan_steps(self._plan(self.epoch), self.world_size)[0])
 
     @property
     def num_global_batches(self) -> int:
-        """Entries in the global plan of one epoch (before the remainder rule)."""
+        """Entries in the global plan of one epoch (the same every epoch)."""
         return self._num_global
 
     def __iter__(self):
         while self.num_epochs is None or self.epoch < self.num_epochs:
-            epoch, start = self.epoch, self.consumed
-            steps = self._steps(epoch, start)
-            for s, batches in enumerate(steps):
-                last = s == len(steps) - 1
-                # Advance the cursor before yielding, so state_dict() taken after this batch resumes after it.
-                if last:
-                    self.epoch, self.consumed = epoch + 1, 0
+            epoch = self.epoch
+            if self.segment_world_size != self.world_size:  # resumed with another world size
+                self.segment_start, self.segment_world_size = self.consumed, self.world_size
+            steps = self._segment_steps(epoch)
+            pos, k = self.segment_start, 0
+            while pos < self.consumed and k < len(steps):  # skip the steps already done (no data touched)
+                pos += steps[k][0]
+                k += 1
+            if pos != self.consumed:
+                raise ValueError(f"data cursor consumed={self.consumed} does not fall on a step boundary of epoch "
+                                 f"{epoch}'s plan; the cursor does not belong to this data / plan")
+            for k in range(k, len(steps)):
+                entries, batches = steps[k]
+                step = self.step
+                # Advance the cursor before yielding: state_dict() taken now resumes after this batch.
+                if k == len(steps) - 1:
+                    self.epoch, self.consumed, self.step, self.segment_start = epoch + 1, 0, 0, 0
                 else:
-                    self.consumed = start + (s + 1) * self.world_size
-                yield epoch, start // self.world_size + s, batches[self.rank]
-            if not steps:
-                self.epoch, self.consumed = epoch + 1, 0
+                    self.consumed, self.step = self.consumed + entries, self.step + 1
+                yield epoch, step, batches[self.rank]
+            if not steps or self.epoch == epoch:
+                self.epoch, self.consumed, self.step, self.segment_start = epoch + 1, 0, 0, 0
 
     def __len__(self) -> int:
         return self.batches_per_epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
-                "token_budget": self.token_budget, "max_batch_size": self.max_batch_size,
+        return {"epoch": self.epoch, "consumed": self.consumed, "step": self.step,
+                "segment_start": self.segment_start, "segment_world_size": self.segment_world_size,
+                "seed": self.seed, "token_budget": self.token_budget, "max_batch_size": self.max_batch_size,
                 "num_samples": len(self.lengths)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -200,6 +269,8 @@ class BatchSampler:
                     f"data cursor was saved with {key}={state[key]} but this run has {mine}; the batch plan would "
                     f"differ, so the cursor cannot be resumed: restore {key}={state[key]} (or start a fresh run)"
                 )
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        if not 0 <= self.consumed <= self._num_global:
-            raise ValueError(f"data cursor consumed={self.consumed} outside [0, {self._num_global}]")
+        self.epoch, self.consumed, self.step = int(state["epoch"]), int(state["consumed"]), int(state["step"])
+        self.segment_start = int(state["segment_start"])
+        self.segment_world_size = int(state["segment_world_size"])
+        if not 0 <= self.segment_start <= self.consumed <= self._num_global:
+            raise ValueError(f"data cursor {state} is outside this plan of {self._num_global} batches")

@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from flashdraft.data.shards import TokenShardWriter, is_token_shard
 
@@ -99,7 +97,13 @@ def default_cache_dir(path: str | os.PathLike) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashdraft"
 
 
-def _record_batches(files: list[Path], kind: str) -> Iterator[pa.RecordBatch]:
+# pyarrow is imported inside the functions that convert: opening an existing shard (every run
+# after the first) must not pay its ~0.3 s import.
+
+
+def _record_batches(files: list[Path], kind: str) -> Iterator:
+    import pyarrow as pa
+
     for file in files:
         if kind == "hf":
             # save_to_disk writes Arrow IPC *stream* files; memory-mapped, so batches are zero-copy.
@@ -112,6 +116,8 @@ def _record_batches(files: list[Path], kind: str) -> Iterator[pa.RecordBatch]:
 
 
 def _num_rows(files: list[Path], kind: str) -> int:
+    import pyarrow as pa
+
     if kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -119,8 +125,10 @@ def _num_rows(files: list[Path], kind: str) -> int:
     return sum(sum(b.num_rows for b in pa.ipc.open_stream(pa.memory_map(str(f)))) for f in files)
 
 
-def _flat(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def _flat(column) -> tuple[np.ndarray, np.ndarray]:
     """(lengths int64 with nulls as -1, flat values as numpy) of an Arrow list column."""
+    import pyarrow.compute as pc
+
     lengths = pc.list_value_length(column).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
     values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
     return lengths, values
@@ -132,6 +140,7 @@ def convert_to_shard(path: str | os.PathLike, out_dir: str | os.PathLike, *, pro
     Two vectorised passes over the columns: the first finds the largest id (it decides the
     narrow ids dtype), the second writes. Row i of the source is sample i of the shard.
     """
+    import pyarrow.compute as pc
     from tqdm.auto import tqdm
 
     path = Path(path)
