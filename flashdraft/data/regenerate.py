@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from flashdraft.data.chat import SampleError, normalize_record
 from flashdraft.data.sources import decode_record, iter_records
