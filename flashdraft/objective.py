@@ -116,13 +116,16 @@ def dflash_loss(
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 0,
+    weight_total: torch.Tensor | None = None,
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / sum(w).
 
     hidden [B, N, bs, H] (drafter output after its final norm); head_weight [V, H] the
     target's frozen LM head; labels/weights [B, N, bs]. With ``chunk_size`` > 0 the head and CE
     run over chunks of that many slots under activation checkpointing, so [N*bs, V] logits
-    never exist at once (forward or backward); the result equals the unchunked one.
+    never exist at once (forward or backward): peak is one chunk's [chunk, V] fp32 logits and
+    their gradient; the result equals the unchunked one. ``weight_total`` replaces sum(w) as
+    the normaliser (micro-batches over anchors share the whole step's sum).
     """
     shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -139,8 +142,9 @@ def dflash_loss(
             corrects.append(c)
         total, correct = torch.stack(totals).sum(), torch.cat(corrects)
     weight_sum = w.sum()
+    norm = weight_sum if weight_total is None else weight_total
     return LossOutput(
-        loss=total / weight_sum.clamp(min=1e-6),
+        loss=total / norm.clamp(min=1e-6),
         correct=correct.view(shape),
         scored=(weights > 0),
         weight_sum=weight_sum,
@@ -159,15 +163,59 @@ def block_loss(
     gamma: float | None,
     chunk_size: int = 0,
     generator: torch.Generator | None = None,
+    attention: str | None = None,
 ) -> LossOutput:
     """One training forward: draw anchors, build blocks, run the drafter, weighted CE.
 
     input_ids / loss_mask [B, S], lengths [B], features [B, S, K*H] from ``target.features``.
+    ``attention`` overrides the drafter's training-attention implementation.
     """
     bs = drafter.block_size
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, generator)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, gamma)
     block_ids = block_input_ids(input_ids, anchors, bs, drafter.mask_token_id)
     embeds = target.embed(block_ids).to(features.dtype)
-    hidden = drafter(features, embeds, anchors, valid)
+    hidden = drafter(features, embeds, anchors, valid, attention=attention)
     return dflash_loss(hidden, target.lm_head.weight, labels, weights, chunk_size)
+
+
+def drafter_step(
+    drafter,
+    head_weight: torch.Tensor,
+    features: torch.Tensor,
+    block_embeds: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_size: int = 0,
+    anchors_per_microbatch: int = 0,
+    attention: str | None = None,
+) -> LossOutput:
+    """Forward AND backward of the drafter step; gradients accumulate into the drafter's .grad.
+
+    Shapes as in ``drafter.forward`` / ``dflash_loss``. With ``anchors_per_microbatch`` = m > 0
+    the N anchors run in slices of m (forward + backward each, so only one slice's activations
+    live at a time); every slice is normalised by the WHOLE step's sum(w), so loss and
+    gradients equal the one-pass step. Cost: the fused context and each layer's context K/V
+    are recomputed per slice (O(S * H^2) each, small next to the blocks' O(N * bs * S * H)).
+    Returns the LossOutput with a detached loss.
+    """
+    n = anchors.shape[1]
+    m = n if anchors_per_microbatch <= 0 else min(anchors_per_microbatch, n)
+    weight_total = weights.sum()
+    losses, corrects = [], []
+    for start in range(0, n, m):
+        part = slice(start, start + m)
+        hidden = drafter(features, block_embeds[:, part], anchors[:, part], valid[:, part], attention=attention)
+        out = dflash_loss(hidden, head_weight, labels[:, part], weights[:, part], chunk_size, weight_total)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        corrects.append(out.correct)
+    return LossOutput(
+        loss=torch.stack(losses).sum(),
+        correct=torch.cat(corrects, dim=1),
+        scored=weights > 0,
+        weight_sum=weight_total,
+    )
