@@ -11,7 +11,10 @@ import importlib
 import sys
 
 # name -> (module, one-line help). Only commands that work are listed.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    # Temporary name: becomes `flashdraft bench step` when the bench command lands.
+    "bench-step": ("flashdraft.benchmarks.step", "time + peak memory of the drafter step: fast path vs dense reference"),
+}
 
 
 def _usage() -> str:

@@ -164,3 +164,13 @@ def test_dense_mask_invalid_blocks_see_no_context():
     assert m[0, :8].tolist() == [True] * 3 + [False] * 5
     assert not m[2:, :8].any()  # invalid block: no context
     assert m[2, 8:].tolist() == [False, False, True, True]
+
+
+def test_config_knobs_validate():
+    from flashdraft.config import ModelConfig, ObjectiveConfig
+
+    assert ModelConfig().drafter_attention == "auto" and ObjectiveConfig().anchors_per_microbatch == 0
+    with pytest.raises(ValueError, match="model.drafter_attention"):
+        ModelConfig(drafter_attention="paged")
+    with pytest.raises(ValueError, match="objective.anchors_per_microbatch"):
+        ObjectiveConfig(anchors_per_microbatch=-1)
