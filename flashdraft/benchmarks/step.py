@@ -9,7 +9,9 @@ variants run side by side on identical weights and inputs:
 - ``reference``: one SDPA over keys [context | all N*bs slots] with the dense
   [N*bs, S + N*bs] mask and the unchunked LM head (the tests' oracle).
 
-Memory: every (point, variant) runs in a fresh subprocess. On CPU the peak is the process's
+Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
+stepped alternately (the min is robust to other processes on a shared host). Memory: every
+(point, variant) runs one step in a fresh subprocess. On CPU the peak is the process's
 RSS high-water mark (``ru_maxrss``) minus its RSS just before the first step, i.e. the extra
 memory the step needed at its worst moment (allocator caching included). On CUDA it is
 ``torch.cuda.max_memory_allocated`` minus the allocation before the first step.
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=4096, help="LM-head vocabulary size")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--taps", type=int, default=5, help="tapped target layers (fc input = taps * hidden)")
-    parser.add_argument("--chunk", type=int, default=4096, help="fast path: LM-head + CE chunk (slots)")
+    parser.add_argument("--chunk", type=int, default=1024, help="fast path: LM-head + CE chunk (slots)")
     parser.add_argument("--anchors-per-microbatch", type=int, default=0, help="fast path: anchor slice (0: all)")
     parser.add_argument("--checkpointing", action="store_true", help="fast path: activation checkpointing")
     parser.add_argument("--attention", default="auto", help="fast path attention: auto, split, flex")
@@ -54,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--head-dim", type=int, default=64, help="attention head dim (Qwen3-8B: 128)")
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP size (0: 3 * hidden, as Qwen3-8B)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0,
+                        help="device peak (TFLOP/s, dense, this dtype) to report the share of; 0: do not")
     parser.add_argument("--json", default="", help="also write all results to this JSON file")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one point, JSON in
 
@@ -154,8 +160,33 @@ def measure(point: dict) -> dict:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # Linux: KiB
     times.sort()
-    return {**point, "ms_per_step": 1e3 * times[len(times) // 2], "peak_mib": peak / 2**20,
+    return {**point, "ms_per_step": 1e3 * times[len(times) // 2] if times else math.nan, "peak_mib": peak / 2**20,
             "loss": float(out.loss), "threads": torch.get_num_threads()}
+
+
+def time_interleaved(points: list[dict]) -> list[float]:
+    """ms per step of each point, measured in THIS process with the variants alternating step by
+    step (so load from other processes hits all of them alike); min over ``repeat`` rounds."""
+    if points[0]["threads"]:
+        torch.set_num_threads(points[0]["threads"])
+    steps = []
+    for point in points:
+        drafter, head, inputs = build(point)
+        steps.append(step_fn(point, drafter, head, inputs))
+        steps[-1]()  # warm-up
+    best = [math.inf] * len(points)
+    for _ in range(points[0]["repeat"]):
+        for i, step in enumerate(steps):
+            if points[i]["device"] == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = step()
+            if points[i]["device"] == "cuda":
+                torch.cuda.synchronize()
+            else:
+                out.loss.item()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [1e3 * t for t in best]
 
 
 def run_point(point: dict) -> dict:
@@ -175,8 +206,25 @@ def _point(args, seq, anchors, hidden, variant) -> dict:
         seq=seq, anchors=anchors, hidden=hidden, layers=args.layers, block=args.block, vocab=args.vocab,
         batch=args.batch, taps=args.taps, chunk=args.chunk, anchors_per_microbatch=args.anchors_per_microbatch,
         checkpointing=args.checkpointing, attention=args.attention, variant=variant, repeat=args.repeat,
-        threads=args.threads, device=args.device, dtype=args.dtype,
+        threads=args.threads, device=args.device, dtype=args.dtype, head_dim=args.head_dim,
+        intermediate=args.intermediate or 3 * hidden,
     )
+
+
+def useful_flops(p: dict) -> float:
+    """FLOPs the step NEEDS (forward + backward, the frozen LM head's weight gets no gradient):
+    each block attends only context j < anchor (S/2 on average) and its own bs slots.
+    Matmul FLOPs only (2 per multiply-add); backward = 2x forward for trained weights."""
+    h, s, n, bs, v, b = p["hidden"], p["seq"], p["anchors"], p["block"], p["vocab"], p["batch"]
+    heads = max(1, h // p["head_dim"])
+    hkv, d = max(1, heads // 4), h // heads
+    q = n * bs
+    per_layer = 2 * q * (2 * h * heads * d + 2 * h * hkv * d + 3 * h * p["intermediate"])  # projections + MLP
+    per_layer += 2 * 2 * q * heads * d * (s / 2 + bs)  # scores + values over the needed keys
+    per_layer += 2 * s * 2 * h * hkv * d  # context K/V
+    drafter = p["layers"] * per_layer + 2 * s * p["taps"] * h * h  # + fc fusion
+    head = 2 * q * h * v
+    return b * (3 * drafter + 2 * head)
 
 
 def _fmt(r: dict) -> str:
@@ -214,12 +262,21 @@ def run(args) -> int:
             row = {}
             for variant in variants:
                 key = (seq, anchors, hidden, variant)
-                r = seen.get(key) or run_point(_point(args, seq, anchors, hidden, variant))
-                seen[key] = r
-                row[variant] = r
-                results.append(r)
-                print("  " + _fmt(r), flush=True)
+                if key not in seen:  # peak memory: fresh subprocess, one step
+                    seen[key] = run_point({**_point(args, seq, anchors, hidden, variant), "repeat": 0})
+                row[variant] = seen[key]
+            timed = [v for v in variants if "error" not in row[v] and "ms_min" not in row[v]]
+            if timed:  # time: in-process, variants alternating (shared hosts are noisy)
+                for v, ms in zip(timed, time_interleaved([_point(args, seq, anchors, hidden, v) for v in timed])):
+                    row[v]["ms_per_step"] = row[v]["ms_min"] = ms
+            for variant in variants:
+                results.append(row[variant])
+                print("  " + _fmt(row[variant]), flush=True)
             f, ref = row.get("fast"), row.get("reference")
+            if f and "error" not in f:
+                tflops = useful_flops(f) / (f["ms_per_step"] * 1e-3) / 1e12
+                share = f" = {100 * tflops / args.peak_tflops:.1f}% of peak" if args.peak_tflops else ""
+                print(f"  fast achieved {tflops:.3f} TFLOP/s of needed work{share}", flush=True)
             if f and ref and "error" not in f and "error" not in ref:
                 print(f"  speedup={ref['ms_per_step'] / f['ms_per_step']:.2f}x "
                       f"memory_ratio={ref['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x", flush=True)
