@@ -29,6 +29,8 @@ class ModelConfig:
     mask_token_id: int | None = None  # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
     dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
     attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
+    drafter_attention: str = "auto"  # drafter training attention: auto (flex on CUDA, else split), split, flex, dense (oracle, ~2-3x slower)
+    activation_checkpointing: bool = False  # recompute each drafter layer in backward: less activation memory, ~+30% step time
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
 
     def __post_init__(self):
@@ -37,6 +39,8 @@ class ModelConfig:
         _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
         _check(self.dtype in ("auto", "bfloat16", "float32", "float16"), "model.dtype", self.dtype,
                "use one of auto, bfloat16, float32, float16")
+        _check(self.drafter_attention in ("auto", "split", "flex", "dense"), "model.drafter_attention",
+               self.drafter_attention, "use one of auto, split, flex, dense")
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
@@ -66,12 +70,15 @@ class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
     loss_chunk_size: int = 4096  # block slots per LM-head + CE chunk (0: all at once)
+    anchors_per_microbatch: int = 0  # anchors per forward+backward slice (0: all); same loss, less memory, context K/V recomputed per slice
 
     def __post_init__(self):
         _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
         _check(self.gamma is None or self.gamma >= 0, "objective.gamma", f"{self.gamma}",
                "use a positive decay (7 for block 16, 5 for 10, 4 for 8) or null to disable")
         _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
+        _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch", f"{self.anchors_per_microbatch}",
+               "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
@@ -87,6 +88,132 @@ def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, b
     return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
 
 
+ATTENTION_IMPLS = ("auto", "dense", "split", "flex")
+
+
+def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
+    """Pick the concrete training-attention implementation for ``impl`` on ``device``.
+
+    "auto": "flex" on CUDA when flex_attention imports (block-sparse, fused, one kernel per
+    layer), else "split" (grouped SDPA, any device). "flex" asked for where it cannot run
+    backward (CPU with grad) falls back to "split": flex_attention has no CPU backward.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
+    if impl in ("auto", "flex"):
+        if device.type == "cuda" and _flex_available():
+            return "flex"
+        if impl == "flex" and not needs_grad:
+            return "flex"  # forward-only flex runs (unfused) on CPU: used by the tests
+        return "split"
+    return impl
+
+
+def _flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class BlockAttentionPlan:
+    """How each layer's block queries [B, Hq, Q, D] attend, built once per training forward.
+
+    dense: ``mask`` [B, 1, Q, S + Q] over [context | all blocks] (the oracle).
+    split: blocks in ``num_groups`` groups of ``group_blocks`` consecutive blocks (N padded to
+      num_groups * group_blocks), groups folded into the batch: one SDPA over
+      [B * num_groups, H, g*bs queries, S + g*bs keys] where a group's keys are [context | the
+      group's own slots] and ``mask`` [B * num_groups, 1, g*bs, S + g*bs] keeps j < anchor and
+      the block's own slots. Work per query is S + g*bs instead of S + N*bs; no host sync.
+    flex: ``block_mask`` a flex_attention BlockMask over [context | all blocks]; tiles the
+      mask excludes are skipped by the kernel.
+    """
+
+    impl: str
+    mask: torch.Tensor | None = None
+    group_blocks: int = 0
+    num_groups: int = 0
+    num_blocks: int = 0
+    block_mask: object = None
+
+
+def split_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int) -> torch.Tensor:
+    """Bool mask [B * G, 1, g*bs, S + g*bs] of the "split" attention (G = ceil(N / g) groups).
+
+    Row r of group gi is slot r % bs of block gi*g + r // bs: it sees context j < anchor (none
+    for padded blocks and for the pad blocks added to fill the last group) and the slots of its
+    own block. Every row sees at least its own slots, so no softmax row is empty.
+    """
+    b, n = anchors.shape
+    num_groups = -(-n // group_blocks)
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)
+    limit = F.pad(limit, (0, num_groups * group_blocks - n))  # [B, G*g]
+    gq = group_blocks * block_size
+    limit = limit.view(b * num_groups, group_blocks, 1).expand(-1, -1, block_size).reshape(-1, gq, 1)
+    sees_ctx = torch.arange(seq_len, device=anchors.device).view(1, 1, -1) < limit  # [B*G, gq, S]
+    block_id = torch.arange(gq, device=anchors.device) // block_size
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b * num_groups, gq, gq)
+    return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
+
+
+def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, enable_gqa: bool) -> torch.Tensor:
+    """The "split" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v [B, Hkv, Q, D],
+    context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask attention exactly."""
+    b, hq, q_len, d = q.shape
+    hkv, s = k_ctx.shape[1], k_ctx.shape[2]
+    g, gq = plan.num_groups, plan.group_blocks * (q_len // plan.num_blocks)
+    pad = g * gq - q_len
+
+    def grouped(t):  # [B, H, Q, D] -> [B, G, H, gq, D]
+        t = F.pad(t, (0, 0, 0, pad)) if pad else t
+        return t.view(b, t.shape[1], g, gq, d).transpose(1, 2)
+
+    def keys(ctx, blk):  # [B*G, H, S + gq, D]: the context repeated per group, then the group's slots
+        ctx = ctx.unsqueeze(1).expand(b, g, hkv, s, d)
+        return torch.cat([ctx, grouped(blk)], dim=3).reshape(b * g, hkv, s + gq, d)
+
+    out = F.scaled_dot_product_attention(
+        grouped(q).reshape(b * g, hq, gq, d), keys(k_ctx, k_blk), keys(v_ctx, v_blk),
+        attn_mask=plan.mask, enable_gqa=enable_gqa,
+    )
+    out = out.view(b, g, hq, gq, d).transpose(1, 2).reshape(b, hq, g * gq, d)
+    return out[:, :, :q_len] if pad else out
+
+
+def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
+    """flex_attention BlockMask over keys [context S | all N*bs slots], same pattern as dense_block_mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchors.shape
+    q = n * block_size
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors))
+
+    def mask_mod(bi, hi, q_idx, kv_idx):
+        blk = q_idx // block_size
+        sees_ctx = kv_idx < limit[bi, blk]  # limit <= S, so this is inside the context part
+        own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        return sees_ctx | own
+
+    return create_block_mask(mask_mod, b, None, q, seq_len + q, device=anchors.device)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)  # unfused, tests only
+    if _compiled_flex is None:
+        # Compiled once per process: eager flex materialises the full score matrix.
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -116,13 +243,32 @@ class DrafterAttention(nn.Module):
         return q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
 
     def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
-        """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D]; mask bool [B, 1, Q, S + Q] or None."""
+        """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
+
+        ``mask``: None (inference: every key visible), a bool [B, 1, Q, S + Q] mask, or a
+        BlockAttentionPlan (training: dense / split / flex, all computing the same function).
+        """
         cos, sin = rope
         q = self.queries(x, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
-        k = torch.cat([ctx_kv[0], k_blk], dim=2)
-        v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        gqa = self.num_kv_heads != self.num_heads
+        if gqa and x.device.type == "cpu":
+            # The CPU SDPA kernel's enable_gqa backward is ~7x slower than plain MHA (torch
+            # 2.13, measured): repeat the KV heads instead (same values, grads sum back).
+            rep = self.num_heads // self.num_kv_heads
+            ctx_kv = tuple(t.repeat_interleave(rep, dim=1) for t in ctx_kv)
+            k_blk, v_blk = k_blk.repeat_interleave(rep, dim=1), v_blk.repeat_interleave(rep, dim=1)
+            gqa = False
+        plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
+        if plan.impl == "split":
+            out = split_attention(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan, gqa)
+        else:
+            k = torch.cat([ctx_kv[0], k_blk], dim=2)
+            v = torch.cat([ctx_kv[1], v_blk], dim=2)
+            if plan.impl == "flex":
+                out = _flex_attention(q, k, v, plan.block_mask, gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, enable_gqa=gqa)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -164,8 +310,18 @@ class ContextCache:
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. ``config`` is the serving config.json dict."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, *, attention: str = "auto", group_blocks: int = 0,
+                 activation_checkpointing: bool = False):
+        """``attention``: training-attention implementation (see resolve_attention);
+        ``group_blocks``: blocks per group for "split" (0: auto, N / 8);
+        ``activation_checkpointing``: recompute each layer in backward (training forward only).
+        None of these touch the weights or the serving config."""
         super().__init__()
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={attention!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
+        self.attention = attention
+        self.group_blocks = int(group_blocks)
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.config = dict(config)
         qcfg = _qwen3_config(self.config)
         self.block_size = int(self.config["block_size"])
@@ -179,12 +335,13 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(qcfg)  # non-persistent buffers: never saved
 
     @classmethod
-    def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int) -> "DFlashDrafter":
+    def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int, **kwargs) -> "DFlashDrafter":
+        """``kwargs``: the training-time switches of ``__init__`` (attention, group_blocks, ...)."""
         cfg = drafter_config_from_target(
             target.config, num_layers=num_layers, block_size=block_size,
             mask_token_id=mask_token_id, target_layer_ids=target.layer_ids,
         )
-        return cls(cfg)
+        return cls(cfg, **kwargs)
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """The published recipe's init: normal(0, std) linears, ones for norms."""
@@ -210,14 +367,24 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(
-        self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
+        self,
+        features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        valid: torch.Tensor,
+        attention: str | None = None,
     ) -> torch.Tensor:
         """Training forward over many anchored blocks of each sequence in one pass.
 
         features [B, S, K*H] target taps; block_embeds [B, N, bs, H] the target-embedded block
-        tokens; anchors [B, N] positions; valid [B, N] bool (padded blocks: False).
-        Returns norm(h) [B, N, bs, H], ready for the target's LM head. Equals, block by block,
-        ``forward_block`` with context = features[:, :anchor] (tested).
+        tokens; anchors [B, N] positions, sorted ascending among the valid ones (sample_anchors
+        does); valid [B, N] bool (padded blocks: False). ``attention`` overrides
+        ``self.attention`` for this call ("dense" is the oracle). Returns norm(h) [B, N, bs, H],
+        ready for the target's LM head. Equals, block by block, ``forward_block`` with
+        context = features[:, :anchor] (tested), whatever the implementation.
+
+        Each layer's context K/V is computed once per sequence; a valid block anchored at a
+        attends context j < a and its own bs slots, a padded block only its own slots.
         """
         b, s, _ = features.shape
         _, n, bs, hidden = block_embeds.shape
@@ -226,10 +393,34 @@ class DFlashDrafter(nn.Module):
         positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
         x = block_embeds.reshape(b, n * bs, hidden)
         rope = self.rope(positions, x)
-        mask = dense_block_mask(anchors, valid, s, bs)
+        plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled())
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, rope, kv, mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, kv, plan, use_reentrant=False)
+            else:
+                x = layer(x, rope, kv, plan)
         return self.norm(x).view(b, n, bs, hidden)
+
+    def attention_plan(
+        self, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, attention: str | None = None,
+        needs_grad: bool = True,
+    ) -> BlockAttentionPlan:
+        """The masks every layer of one training forward shares (see BlockAttentionPlan)."""
+        impl = resolve_attention(attention or self.attention, anchors.device, needs_grad)
+        bs = self.block_size
+        if impl == "dense":
+            return BlockAttentionPlan("dense", mask=dense_block_mask(anchors, valid, seq_len, bs))
+        if impl == "flex":
+            return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs))
+        n = anchors.shape[1]
+        # Default: 8 groups. More groups cut the wasted g*bs block keys per query but repeat
+        # the context K/V once per group (memory G * S * Hkv * D per layer); 8 measured best here.
+        group = self.group_blocks if self.group_blocks > 0 else -(-n // 8)
+        group = min(group, n)
+        return BlockAttentionPlan(
+            "split", mask=split_mask(anchors, valid, seq_len, bs, group),
+            group_blocks=group, num_groups=-(-n // group), num_blocks=n,
+        )
 
     # ---- decoding -------------------------------------------------------------------------
 

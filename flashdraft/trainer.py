@@ -187,6 +187,7 @@ class Trainer:
         self.drafter = DFlashDrafter.for_target(
             self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
             mask_token_id=resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
+            attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
         )
         self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
@@ -305,14 +306,19 @@ class Trainer:
             # same gradient; DDP averages over ranks, hence the world_size factor.
             normalizer = distributed.all_reduce(torch.stack([blk.weight_sum for blk in blocks]).sum(), "sum")
             normalizer = normalizer / self.dist.world_size
-        for i, (batch, blk) in enumerate(zip(batches, blocks)):
-            with self.timer.stage("target"):
-                features = self.target.features(batch.input_ids, batch.attention_mask)
-            last = i == len(batches) - 1
+        # Gradients are all-reduced once, on the last backward of the step (DDP no_sync before).
+        pieces = [(batch, part) for batch, blk in zip(batches, blocks)
+                  for part in blk.slices(cfg.objective.anchors_per_microbatch)]
+        features, features_of = None, None
+        for i, (batch, part) in enumerate(pieces):
+            if batch is not features_of:
+                with self.timer.stage("target"):
+                    features, features_of = self.target.features(batch.input_ids, batch.attention_mask), batch
+            last = i == len(pieces) - 1
             no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
             with no_sync:
                 with self.timer.stage("drafter"), self.autocast:
-                    out = block_loss(self.model, self.target, features, blk,
+                    out = block_loss(self.model, self.target, features, part,
                                      chunk_size=cfg.objective.loss_chunk_size, normalizer=normalizer)
                 with self.timer.stage("backward"):  # includes DDP's overlapped gradient all-reduce
                     out.loss.backward()

@@ -1,0 +1,300 @@
+"""`flashdraft bench step`: forward + backward time and peak memory of the drafter step.
+
+The drafter step is everything after the target forward: fusion, the drafter layers over
+N anchored blocks, the target's LM head and the weighted CE, and their backward. Two
+variants run side by side on identical weights and inputs:
+
+- ``fast``: the drafter's per-device attention (``auto``: grouped "split" SDPA on CPU,
+  block-sparse flex_attention on CUDA) and the chunked LM head + CE (``--chunk`` slots).
+- ``reference``: one SDPA over keys [context | all N*bs slots] with the dense
+  [N*bs, S + N*bs] mask and the unchunked LM head (the tests' oracle).
+
+Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
+stepped alternately (the min is robust to other processes on a shared host). Memory: every
+(point, variant) runs one step in a fresh subprocess. On CPU the peak is the process's
+RSS high-water mark (``ru_maxrss``) minus its RSS just before the first step, i.e. the extra
+memory the step needed at its worst moment (allocator caching included). On CUDA it is
+``torch.cuda.max_memory_allocated`` minus the allocation before the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+DEFAULT_GRID = {
+    # (seq, anchors, hidden): the S sweep, the num_anchors sweep, the hidden sweep.
+    "seq": [(512, 128, 256), (1024, 128, 256), (2048, 128, 256), (3072, 128, 256)],
+    "anchors": [(1024, 32, 256), (1024, 64, 256), (1024, 128, 256), (1024, 256, 256), (1024, 512, 256)],
+    "hidden": [(1024, 128, 128), (1024, 128, 512)],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seq", type=int, help="sequence length S (single point; default: the grid)")
+    parser.add_argument("--hidden", type=int, help="hidden size (head_dim 64, 4 query heads per KV head)")
+    parser.add_argument("--layers", type=int, default=2, help="drafter layers")
+    parser.add_argument("--anchors", type=int, help="anchored blocks per sequence")
+    parser.add_argument("--block", type=int, default=16, help="block size")
+    parser.add_argument("--vocab", type=int, default=4096, help="LM-head vocabulary size")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--taps", type=int, default=5, help="tapped target layers (fc input = taps * hidden)")
+    parser.add_argument("--chunk", type=int, default=1024, help="fast path: LM-head + CE chunk (slots)")
+    parser.add_argument("--anchors-per-microbatch", type=int, default=0, help="fast path: anchor slice (0: all)")
+    parser.add_argument("--checkpointing", action="store_true", help="fast path: activation checkpointing")
+    parser.add_argument("--attention", default="auto", help="fast path attention: auto, split, flex")
+    parser.add_argument("--variants", default="fast,reference", help="comma list of fast, reference")
+    parser.add_argument("--repeat", type=int, default=3, help="timed steps per point (after 1 warm-up)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--head-dim", type=int, default=64, help="attention head dim (Qwen3-8B: 128)")
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP size (0: 3 * hidden, as Qwen3-8B)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0,
+                        help="device peak (TFLOP/s, dense, this dtype) to report the share of; 0: do not")
+    parser.add_argument("--json", default="", help="also write all results to this JSON file")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one point, JSON in
+
+
+def build(point: dict):
+    """Drafter, frozen LM head and one step's inputs for ``point`` (deterministic)."""
+    from transformers import Qwen3Config
+
+    from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
+    from flashdraft.objective import block_labels_and_weights, default_gamma
+
+    device, dtype = torch.device(point["device"]), getattr(torch, point["dtype"])
+    hidden, seq, n, bs, vocab, b = point["hidden"], point["seq"], point["anchors"], point["block"], point["vocab"], point["batch"]
+    heads = max(1, hidden // point.get("head_dim", 64))
+    kv_heads = max(1, heads // 4)
+    tcfg = Qwen3Config(
+        hidden_size=hidden, intermediate_size=point.get("intermediate", 3 * hidden), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=hidden // heads, num_hidden_layers=max(point["taps"], 2),
+        vocab_size=vocab, max_position_embeddings=max(4096, seq + bs),
+    )
+    cfg = drafter_config_from_target(
+        tcfg, num_layers=point["layers"], block_size=bs, mask_token_id=vocab - 1,
+        target_layer_ids=list(range(point["taps"])),
+    )
+    fast = point["variant"] == "fast"
+    gen = torch.Generator().manual_seed(0)
+    drafter = DFlashDrafter(
+        cfg, attention=point["attention"] if fast else "dense",
+        activation_checkpointing=fast and point["checkpointing"],
+    )
+    drafter.reset_parameters(generator=gen)
+    drafter.to(device=device, dtype=dtype)
+    head = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(device=device, dtype=dtype)
+    embed = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(device=device, dtype=dtype)
+    features = torch.randn(b, seq, point["taps"] * hidden, generator=gen).to(device=device, dtype=dtype)
+    input_ids = torch.randint(0, vocab - 1, (b, seq), generator=gen).to(device)
+    loss_mask = torch.ones(b, seq, dtype=torch.long, device=device)
+    lengths = torch.full((b,), seq, device=device)
+    n = min(n, seq - 1)
+    anchors = torch.stack([torch.randperm(seq - 1, generator=gen)[:n].sort().values for _ in range(b)]).to(device)
+    valid = torch.ones(b, n, dtype=torch.bool, device=device)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, default_gamma(bs))
+    block_ids = torch.full((b, n, bs), vocab - 1, device=device)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    embeds = embed[block_ids]
+    return drafter, head, (features, embeds, anchors, valid, labels, weights)
+
+
+def step_fn(point: dict, drafter, head, inputs):
+    from flashdraft.objective import drafter_step
+
+    fast = point["variant"] == "fast"
+
+    def step():
+        drafter.zero_grad(set_to_none=True)
+        return drafter_step(
+            drafter, head, *inputs,
+            chunk_size=point["chunk"] if fast else 0,
+            anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0,
+        )
+
+    return step
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def measure(point: dict) -> dict:
+    """Time (median of ``repeat`` steps after one warm-up) and peak extra memory of one point."""
+    if point["threads"]:
+        torch.set_num_threads(point["threads"])
+    cuda = point["device"] == "cuda"
+    drafter, head, inputs = build(point)
+    step = step_fn(point, drafter, head, inputs)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_bytes()
+    times = []
+    for i in range(point["repeat"] + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = step()
+        if cuda:
+            torch.cuda.synchronize()
+        else:
+            out.loss.item()  # sync point: the step is done
+        if i:
+            times.append(time.perf_counter() - t0)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # Linux: KiB
+    times.sort()
+    return {**point, "ms_per_step": 1e3 * times[len(times) // 2] if times else math.nan, "peak_mib": peak / 2**20,
+            "loss": float(out.loss), "threads": torch.get_num_threads()}
+
+
+def time_interleaved(points: list[dict]) -> list[float]:
+    """ms per step of each point, measured in THIS process with the variants alternating step by
+    step (so load from other processes hits all of them alike); min over ``repeat`` rounds."""
+    if points[0]["threads"]:
+        torch.set_num_threads(points[0]["threads"])
+    steps = []
+    for point in points:
+        drafter, head, inputs = build(point)
+        steps.append(step_fn(point, drafter, head, inputs))
+        steps[-1]()  # warm-up
+    best = [math.inf] * len(points)
+    for _ in range(points[0]["repeat"]):
+        for i, step in enumerate(steps):
+            if points[i]["device"] == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = step()
+            if points[i]["device"] == "cuda":
+                torch.cuda.synchronize()
+            else:
+                out.loss.item()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [1e3 * t for t in best]
+
+
+def run_point(point: dict) -> dict:
+    """``measure`` in a fresh subprocess (clean RSS high-water); OOM / crash reported, not raised."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashdraft.benchmarks.step", "--worker", json.dumps(point)],
+        capture_output=True, text=True, env={**os.environ},
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["killed"])[-1]
+        return {**point, "error": f"rc {proc.returncode}: {tail}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _point(args, seq, anchors, hidden, variant) -> dict:
+    return dict(
+        seq=seq, anchors=anchors, hidden=hidden, layers=args.layers, block=args.block, vocab=args.vocab,
+        batch=args.batch, taps=args.taps, chunk=args.chunk, anchors_per_microbatch=args.anchors_per_microbatch,
+        checkpointing=args.checkpointing, attention=args.attention, variant=variant, repeat=args.repeat,
+        threads=args.threads, device=args.device, dtype=args.dtype, head_dim=args.head_dim,
+        intermediate=args.intermediate or 3 * hidden,
+    )
+
+
+def useful_flops(p: dict) -> float:
+    """FLOPs the step NEEDS (forward + backward, the frozen LM head's weight gets no gradient):
+    each block attends only context j < anchor (S/2 on average) and its own bs slots.
+    Matmul FLOPs only (2 per multiply-add); backward = 2x forward for trained weights."""
+    h, s, n, bs, v, b = p["hidden"], p["seq"], p["anchors"], p["block"], p["vocab"], p["batch"]
+    heads = max(1, h // p["head_dim"])
+    hkv, d = max(1, heads // 4), h // heads
+    q = n * bs
+    per_layer = 2 * q * (2 * h * heads * d + 2 * h * hkv * d + 3 * h * p["intermediate"])  # projections + MLP
+    per_layer += 2 * 2 * q * heads * d * (s / 2 + bs)  # scores + values over the needed keys
+    per_layer += 2 * s * 2 * h * hkv * d  # context K/V
+    drafter = p["layers"] * per_layer + 2 * s * p["taps"] * h * h  # + fc fusion
+    head = 2 * q * h * v
+    return b * (3 * drafter + 2 * head)
+
+
+def _fmt(r: dict) -> str:
+    if "error" in r:
+        return f"{r['variant']:<9} ms_per_step=nan peak_mib=nan ({r['error']})"
+    return f"{r['variant']:<9} ms_per_step={r['ms_per_step']:.1f} peak_mib={r['peak_mib']:.1f}"
+
+
+def _slope(xs, ys) -> float:
+    """Least-squares slope of log(y) on log(x): time ~ x ** slope."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def run(args) -> int:
+    if args.worker:
+        print(json.dumps(measure(json.loads(args.worker))))
+        return 0
+    variants = [v for v in args.variants.split(",") if v]
+    single = any(x is not None for x in (args.seq, args.anchors, args.hidden))
+    if single:
+        grid = {"point": [(args.seq or 1024, args.anchors or 128, args.hidden or 256)]}
+    else:
+        grid = DEFAULT_GRID
+    print(f"drafter step (forward + backward): layers={args.layers} block={args.block} vocab={args.vocab} "
+          f"batch={args.batch} device={args.device} dtype={args.dtype} threads={args.threads or torch.get_num_threads()} "
+          f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
+    results, seen = [], {}
+    for sweep, points in grid.items():
+        if not single:
+            print(f"\n[{sweep} sweep]")
+        for seq, anchors, hidden in points:
+            print(f"seq={seq} anchors={anchors} hidden={hidden}", flush=True)
+            row = {}
+            for variant in variants:
+                key = (seq, anchors, hidden, variant)
+                if key not in seen:  # peak memory: fresh subprocess, one step
+                    seen[key] = run_point({**_point(args, seq, anchors, hidden, variant), "repeat": 0})
+                row[variant] = seen[key]
+            timed = [v for v in variants if "error" not in row[v] and "ms_min" not in row[v]]
+            if timed:  # time: in-process, variants alternating (shared hosts are noisy)
+                for v, ms in zip(timed, time_interleaved([_point(args, seq, anchors, hidden, v) for v in timed])):
+                    row[v]["ms_per_step"] = row[v]["ms_min"] = ms
+            for variant in variants:
+                results.append(row[variant])
+                print("  " + _fmt(row[variant]), flush=True)
+            f, ref = row.get("fast"), row.get("reference")
+            if f and "error" not in f:
+                tflops = useful_flops(f) / (f["ms_per_step"] * 1e-3) / 1e12
+                share = f" = {100 * tflops / args.peak_tflops:.1f}% of peak" if args.peak_tflops else ""
+                print(f"  fast achieved {tflops:.3f} TFLOP/s of needed work{share}", flush=True)
+            if f and ref and "error" not in f and "error" not in ref:
+                print(f"  speedup={ref['ms_per_step'] / f['ms_per_step']:.2f}x "
+                      f"memory_ratio={ref['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x", flush=True)
+        if sweep in ("seq", "anchors"):
+            field = "seq" if sweep == "seq" else "anchors"
+            for variant in variants:
+                ok = [seen[(s, a, h, variant)] for s, a, h in points if "error" not in seen[(s, a, h, variant)]]
+                if len(ok) >= 2:
+                    xs, ys = [r[field] for r in ok], [r["ms_per_step"] for r in ok]
+                    print(f"  cost growth {variant}: time ~ {field}^{_slope(xs, ys):.2f} "
+                          f"({ys[-1] / ys[0]:.2f}x time for {xs[-1] / xs[0]:.1f}x {field})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
