@@ -274,3 +274,44 @@ def block_loss(
     embeds = target.embed(blocks.input_ids).to(features.dtype)
     hidden = drafter(features, embeds, blocks.anchors, blocks.valid)
     return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer)
+
+
+def drafter_step(
+    drafter,
+    head_weight: torch.Tensor,
+    features: torch.Tensor,
+    block_embeds: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_size: int = 0,
+    anchors_per_microbatch: int = 0,
+    attention: str | None = None,
+) -> LossOutput:
+    """Forward AND backward of a single-process drafter step; gradients accumulate into .grad.
+
+    Shapes as in ``drafter.forward`` / ``dflash_loss``. With ``anchors_per_microbatch`` = m > 0
+    the N anchors run in slices of m (forward + backward each, so only one slice's activations
+    live at a time), every slice normalised by the WHOLE step's sum(w): loss and gradients
+    equal the one-pass step. The trainer does the same slicing (``Blocks.slices``) inside its
+    DDP no_sync logic. Returns a LossOutput whose loss is detached.
+    """
+    n = anchors.shape[1]
+    m = n if anchors_per_microbatch <= 0 else min(anchors_per_microbatch, n)
+    normalizer = weights.sum()
+    outs = []
+    for start in range(0, n, m):
+        part = slice(start, start + m)
+        hidden = drafter(features, block_embeds[:, part], anchors[:, part], valid[:, part], attention=attention)
+        out = dflash_loss(hidden, head_weight, labels[:, part], weights[:, part], chunk_size, normalizer)
+        out.loss.backward()
+        outs.append(out)
+    return LossOutput(
+        loss=torch.stack([o.loss.detach() for o in outs]).sum(),
+        correct=torch.cat([o.correct for o in outs], dim=1),
+        scored=weights > 0,
+        weight_sum=normalizer,
+        total=torch.stack([o.total for o in outs]).sum(),
+    )

@@ -34,7 +34,7 @@ def batch(target, drafter, lengths, num_anchors, seed=0, full_mask=False):
     loss_mask = loss_mask * (torch.arange(s) < lengths[:, None])
     with torch.no_grad():
         features = target.features(ids, (torch.arange(s) < lengths[:, None]).long())
-    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, g)
+    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
     bs = drafter.block_size
     labels, weights = block_labels_and_weights(ids, loss_mask, lengths, anchors, valid, bs, 3.0)
     embeds = target.embed(block_input_ids(ids, anchors, bs, MASK))
