@@ -14,6 +14,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
+    # Temporary name: the integrator wires this under `flashdraft bench pipeline`.
+    "bench-pipeline": ("flashdraft.benchmarks.pipeline", "benchmark: sequential vs pipelined stages (synthetic and real CPU)"),
 }
 
 

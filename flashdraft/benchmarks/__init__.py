@@ -1,0 +1,1 @@
+"""Benchmarks of flashdraft's hot paths (each module: add_arguments(parser), run(args))."""
