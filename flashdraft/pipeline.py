@@ -264,15 +264,18 @@ class _Meter:
             self.items += 1
             self.events.append((start, end))
 
-    def take(self) -> tuple[int, float]:
+    def totals(self) -> tuple[int, float]:
+        """(items, busy seconds) since the start; resolves pending CUDA events."""
         with self.lock:
-            items, busy, events = self.items, self.busy_s, list(self.events)
-            self.items, self.busy_s = 0, 0.0
+            events = list(self.events)
             self.events.clear()
         if events:
             events[-1][1].synchronize()  # deliberate sync: report time only
-            busy += sum(s.elapsed_time(e) for s, e in events) / 1e3
-        return items, busy
+            seconds = sum(s.elapsed_time(e) for s, e in events) / 1e3
+            with self.lock:
+                self.busy_s += seconds
+        with self.lock:
+            return self.items, self.busy_s
 
 
 @dataclass
@@ -332,8 +335,8 @@ class Pipeline:
         self._error_lock = threading.Lock()
         self._closed = False
         self._consumer_since: float | None = None
-        self._window_start = time.perf_counter()
-        self._waits0 = [(0.0, 0.0)] * len(self._channels)
+        self._started = self._window_start = time.perf_counter()
+        self._snapshot = [(0, 0.0)] * len(self._meters), [(0.0, 0.0)] * len(self._channels)
         self._setup_cuda()
         if threaded:
             self._start()
@@ -522,24 +525,25 @@ class Pipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def report(self, reset: bool = True) -> PipelineReport:
-        """Busy / starved / blocked per stage since the previous report (or the start).
+    def report(self, window: bool = True) -> PipelineReport:
+        """Busy / starved / blocked per stage: since the previous windowed report (window=True,
+        for periodic logs) or since the start (window=False, the whole run).
 
         Starved = waiting on the input channel; blocked = waiting on the full output channel.
         Call from the consumer's thread. On CUDA this waits for the last device-stage event."""
         now = time.perf_counter()
+        meters = [m.totals() for m in self._meters]
         waits = [(ch.put_wait_s, ch.get_wait_s) for ch in self._channels]
-        delta = [(p - p0, g - g0) for (p, g), (p0, g0) in zip(waits, self._waits0)]
-        names = [m.name for m in self._meters]
+        if window:
+            base_meters, base_waits = self._snapshot
+            start = self._window_start
+            self._snapshot, self._window_start = (meters, waits), now
+        else:
+            base_meters, base_waits, start = [(0, 0.0)] * len(meters), [(0.0, 0.0)] * len(waits), self._started
+        delta = [(p - p0, g - g0) for (p, g), (p0, g0) in zip(waits, base_waits)]
         reports = []
-        consumed = 0
-        for k, meter in enumerate(self._meters):
-            items, busy = meter.take() if reset else (meter.items, meter.busy_s)
+        for k, (meter, (items, busy), (items0, busy0)) in enumerate(zip(self._meters, meters, base_meters)):
             starved = delta[k - 1][1] if k > 0 else 0.0  # get-wait on the input channel
             blocked = delta[k][0] if k < len(self._channels) else 0.0  # put-wait on the output channel
-            reports.append(StageReport(names[k], items, busy, starved, blocked))
-            consumed = items
-        wall = now - self._window_start
-        if reset:
-            self._window_start, self._waits0 = now, waits
-        return PipelineReport(reports, wall, consumed, self.threaded)
+            reports.append(StageReport(meter.name, items - items0, busy - busy0, starved, blocked))
+        return PipelineReport(reports, now - start, reports[-1].items, self.threaded)

@@ -476,9 +476,7 @@ class Trainer:
             yield pipe, pool
         finally:
             pipe.close()
-            tail = pipe.report()
-            if tail.items or self.pipeline_report is None:
-                self.pipeline_report = tail
+            self.pipeline_report = pipe.report(window=False)  # the whole run's stage split
             self._pipe = None
 
     def _step_inputs(self, pool: BufferPool, num_steps: int):
