@@ -118,7 +118,7 @@ def run_synthetic(args) -> list[dict]:
 # ---- the real trainer on CPU ---------------------------------------------------------------
 
 
-def tiny_job(root: Path, *, layers: int = 8, hidden: int = 128, samples: int = 64, length: int = 256) -> Path:
+def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 64, length: int = 256) -> Path:
     """A random Qwen3-shaped target and a token dataset (random tokens: speed only, not quality)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -150,7 +150,7 @@ def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, c
     overrides = {
         "model.target": job / "target", "model.mask_token_id": 1023, "model.num_draft_layers": 1,
         "model.block_size": 8, "model.target_layer_ids": "[1,3,5,7]", "data.path": job / "data",
-        "data.token_budget": 1024, "data.max_batch_size": 4, "objective.num_anchors": 32,
+        "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
         "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
         "pipeline.capacity": capacity, "train.resume": "never",
@@ -168,8 +168,8 @@ def run_real(args) -> list[dict]:
     logging.getLogger("flashdraft").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         job = tiny_job(Path(tmp))
-        print(f"\nreal trainer on CPU: tiny Qwen3 target (8 layers, hidden 128, 4 taps), 1-layer drafter, "
-              f"4 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats}")
+        print(f"\nreal trainer on CPU: tiny Qwen3 target (8 layers, hidden 256, 4 taps), 1-layer drafter, "
+              f"8 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats}")
         for threads in [int(t) for t in args.threads.split(",")]:
             results = {}
             for enabled in (False, True):
