@@ -12,6 +12,8 @@ import importlib
 # name -> (module, one-line help)
 SUBBENCHES: dict[str, tuple[str, str]] = {
     "data": ("flashdraft.data.bench", "data path: seed-style HF dataset vs flashdraft shard (ready, gather+pad, plan, RSS)"),
+    "step": ("flashdraft.benchmarks.step", "drafter step: fast attention path vs dense-mask reference (time, peak memory)"),
+    "pipeline": ("flashdraft.benchmarks.pipeline", "pipelined vs sequential stages: synthetic costs and the real trainer"),
 }
 
 

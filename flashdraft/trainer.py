@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,13 @@ from flashdraft import distributed
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import Config, save_config
 from flashdraft.data.batching import BatchSampler
-from flashdraft.data.collate import CollateBuffers, pad_batch
+from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau, prompts_from_dataset, read_prompts
 from flashdraft.metrics import Progress, StageTimer, Throughput, format_line, open_metrics, peak_memory_bytes
 from flashdraft.objective import block_loss, default_gamma, make_blocks
+from flashdraft.pipeline import BufferPool, Pipeline, Stage
 from flashdraft.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,35 @@ def threading_main() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
+
+
+@dataclass
+class Micro:
+    """One micro-batch on its way through the stages. Iterates as ``(batch, sample_ids)``.
+
+    batch / sample_ids: host data (``batch`` is a view of a pooled CollateBuffers slot).
+    device_batch / device_ids / features: filled by the target stage (``Trainer.stage_target``).
+    """
+
+    batch: Batch
+    sample_ids: np.ndarray
+    device_batch: Batch | None = None
+    device_ids: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+
+    def __iter__(self):
+        return iter((self.batch, self.sample_ids))
+
+
+@dataclass
+class StepInput:
+    """What the data stage produces per optimizer step: ``grad_accum`` micro-batches, the
+    pooled buffer slot they live in, and the data cursor right after them (for checkpoints
+    taken while the data thread is already ahead)."""
+
+    micro: list[Micro]
+    slot: list[CollateBuffers]
+    sampler_state: dict
 
 
 @dataclass
@@ -230,7 +261,11 @@ class Trainer:
         self.timer = StageTimer(self.device)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else contextlib.nullcontext())
-        self.buffers = [CollateBuffers() for _ in range(cfg.train.grad_accum)]
+        # Serialises target forwards across threads: training forwards (target thread) vs eval
+        # (main thread). Its hooks are per-module, and Triton autotuners (fla) are not thread-safe.
+        self.target_lock = threading.Lock()
+        self._data_state: dict | None = None  # cursor after the last step TRAINED (not collated)
+        self.pipeline_report = None  # the last PipelineReport (per-stage busy/starved/blocked)
         self.history: list[dict] = []
         # Fault-injection tests pace the loop with this to kill it at a chosen moment.
         self._debug_step_sleep = float(os.environ.get("FLASHDRAFT_DEBUG_STEP_SLEEP", "0"))
@@ -243,7 +278,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "trainer": {"step": self.step, "skipped_steps": self.skipped_steps,
-                        "sampler": self.sampler.state_dict(), "world_size": self.dist.world_size},
+                        "sampler": self._data_state or self.sampler.state_dict(), "world_size": self.dist.world_size},
         }
 
     def save_checkpoint(self) -> Path:
@@ -268,6 +303,7 @@ class Trainer:
         trainer = parts["trainer"]
         self.step, self.skipped_steps = int(trainer["step"]), int(trainer["skipped_steps"])
         self.sampler.load_state_dict(trainer["sampler"])  # re-split when the world size changed
+        self._data_state = None
         if "rng" in parts and int(trainer["world_size"]) == self.dist.world_size:
             set_rng_state(parts["rng"])
         if self.dist.is_main:
@@ -289,12 +325,33 @@ class Trainer:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def train_step(self, micro: list[tuple[object, np.ndarray]], stats: StepStats) -> torch.Tensor:
-        """One optimizer step over micro-batches [(Batch, sample_ids)]; returns the grad norm (device)."""
-        cfg, bs = self.config, self.drafter.block_size
+    def stage_h2d(self, micro: list[Micro]) -> list[Micro]:
+        """Copy micro-batches to the device (non_blocking from pinned buffers). Any thread."""
         with self.timer.stage("h2d"):
-            batches = [b.to(self.device) for b, _ in micro]
-            ids = [torch.from_numpy(i).to(self.device, non_blocking=True) for _, i in micro]
+            for m in micro:
+                if m.device_batch is None:
+                    m.device_batch = m.batch.to(self.device)
+                    m.device_ids = torch.from_numpy(m.sample_ids).to(self.device, non_blocking=True)
+        return micro
+
+    def stage_target(self, micro: list[Micro]) -> list[Micro]:
+        """Stage 2: the frozen target's packed features per micro-batch. Any thread; never a
+        collective. Idempotent, so the sequential path calls it from train_step."""
+        self.stage_h2d(micro)
+        for m in micro:
+            if m.features is None:
+                with self.target_lock, self.timer.stage("target"):
+                    m.features = self.target.features(m.device_batch.input_ids, m.device_batch.attention_mask)
+        return micro
+
+    def train_step(self, micro: list[Micro], stats: StepStats) -> torch.Tensor:
+        """One optimizer step over micro-batches; returns the grad norm (device). Main thread.
+
+        Runs the target stage for micro-batches the pipeline has not already processed."""
+        cfg, bs = self.config, self.drafter.block_size
+        micro = self.stage_target(micro)
+        batches = [m.device_batch for m in micro]
+        ids = [m.device_ids for m in micro]
         blocks = [
             make_blocks(b.input_ids, b.loss_mask, b.lengths, block_size=bs, mask_token_id=self.drafter.mask_token_id,
                         num_anchors=cfg.objective.num_anchors, gamma=self.gamma,
@@ -307,13 +364,9 @@ class Trainer:
             normalizer = distributed.all_reduce(torch.stack([blk.weight_sum for blk in blocks]).sum(), "sum")
             normalizer = normalizer / self.dist.world_size
         # Gradients are all-reduced once, on the last backward of the step (DDP no_sync before).
-        pieces = [(batch, part) for batch, blk in zip(batches, blocks)
-                  for part in blk.slices(cfg.objective.anchors_per_microbatch)]
-        features, features_of = None, None
-        for i, (batch, part) in enumerate(pieces):
-            if batch is not features_of:
-                with self.timer.stage("target"):
-                    features, features_of = self.target.features(batch.input_ids, batch.attention_mask), batch
+        pieces = [(m, part) for m, blk in zip(micro, blocks) for part in blk.slices(cfg.objective.anchors_per_microbatch)]
+        for i, (m, part) in enumerate(pieces):
+            features = m.features
             last = i == len(pieces) - 1
             no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
             with no_sync:
@@ -323,6 +376,8 @@ class Trainer:
                 with self.timer.stage("backward"):  # includes DDP's overlapped gradient all-reduce
                     out.loss.backward()
             stats.add(out)
+        for m in micro:
+            m.features = None  # drop the references early: memory
         with self.timer.stage("optim"):
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
@@ -361,20 +416,17 @@ class Trainer:
         speed = Throughput()
         speed.update(self.step)
         stats = StepStats.zeros(self.drafter.block_size, self.device)
-        batches = iter(self.sampler)
         last_saved = self.step
         tokens = 0
         record: dict = {}
         self.drafter.train()
-        with GracefulStop() as stop:
-            while self.step < self.total_steps:
-                with self.timer.stage("data"):
-                    micro = []
-                    for k in range(cfg.train.grad_accum):
-                        _, _, idx = next(batches)
-                        micro.append((pad_batch(self.dataset, idx, buffers=self.buffers[k]), idx))
+        with GracefulStop() as stop, self._pipeline() as (pipe, pool):
+            for item in pipe:
+                micro = item.micro
                 tokens += sum(int(b.lengths.sum()) for b, _ in micro)  # host tensors: no device sync
                 grad_norm = self.train_step(micro, stats)
+                pool.release(item.slot)  # after the step: its event orders the slot's reuse after it
+                self._data_state = item.sampler_state
                 self.step += 1
                 self.timer.step_done()
                 if self._debug_step_sleep:
@@ -387,7 +439,8 @@ class Trainer:
                     record = self._log(stats, grad_norm, speed, metrics, progress)
                     stats = StepStats.zeros(self.drafter.block_size, self.device)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not done:
-                    self._eval(metrics, progress)
+                    with self.target_lock:  # the target thread waits: no concurrent target forwards
+                        self._eval(metrics, progress)
                     self.drafter.train()
                 stopping = bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item()) \
                     if self.dist.world_size > 1 else stop.requested
@@ -397,6 +450,7 @@ class Trainer:
                 if stopping:
                     progress.write(f"stopped by signal at step {self.step}; checkpoint saved")
                     break
+        self.sampler.load_state_dict(self._data_state)  # rewind the data thread's read-ahead
         final = {}
         if self.step >= self.total_steps:
             final = self._eval(metrics, progress)
@@ -408,12 +462,72 @@ class Trainer:
         metrics.close()
         return {**record, **final}
 
+    @contextlib.contextmanager
+    def _pipeline(self):
+        """The stages of the remaining steps: data (plan + collate into pooled pinned buffers),
+        target (H2D + frozen forward), and the drafter step = the caller's loop on this thread.
+
+        pipeline.enabled=false runs the same stages inline (the sequential baseline). Yields
+        (pipeline, buffer pool); closing joins every thread."""
+        cfg, pcfg = self.config, self.config.pipeline
+        threaded = pcfg.enabled
+        # One slot per step in flight: data filling + channel + target + channel + drafter.
+        num_slots = 2 * pcfg.capacity + 3 if threaded else 1
+        pool = BufferPool([[CollateBuffers() for _ in range(cfg.train.grad_accum)] for _ in range(num_slots)],
+                          self.device)
+        if threaded and self.step < self.total_steps:
+            self._warm_up_target()
+        pipe = Pipeline(self._step_inputs(pool, self.total_steps - self.step), [
+            Stage("target", self._target_stage, device=self.device, h2d=self._h2d_stage)],
+            capacity=pcfg.capacity, threaded=threaded, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
+        self._pipe = pipe
+        self._data_state = self.sampler.state_dict()  # before the data thread moves the sampler
+        try:
+            yield pipe, pool
+        finally:
+            pipe.close()
+            self.pipeline_report = pipe.report(window=False)  # the whole run's stage split
+            self._pipe = None
+
+    def _step_inputs(self, pool: BufferPool, num_steps: int):
+        """Stage 1 (data thread): plan + collate ``num_steps`` steps into pooled buffers."""
+        batches = iter(self.sampler)
+        for _ in range(num_steps):
+            slot = pool.acquire()
+            with self.timer.stage("data"):
+                micro = []
+                for k in range(self.config.train.grad_accum):
+                    _, _, idx = next(batches)
+                    micro.append(Micro(pad_batch(self.dataset, idx, buffers=slot[k]), idx))
+            yield StepInput(micro, slot, self.sampler.state_dict())
+
+    def _h2d_stage(self, item: StepInput) -> StepInput:
+        self.stage_h2d(item.micro)
+        return item
+
+    def _target_stage(self, item: StepInput) -> StepInput:
+        self.stage_target(item.micro)
+        return item
+
+    def _warm_up_target(self) -> None:
+        """One target forward on this thread before the target thread starts: kernel autotuning
+        (Triton / flash-linear-attention autotuners are not thread-safe) and lazy init happen
+        here, serially. Later forwards are also serialised by ``target_lock``."""
+        n = int(min(self.dataset.lengths.max(), 64))
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        with self.target_lock:
+            self.target.features(ids, torch.ones_like(ids))
+
     def _log(self, stats: StepStats, grad_norm, speed: Throughput, metrics, progress) -> dict:
         values = stats.reduce()  # deliberate sync: log time only
         timing = self.timer.summary()
+        pipe = {}
+        if getattr(self, "_pipe", None) is not None:
+            self.pipeline_report = self._pipe.report()  # per-stage busy/starved/blocked since the last log
+            pipe = self.pipeline_report.as_metrics()
         record = {**values, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                   "tokens_per_s": speed.tokens_per_s or 0.0, "s_per_step": speed.s_per_step or 0.0,
-                  "skipped_steps": self.skipped_steps, **timing.as_metrics()}
+                  "skipped_steps": self.skipped_steps, **timing.as_metrics(), **pipe}
         self.history.append({"step": self.step, **record})
         metrics.log(self.step, record)
         progress.write(format_line(

@@ -1,0 +1,126 @@
+"""GPU check of the pipeline (one prepared run, <= 8 minutes on one H200; NOT run yet).
+
+Trains a DFlash drafter against a random-weight Qwen3-0.6B-shaped target in bf16, sequential
+(pipeline.enabled=false) then pipelined, same seed and steps, and records per mode: steps/s,
+tokens/s, GPU busy share (nvidia-smi utilization sampled every 100 ms), the trainer's stage
+timing and the pipeline's busy / starved / blocked split with its bound; and whether the two
+modes gave the same losses. Writes JSON to $OUT/gpu_pipeline.json (or ./gpu_pipeline.json).
+
+    PYTHONPATH=. python benchmarks/gpu_pipeline.py [--steps 40] [--layers 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def gpu_sampler(stop: threading.Event, samples: list[float]) -> None:
+    """GPU utilization % every 100 ms (nvidia-smi: no extra Python dependency)."""
+    while not stop.is_set():
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=5).stdout
+            samples.append(float(out.strip().splitlines()[0]))
+        except Exception:  # noqa: BLE001 - utilization is best effort
+            return
+        stop.wait(0.1)
+
+
+def make_job(root: Path, layers: int, samples: int, length: int) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from flashdraft.data.shards import write_token_shard
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "target")
+    rng = np.random.default_rng(0)
+    mask = np.r_[np.zeros(length // 4), np.ones(length - length // 4)]
+    write_token_shard(root / "data", [(rng.integers(0, 150000, length), mask) for _ in range(samples)],
+                      vocab_size=151936)
+
+
+def run_mode(root: Path, enabled: bool, steps: int, layers: int) -> dict:
+    from flashdraft.config import load_config
+    from flashdraft.trainer import Trainer
+
+    stamps: list[float] = []
+
+    class Timed(Trainer):
+        def train_step(self, micro, stats):
+            norm = super().train_step(micro, stats)
+            stamps.append(time.perf_counter())
+            return norm
+
+    taps = [round(1 + i * (layers - 4) / 4) for i in range(5)]
+    overrides = {
+        "model.target": root / "target", "model.mask_token_id": 151669, "model.num_draft_layers": 5,
+        "model.block_size": 16, "model.target_layer_ids": json.dumps(taps), "data.path": root / "data",
+        "data.token_budget": 16384, "data.max_batch_size": 8, "objective.num_anchors": 512,
+        "train.max_steps": steps, "train.log_every": 10, "train.save_every": 0,
+        "train.output_dir": root / f"run_{enabled}", "train.resume": "never", "train.device": "cuda",
+        "pipeline.enabled": str(enabled).lower(),
+    }
+    trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
+    util: list[float] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=gpu_sampler, args=(stop, util), daemon=True)
+    sampler.start()
+    trainer.fit()
+    stop.set()
+    sampler.join(2)
+    skip = 5  # warm-up: allocator, cuBLAS handles, first-call overheads
+    rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
+    tokens_per_step = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch
+    report = trainer.pipeline_report
+    return {
+        "pipelined": enabled, "steps_per_s": rate, "tokens_per_s": rate * tokens_per_step,
+        "gpu_busy_share": (sum(util) / len(util) / 100) if util else None,
+        "losses": [h["loss"] for h in trainer.history if "loss" in h],
+        "stage_timing_last_log": {k: v for k, v in trainer.history[-1].items() if k.startswith("time/")},
+        "pipeline": {"bound": report.bound, "table": report.format(), **report.as_metrics()},
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--layers", type=int, default=28, help="target layers (Qwen3-0.6B: 28)")
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--length", type=int, default=2048)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this check needs a GPU"
+    out = Path(os.environ.get("OUT", "."))
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_job(root, args.layers, args.samples, args.length)
+        for enabled in (False, True):
+            torch.cuda.reset_peak_memory_stats()
+            results["pipelined" if enabled else "sequential"] = r = run_mode(root, enabled, args.steps, args.layers)
+            print(f"{'pipelined' if enabled else 'sequential'}: {r['steps_per_s']:.3f} steps/s, "
+                  f"{r['tokens_per_s']:.0f} tok/s, GPU busy {r['gpu_busy_share']}, {r['pipeline']['bound']}\n"
+                  f"{r['pipeline']['table']}", flush=True)
+    seq, pipe = results["sequential"], results["pipelined"]
+    results["speedup"] = pipe["steps_per_s"] / seq["steps_per_s"]
+    # bf16 on GPU: same seed and data, but kernels may differ in reduction order across streams.
+    results["max_loss_diff"] = max(abs(a - b) for a, b in zip(seq["losses"], pipe["losses"]))
+    (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=1))
+    print(f"speedup {results['speedup']:.2f}x, max loss diff {results['max_loss_diff']:.3g} -> {out / 'gpu_pipeline.json'}")
+
+
+if __name__ == "__main__":
+    main()

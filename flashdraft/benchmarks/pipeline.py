@@ -1,0 +1,234 @@
+"""`flashdraft bench pipeline`: does the pipeline overlap its stages? Measured, same run.
+
+Two parts, each run sequentially (``pipeline.enabled=false``: the same stages inline) and
+pipelined, back to back in one process:
+
+1. synthetic: three stages (data, target, drafter) of chosen costs (a, b, c) ms that do real
+   work for that long (``--work spin``: small torch matmuls, which release the GIL, until the
+   stage's time is up; ``--work sleep``: a stage that holds no CPU, like a thread waiting on a
+   GPU or on disk). Ideal pipelined rate = 1 / max(a, b, c), sequential = 1 / (a + b + c);
+   ``efficiency`` = pipelined / ideal.
+2. real: the actual Trainer with a tiny Qwen3-shaped target and a DFlash drafter on CPU,
+   sequential vs pipelined steps/s at the chosen intra-op thread counts, with the per-stage
+   busy / starved / blocked split and the bound.
+
+It also prints the storage a full feature cache would need (``--target`` / ``--data`` give the
+user's own model and dataset; otherwise the tiny job's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.metrics import format_bytes
+from flashdraft.pipeline import Pipeline, Stage
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--costs", default="10,30,20", help="synthetic stage costs a,b,c in ms (data,target,drafter)")
+    parser.add_argument("--work", default="spin,sleep", help="synthetic work kinds to run: spin, sleep (comma list)")
+    parser.add_argument("--items", type=int, default=60, help="items per synthetic run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
+    parser.add_argument("--capacity", type=int, default=2, help="channel capacity")
+    parser.add_argument("--real-steps", type=int, default=30, help="trainer steps per real run (0: skip the real part)")
+    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts for the real part")
+    parser.add_argument("--target", default="", help="a HF target dir, for the feature-cache size estimate")
+    parser.add_argument("--data", default="", help="training data, for the feature-cache size estimate")
+    parser.add_argument("--num-taps", type=int, default=5, help="tapped layers, for the feature-cache size estimate")
+    parser.add_argument("--json", default="", help="also write the results as JSON to this file")
+
+
+# ---- synthetic stages ----------------------------------------------------------------------
+
+
+def _work(kind: str, ms: float, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Occupy the calling thread for ``ms``: real tensor work (GIL released inside each op) or a sleep."""
+    end = time.perf_counter() + ms / 1e3
+    if kind == "sleep":
+        time.sleep(ms / 1e3)
+        return
+    a, b = scratch
+    while time.perf_counter() < end:
+        torch.mm(a, b)
+
+
+def synthetic(costs: tuple[float, float, float], kind: str, items: int, capacity: int, threaded: bool) -> dict:
+    """One run: items/s over the steady state (the first item's latency excluded)."""
+    scratch = [(torch.randn(96, 96), torch.randn(96, 96)) for _ in range(3)]  # one per stage: no sharing
+    a, b, c = costs
+
+    def source():
+        for i in range(items):
+            _work(kind, a, scratch[0])
+            yield i
+
+    def target(x):
+        _work(kind, b, scratch[1])
+        return x
+
+    stamps = []
+    with Pipeline(source(), [Stage("target", target)], capacity=capacity, threaded=threaded) as pipe:
+        for _ in pipe:
+            _work(kind, c, scratch[2])
+            stamps.append(time.perf_counter())
+    report = pipe.report(window=False)
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return {"items_per_s": rate, "bound": report.bound, "report": report}
+
+
+def run_synthetic(args) -> list[dict]:
+    costs = tuple(float(x) for x in args.costs.split(","))
+    if len(costs) != 3:
+        raise SystemExit("--costs needs three values a,b,c (ms)")
+    rows = []
+    torch.set_num_threads(1)  # each synthetic stage is one thread of work
+    for kind in [k.strip() for k in args.work.split(",") if k.strip()]:
+        seq = [synthetic(costs, kind, args.items, args.capacity, False) for _ in range(args.repeats)]
+        pipe = [synthetic(costs, kind, args.items, args.capacity, True) for _ in range(args.repeats)]
+        row = {
+            "work": kind, "costs_ms": costs,
+            "sequential_per_s": statistics.median(r["items_per_s"] for r in seq),
+            "pipelined_per_s": statistics.median(r["items_per_s"] for r in pipe),
+            "ideal_sequential_per_s": 1e3 / sum(costs), "ideal_per_s": 1e3 / max(costs),
+            "bound": pipe[-1]["bound"], "pipelined_runs": [round(r["items_per_s"], 2) for r in pipe],
+        }
+        row["efficiency"] = row["pipelined_per_s"] / row["ideal_per_s"]
+        rows.append(row)
+        print(f"\nsynthetic stages, work={kind}, costs (data, target, drafter) = {costs} ms, {args.items} items, "
+              f"median of {args.repeats}")
+        print(f"  sequential  {row['sequential_per_s']:7.2f} items/s   (1/(a+b+c) = {row['ideal_sequential_per_s']:.2f})")
+        print(f"  pipelined   {row['pipelined_per_s']:7.2f} items/s   (runs: {row['pipelined_runs']})")
+        print(f"  bound       {row['bound']}, ideal 1/max(a,b,c) = {row['ideal_per_s']:.2f} items/s")
+        print(f"  efficiency  {row['efficiency']:.3f}   (pipelined / ideal; acceptance >= 0.90)")
+        print("  last pipelined run's stage split (per item):")
+        print("    " + pipe[-1]["report"].format().replace("\n", "\n    "))
+    return rows
+
+
+# ---- the real trainer on CPU ---------------------------------------------------------------
+
+
+def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 64, length: int = 256) -> Path:
+    """A random Qwen3-shaped target and a token dataset (random tokens: speed only, not quality)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from flashdraft.data.shards import write_token_shard
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=1024, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=4096)
+    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
+    rng = np.random.default_rng(0)
+    mask = np.r_[np.zeros(length // 4), np.ones(length - length // 4)]
+    write_token_shard(root / "data", [(rng.integers(0, 1000, length), mask) for _ in range(samples)], vocab_size=1024)
+    return root
+
+
+def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int) -> dict:
+    from flashdraft.config import load_config
+    from flashdraft.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    stamps: list[float] = []
+
+    class Timed(Trainer):
+        def train_step(self, micro, stats):
+            norm = super().train_step(micro, stats)
+            stamps.append(time.perf_counter())
+            return norm
+
+    overrides = {
+        "model.target": job / "target", "model.mask_token_id": 1023, "model.num_draft_layers": 1,
+        "model.block_size": 8, "model.target_layer_ids": "[1,3,5,7]", "data.path": job / "data",
+        "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
+        "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
+        "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
+        "pipeline.capacity": capacity, "train.resume": "never",
+    }
+    trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
+    trainer.fit()
+    skip = min(3, steps // 3)  # warm-up steps (allocator, first-call overheads)
+    rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
+    tokens = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch  # mean tokens per step
+    return {"steps_per_s": rate, "tokens_per_s": rate * tokens, "report": trainer.pipeline_report}
+
+
+def run_real(args) -> list[dict]:
+    rows = []
+    logging.getLogger("flashdraft").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        job = tiny_job(Path(tmp))
+        print(f"\nreal trainer on CPU: tiny Qwen3 target (8 layers, hidden 256, 4 taps), 1-layer drafter, "
+              f"8 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats}")
+        for threads in [int(t) for t in args.threads.split(",")]:
+            results = {}
+            for enabled in (False, True):
+                runs = [real_run(job, Path(tmp) / f"run{enabled}{threads}{r}", steps=args.real_steps,
+                                 enabled=enabled, threads=threads, capacity=args.capacity) for r in range(args.repeats)]
+                results[enabled] = runs
+            row = {"threads": threads,
+                   "sequential_steps_per_s": statistics.median(r["steps_per_s"] for r in results[False]),
+                   "pipelined_steps_per_s": statistics.median(r["steps_per_s"] for r in results[True]),
+                   "sequential_runs": [round(r["steps_per_s"], 3) for r in results[False]],
+                   "pipelined_runs": [round(r["steps_per_s"], 3) for r in results[True]]}
+            seq_report, pipe_report = results[False][-1]["report"], results[True][-1]["report"]
+            row["bound"] = pipe_report.bound
+            row["ideal_steps_per_s"] = seq_report.ideal_items_per_s  # 1 / slowest stage, measured without overlap
+            row["speedup"] = row["pipelined_steps_per_s"] / row["sequential_steps_per_s"]
+            row["efficiency"] = row["pipelined_steps_per_s"] / row["ideal_steps_per_s"]
+            row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in results[True])
+            rows.append(row)
+            print(f"\n  torch threads {threads}: sequential {row['sequential_steps_per_s']:.3f} steps/s "
+                  f"{row['sequential_runs']}, pipelined {row['pipelined_steps_per_s']:.3f} steps/s "
+                  f"{row['pipelined_runs']}, speedup {row['speedup']:.2f}x")
+            print(f"  ideal (1/slowest stage, from the sequential split) {row['ideal_steps_per_s']:.3f} steps/s, "
+                  f"{row['bound']}, efficiency {row['efficiency']:.2f}")
+            print("  sequential stage split (last run):")
+            print("    " + seq_report.format().replace("\n", "\n    "))
+            print("  pipelined stage split (last run):")
+            print("    " + pipe_report.format().replace("\n", "\n    "))
+        cache = feature_cache_estimate(str(job / "target"), str(job / "data"), 4)
+        print(f"\n  full feature cache for the tiny job: {cache['human']} ({cache['tokens']} tokens x {cache['per_token']} B)")
+    return rows
+
+
+# ---- feature cache size --------------------------------------------------------------------
+
+
+def feature_cache_estimate(target: str, data: str, num_taps: int, dtype_bytes: int = 2) -> dict:
+    """Bytes a full cache of packed target features [tokens, K*H] would need (bf16 by default)."""
+    from transformers import AutoConfig
+
+    from flashdraft.data.dataset import open_dataset
+
+    hidden = int(AutoConfig.from_pretrained(target).hidden_size)
+    tokens = int(open_dataset(data, progress=False).lengths.sum())
+    per_token = num_taps * hidden * dtype_bytes
+    return {"tokens": tokens, "per_token": per_token, "bytes": tokens * per_token,
+            "human": format_bytes(tokens * per_token)}
+
+
+def run(args) -> int:
+    torch.manual_seed(0)
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, cuda {torch.cuda.is_available()}")
+    results = {"synthetic": run_synthetic(args)}
+    if args.real_steps:
+        results["real"] = run_real(args)
+    if args.target and args.data:
+        est = feature_cache_estimate(args.target, args.data, args.num_taps)
+        results["feature_cache"] = est
+        print(f"\nfull feature cache for {args.data} with {args.target} ({args.num_taps} taps, bf16): {est['human']} "
+              f"({est['tokens']} tokens x {est['per_token']} B); set pipeline.feature_cache_bytes accordingly")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0

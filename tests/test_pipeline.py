@@ -1,0 +1,274 @@
+"""The pipeline engine: channels, cancellation, failures from every stage, no leaked threads,
+and the pipelined trainer's equivalence with the sequential one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from flashdraft.checkpoint import CheckpointManager
+from flashdraft.config import load_config
+from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage
+from flashdraft.trainer import Trainer
+from test_trainer import overrides, tiny_job  # noqa: F401  (fixture)
+
+
+def pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("flashdraft-") and t.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    yield
+    deadline = time.monotonic() + 2
+    while pipeline_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pipeline_threads() == []
+
+
+# ---- channels ------------------------------------------------------------------------------
+
+
+def test_channel_is_bounded_fifo_and_close_drains():
+    ch = Channel(2)
+    ch.put(1)
+    ch.put(2)
+    blocked = threading.Event()
+
+    def producer():
+        blocked.set()
+        ch.put(3)  # blocks until a get
+
+    t = threading.Thread(target=producer)
+    t.start()
+    blocked.wait()
+    time.sleep(0.05)
+    assert len(ch) == 2 and t.is_alive()
+    assert ch.get() == 1
+    t.join(2)
+    assert not t.is_alive() and ch.put_wait_s > 0
+    ch.close()
+    assert [ch.get(), ch.get()] == [2, 3]
+    with pytest.raises(ChannelClosed):
+        ch.get()
+    with pytest.raises(ChannelClosed):
+        ch.put(4)
+
+
+@pytest.mark.parametrize("side", ["put", "get"])
+def test_cancel_wakes_a_blocked_producer_or_consumer(side):
+    ch = Channel(1)
+    if side == "put":
+        ch.put(0)  # full: the next put blocks (a full channel whose consumer is dead)
+    raised = []
+
+    def waiter():
+        try:
+            ch.put(1) if side == "put" else ch.get()
+        except Cancelled:
+            raised.append(True)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    ch.cancel()
+    t.join(2)
+    assert not t.is_alive() and raised == [True] and time.monotonic() - t0 < 1
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_items_flow_in_order_through_every_stage(threaded):
+    stages = [Stage("double", lambda x: 2 * x), Stage("inc", lambda x: x + 1)]
+    with Pipeline(range(50), stages, capacity=2, threaded=threaded) as pipe:
+        out = list(pipe)
+    assert out == [2 * i + 1 for i in range(50)]
+    report = pipe.report()
+    assert [s.name for s in report.stages] == ["data", "double", "inc", "drafter"]
+    assert report.items == 50
+
+
+def _source_fails():
+    yield 1
+    raise KeyError("bad sample 7")
+
+
+def _stage_fails(x):
+    if x == 3:
+        raise ValueError("target exploded on item 3")
+    return x
+
+
+@pytest.mark.parametrize("where", ["source", "stage"])
+def test_a_failing_stage_reaches_the_consumer_with_its_traceback(where):
+    source = _source_fails() if where == "source" else iter(range(100))
+    expected = KeyError if where == "source" else ValueError
+    pipe = Pipeline(source, [Stage("target", _stage_fails)], capacity=2)
+    t0 = time.monotonic()
+    with pytest.raises(expected) as info:
+        with pipe:
+            for _ in pipe:
+                pass
+    assert time.monotonic() - t0 < 2
+    text = "".join(traceback.format_exception(info.value))
+    assert ("_source_fails" if where == "source" else "_stage_fails") in text  # the stage's own frames
+    assert "raised in pipeline stage" in text
+    assert pipe.alive_threads() == []
+
+
+def test_consumer_failure_or_early_exit_does_not_hang_blocked_producers():
+    produced = []
+
+    def source():
+        for i in range(10_000):
+            produced.append(i)
+            yield i
+
+    pipe = Pipeline(source(), [Stage("target", lambda x: x)], capacity=1, join_timeout_s=2)
+    with pytest.raises(RuntimeError, match="drafter died"):
+        with pipe:
+            for item in pipe:
+                time.sleep(0.1)  # let every producer fill its channel and block
+                raise RuntimeError("drafter died")
+    assert pipe.alive_threads() == []
+    assert len(produced) < 10  # bounded read-ahead, not the whole source
+
+
+def test_buffer_pool_blocks_until_release_and_cancels():
+    pool = BufferPool(["a"])
+    assert pool.acquire() == "a"
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire()))
+    t.start()
+    time.sleep(0.05)
+    assert got == []
+    pool.release("a")
+    t.join(2)
+    assert got == ["a"]
+    t = threading.Thread(target=lambda: pytest.raises(Cancelled, pool.acquire))
+    t.start()
+    pool.cancel()
+    t.join(2)
+    assert not t.is_alive()
+    pool.release("a")  # after cancel: silently ignored, never masks the real error
+
+
+def test_synthetic_stages_overlap_and_the_report_names_the_bound():
+    """Sleep-based stages (they hold no CPU, so this is robust on a loaded machine)."""
+    def work(ms):
+        def fn(x):
+            time.sleep(ms / 1e3)
+            return x
+        return fn
+
+    def source(n, ms):
+        for i in range(n):
+            time.sleep(ms / 1e3)
+            yield i
+
+    walls = {}
+    for threaded in (False, True):
+        t0 = time.perf_counter()
+        with Pipeline(source(20, 10), [Stage("target", work(30))], capacity=2, threaded=threaded) as pipe:
+            for _ in pipe:
+                time.sleep(0.02)
+        walls[threaded] = time.perf_counter() - t0
+        report = pipe.report()
+        assert report.bound == "target-bound"
+        assert report.slowest.busy_ms_per_item >= 29
+    # sequential ~ 20 * 60 ms, pipelined ~ 20 * 30 ms: demand only a clear win (no flaky ratio)
+    assert walls[True] < 0.8 * walls[False]
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+
+
+def _weights(trainer: Trainer) -> dict:
+    return {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+
+
+def test_pipelined_trainer_equals_sequential(tiny_job, tmp_path):  # noqa: F811
+    runs = {}
+    for enabled in (False, True):
+        cfg = load_config(overrides=overrides(tiny_job, tmp_path / str(enabled), train__max_steps=6,
+                                              train__grad_accum=2, pipeline__enabled=str(enabled).lower()))
+        trainer = Trainer(cfg)
+        trainer.fit()
+        runs[enabled] = ([h["loss"] for h in trainer.history if "loss" in h], _weights(trainer), trainer)
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 6
+    for name, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], value), name
+    report = runs[True][2].pipeline_report
+    assert report.threaded and [s.name for s in report.stages] == ["data", "target", "drafter"]
+    assert report.bound.endswith("-bound")
+
+
+class Faulty(Trainer):
+    """Raises in one stage at step 3 (after the step-2 checkpoint)."""
+
+    fail_in = ""
+    raised_at = 0.0
+
+    def _boom(self, where):
+        Faulty.raised_at = time.monotonic()
+        raise RuntimeError(f"injected {where} failure")
+
+    def _step_inputs(self, pool, num_steps):
+        for n, item in enumerate(super()._step_inputs(pool, num_steps)):
+            if self.fail_in == "data" and n == 5:
+                while self.step < 3:  # the data thread runs ahead: fail once step 2 is checkpointed
+                    time.sleep(0.005)
+                self._boom("data")
+            yield item
+
+    def _target_stage(self, item):
+        if self.fail_in == "target" and self._target_calls == 3:
+            self._boom("target")
+        self._target_calls += 1
+        return super()._target_stage(item)
+
+    def train_step(self, micro, stats):
+        if self.fail_in == "drafter" and self.step == 3:
+            self._boom("drafter")
+        return super().train_step(micro, stats)
+
+
+@pytest.mark.parametrize("stage", ["data", "target", "drafter"])
+def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage):  # noqa: F811
+    out = tmp_path / "run"
+    trainer = Faulty(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, train__save_every=2)))
+    trainer.fail_in, trainer._target_calls = stage, 0
+    with pytest.raises(RuntimeError, match=f"injected {stage} failure") as info:
+        trainer.fit()
+    assert time.monotonic() - Faulty.raised_at < 2
+    assert "_boom" in "".join(traceback.format_exception(info.value))
+    assert pipeline_threads() == []
+    loaded = CheckpointManager(out / "checkpoints").load_latest()
+    # The newest checkpoint written before the failure loads (its manifest verifies).
+    assert loaded is not None and loaded.step == trainer.step - trainer.step % 2 >= 2
+
+
+def test_sigterm_stops_the_pipeline_and_writes_the_final_checkpoint(tiny_job, tmp_path):  # noqa: F811
+    class Signalled(Trainer):
+        def train_step(self, micro, stats):
+            if self.step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled on this (main) thread
+            return super().train_step(micro, stats)
+
+    out = tmp_path / "run"
+    trainer = Signalled(load_config(overrides=overrides(tiny_job, out, train__max_steps=20)))
+    trainer.fit()
+    assert trainer.step == 3 and pipeline_threads() == []
+    loaded = CheckpointManager(out / "checkpoints").load_latest()
+    assert loaded.step == 3
+    # The cursor is the one after step 3, not where the data thread had read ahead to.
+    assert loaded.parts["trainer"]["sampler"]["consumed"] == 3
