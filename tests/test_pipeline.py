@@ -232,6 +232,8 @@ class Faulty(Trainer):
 
     def _target_stage(self, item):
         if self.fail_in == "target" and self._target_calls == 3:
+            while self.step < 3:  # the target thread runs ahead too: fail once step 2 is checkpointed
+                time.sleep(0.005)
             self._boom("target")
         self._target_calls += 1
         return super()._target_stage(item)
