@@ -37,6 +37,8 @@ class ModelConfig:
         _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
         _check(self.dtype in ("auto", "bfloat16", "float32", "float16"), "model.dtype", self.dtype,
                "use one of auto, bfloat16, float32, float16")
+        _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
+               "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
@@ -129,6 +131,14 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        # Cross-section checks; each section validated its own fields already.
+        if self.data.min_supervised is None:
+            need = 2 * self.model.block_size
+            _check(self.data.max_length >= need, "data.max_length", f"{self.data.max_length}",
+                   f"every sample needs 2 * model.block_size = {need} supervised tokens (DFlash's filter), so use "
+                   f"data.max_length >= {need}, or set data.min_supervised explicitly")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

@@ -15,6 +15,7 @@ default TORCH_NCCL_ASYNC_ERROR_HANDLING=3 then tears the process down, which tor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -167,6 +168,18 @@ def barrier() -> None:
             tdist.barrier()
     except RuntimeError as exc:
         raise _fail("barrier", exc) from exc
+
+
+@contextlib.contextmanager
+def collective_errors(op: str):
+    """Turn a torch.distributed failure inside the block (e.g. DDP's all-reduce in backward)
+    into :class:`CollectiveError` naming ``op``. Other errors pass through unchanged."""
+    try:
+        yield
+    except tdist.DistError as exc:
+        if not _active():
+            raise
+        raise _fail(op, exc) from exc
 
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}

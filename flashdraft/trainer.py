@@ -200,12 +200,10 @@ class Trainer:
                        min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
-        longest = int(self.dataset.lengths.max()) if len(self.dataset) else 0
-        if longest > cfg.data.token_budget:
-            raise ValueError(
-                f"data.token_budget={cfg.data.token_budget} is smaller than the longest sample ({longest} tokens after "
-                f"truncation to data.max_length={cfg.data.max_length}); raise data.token_budget or lower data.max_length"
-            )
+        self._check_lengths(self.dataset)
+        if self.eval_dataset is not None:  # found now, not at the first eval hours later
+            self._check_lengths(self.eval_dataset)
+        self.eval_prompt_ids = self._load_eval_prompts()
         self.sampler = BatchSampler(
             self.dataset.lengths, token_budget=cfg.data.token_budget, max_batch_size=cfg.data.max_batch_size,
             seed=cfg.train.seed, rank=self.dist.rank, world_size=self.dist.world_size,
@@ -228,6 +226,39 @@ class Trainer:
         self.history: list[dict] = []
         # Fault-injection tests pace the loop with this to kill it at a chosen moment.
         self._debug_step_sleep = float(os.environ.get("FLASHDRAFT_DEBUG_STEP_SLEEP", "0"))
+
+    def _check_lengths(self, dataset) -> None:
+        """Start-up refusal of samples no batch (or no target position) can hold."""
+        cfg = self.config
+        longest = int(dataset.lengths.max()) if len(dataset) else 0
+        if longest > cfg.data.token_budget:
+            raise ValueError(
+                f"{dataset.report.source}: data.token_budget={cfg.data.token_budget} is smaller than the longest sample "
+                f"({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
+                f"data.token_budget to at least {longest} or lower data.max_length to {cfg.data.token_budget}"
+            )
+        max_pos = getattr(self.target.config, "max_position_embeddings", None)
+        if max_pos and longest > max_pos:
+            raise ValueError(
+                f"{dataset.report.source}: samples of up to {longest} tokens exceed the target's "
+                f"max_position_embeddings={max_pos}; lower data.max_length to {max_pos} (longer samples are truncated)"
+            )
+
+    def _load_eval_prompts(self) -> list[list[int]]:
+        """Held-out prompts for tau, read and checked at start-up (not at the first eval)."""
+        cfg = self.config
+        if cfg.data.eval_prompts:
+            prompts = read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
+        elif self.eval_dataset is not None:
+            prompts = prompts_from_dataset(self.eval_dataset, cfg.train.eval_prompts)
+        else:
+            return []
+        vocab = int(self.target.config.vocab_size)
+        for n, ids in enumerate(prompts):
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"{cfg.data.eval_prompts or cfg.data.eval_path}: prompt {n} has token ids outside "
+                                 f"[0, {vocab}) (the target's vocabulary); re-tokenize it with the target's tokenizer")
+        return prompts
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -256,7 +287,12 @@ class Trainer:
             return False
         self._check_compatible(loaded.config or {})
         parts = loaded.parts
-        self.drafter.load_state_dict(parts["drafter"])
+        try:
+            self.drafter.load_state_dict(parts["drafter"])
+        except RuntimeError as exc:  # e.g. another target (hidden size) behind the same model.target path
+            raise ValueError(f"cannot resume from {self.checkpoints.root}: its drafter does not fit "
+                             f"this target/config ({str(exc).splitlines()[0]} ...); use the target it was trained "
+                             "with, or start a fresh run with another train.output_dir (or train.resume=never)") from None
         self.optimizer.load_state_dict(parts["optimizer"])
         self.scheduler.load_state_dict(parts["scheduler"])
         trainer = parts["trainer"]
@@ -300,6 +336,7 @@ class Trainer:
             # same gradient; DDP averages over ranks, hence the world_size factor.
             normalizer = distributed.all_reduce(torch.stack([blk.weight_sum for blk in blocks]).sum(), "sum")
             normalizer = normalizer / self.dist.world_size
+        outs, checks = [], []
         for i, (batch, blk) in enumerate(zip(batches, blocks)):
             with self.timer.stage("target"):
                 features = self.target.features(batch.input_ids, batch.attention_mask)
@@ -309,26 +346,49 @@ class Trainer:
                 with self.timer.stage("drafter"), self.autocast:
                     out = block_loss(self.model, self.target, features, blk,
                                      chunk_size=cfg.objective.loss_chunk_size, normalizer=normalizer)
-                with self.timer.stage("backward"):  # includes DDP's overlapped gradient all-reduce
+                # includes DDP's overlapped gradient all-reduce: a dead peer surfaces here
+                with self.timer.stage("backward"), distributed.collective_errors("DDP gradient all-reduce (backward)"):
                     out.loss.backward()
-            stats.add(out)
+            outs.append(out)
+            # Device-side, read only when the step turns out non-finite: which samples' target
+            # features were non-finite, and whether this micro-batch's loss was.
+            checks.append((torch.isfinite(features).flatten(1).all(1), torch.isfinite(out.total)))
         with self.timer.stage("optim"):
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
-            # Deliberate sync: never let a non-finite gradient into the weights.
-            if torch.isfinite(grad_norm).item():
+            bad = (~torch.isfinite(grad_norm) | ~torch.stack([loss_ok for _, loss_ok in checks]).all()).float()
+            # All ranks must agree to skip (a local NaN loss need not reach every rank's gradients).
+            # Deliberate sync: never let a non-finite loss or gradient into the weights.
+            if distributed.all_reduce(bad, "max").item() == 0:
                 self.optimizer.step()
+                for out in outs:  # a skipped step's NaNs stay out of the logged loss too
+                    stats.add(out)
             else:
-                self._nonfinite(micro, grad_norm)
+                self._nonfinite(micro, grad_norm, checks)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         return grad_norm
 
-    def _nonfinite(self, micro, grad_norm) -> None:
+    def _nonfinite(self, micro, grad_norm, checks) -> None:
+        """Count a skipped step and say where the non-finite values came from; raise past the limit."""
         self.skipped_steps += 1
-        samples = np.concatenate([i for _, i in micro]).tolist()
-        msg = (f"step {self.step}: non-finite gradient norm ({float(grad_norm)}) on rank {self.dist.rank}; step "
-               f"skipped ({self.skipped_steps} so far); samples {samples[:16]}{'...' if len(samples) > 16 else ''}")
+        rows = [self.dataset.source_index[i] for _, i in micro]  # rows of the source file, not plan indices
+        stage = None
+        for k, (features_ok, loss_ok) in enumerate(checks):
+            bad = rows[k][~features_ok.cpu().numpy()]
+            if len(bad):
+                stage = (f"target forward: non-finite target features for samples {bad[:16].tolist()} of "
+                         f"{self.dataset.report.source} (micro-batch {k}); check those samples and the target's weights")
+                break
+        if stage is None:
+            bad_loss = [k for k, (_, loss_ok) in enumerate(checks) if not bool(loss_ok)]
+            stage = (f"drafter forward: non-finite loss in micro-batch {bad_loss[0]} (features were finite)"
+                     if bad_loss else "backward: non-finite gradients (loss and features were finite)"
+                     if not torch.isfinite(grad_norm) else "on another rank (this rank's loss and gradients were finite)")
+        samples = np.concatenate(rows).tolist()
+        msg = (f"step {self.step}: non-finite values on rank {self.dist.rank} (grad norm {float(grad_norm)}), "
+               f"stage {stage}; step skipped, weights unchanged ({self.skipped_steps} skipped so far); batch samples "
+               f"{samples[:16]}{'...' if len(samples) > 16 else ''}")
         if self.skipped_steps > self.config.train.max_nonfinite_steps:
             raise FloatingPointError(
                 msg + f". More than train.max_nonfinite_steps={self.config.train.max_nonfinite_steps} skipped: "
@@ -355,6 +415,7 @@ class Trainer:
         tokens = 0
         record: dict = {}
         self.drafter.train()
+        stopping = False
         with GracefulStop() as stop:
             while self.step < self.total_steps:
                 with self.timer.stage("data"):
@@ -375,24 +436,27 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0 or done:
                     record = self._log(stats, grad_norm, speed, metrics, progress)
                     stats = StepStats.zeros(self.drafter.block_size, self.device)
-                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not done:
-                    self._eval(metrics, progress)
-                    self.drafter.train()
+                # Agreed before the periodic eval, so a stop request never waits for an eval.
                 stopping = bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item()) \
                     if self.dist.world_size > 1 else stop.requested
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not done and not stopping:
+                    self._eval(metrics, progress)
+                    self.drafter.train()
                 if stopping or (cfg.train.save_every and self.step % cfg.train.save_every == 0 and not done):
                     self.save_checkpoint()
                     last_saved = self.step
                 if stopping:
                     progress.write(f"stopped by signal at step {self.step}; checkpoint saved")
                     break
-        final = {}
-        if self.step >= self.total_steps:
-            final = self._eval(metrics, progress)
-            if last_saved != self.step:
-                self.save_checkpoint()
-            if main:
-                self.drafter.save_pretrained(self.output / "drafter")
+            # Still under GracefulStop: a SIGTERM during the final eval/save must not kill the save.
+            final = {}
+            if self.step >= self.total_steps:
+                if not stopping:  # a stop request skips the (possibly long) final eval
+                    final = self._eval(metrics, progress)
+                if last_saved != self.step:
+                    self.save_checkpoint()
+                if main:
+                    self.drafter.save_pretrained(self.output / "drafter")
         progress.close()
         metrics.close()
         return {**record, **final}
@@ -422,7 +486,7 @@ class Trainer:
             cfg = self.config
             if self.eval_dataset is not None:
                 result.update(self.eval_loss())
-            prompts = self._eval_prompts()
+            prompts = self.eval_prompt_ids
             if prompts:
                 with self.autocast:
                     report = evaluate_tau(self.target, self.drafter, prompts,
@@ -436,14 +500,6 @@ class Trainer:
                     f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float)))
         distributed.barrier()
         return result
-
-    def _eval_prompts(self) -> list[list[int]]:
-        cfg = self.config
-        if cfg.data.eval_prompts:
-            return read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
-        if self.eval_dataset is not None:
-            return prompts_from_dataset(self.eval_dataset, cfg.train.eval_prompts)
-        return []
 
     def eval_loss(self, max_batches: int = 8) -> dict:
         """Weighted CE / accuracy / simulated tau on the held-out set (fixed anchors: seed 0)."""
