@@ -118,7 +118,7 @@ def test_sigterm_during_the_final_eval_still_saves_and_exits_0(tiny_job, tmp_pat
     (default SIGTERM action) before the final checkpoint."""
     out = tmp_path / "run"
     args = overrides(tiny_job, out, train__max_steps=2, data__eval_prompts=tiny_job / "prompts.jsonl",
-                     train__eval_max_new_tokens=200)  # a final eval long enough to be hit
+                     train__eval_max_new_tokens=120)  # a final eval long enough to be hit
     pid, log = _spawn_train(trainer_forkserver, args, sleep=0)
     _wait_for(lambda: _last_step(out) >= 2, 120, "the last step", log)
     os.kill(pid, signal.SIGTERM)
@@ -166,6 +166,7 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
             verify_checkpoint(p)
         if code == 0:  # finished before this kill: nothing left to interrupt
             break
+    print("kill moments (kind, exit code, mid-write):", moments)
     assert any(kind == "write" and mid_write for kind, _, mid_write in moments), \
         f"no kill landed during a checkpoint write: {moments}"
     newest = CheckpointManager(ckpts).latest_complete()
