@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -176,10 +177,15 @@ def collective_errors(op: str):
     into :class:`CollectiveError` naming ``op``. Other errors pass through unchanged."""
     try:
         yield
-    except tdist.DistError as exc:
-        if not _active():
+    except RuntimeError as exc:
+        # DDP's reducer re-raises gloo/NCCL failures as plain RuntimeError; recognise them by the
+        # backend's wording so that real bugs (shape errors, OOM) are never relabelled.
+        if not _active() or not (isinstance(exc, tdist.DistError) or _COMM_FAILURE.search(str(exc))):
             raise
         raise _fail(op, exc) from exc
+
+
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed out|ProcessGroup", re.IGNORECASE)
 
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}

@@ -192,8 +192,10 @@ class Trainer:
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
         self.model = self.drafter
         if self.dist.world_size > 1:
+            # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
+            # them would add a collective to every forward.
             self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                             gradient_as_bucket_view=True)
+                             gradient_as_bucket_view=True, broadcast_buffers=False)
 
         min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * bs
         open_kw = dict(vocab_size=self.target.config.vocab_size, max_length=cfg.data.max_length,
@@ -343,7 +345,7 @@ class Trainer:
             last = i == len(batches) - 1
             no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
             with no_sync:
-                with self.timer.stage("drafter"), self.autocast:
+                with self.timer.stage("drafter"), self.autocast, distributed.collective_errors("DDP forward"):
                     out = block_loss(self.model, self.target, features, blk,
                                      chunk_size=cfg.objective.loss_chunk_size, normalizer=normalizer)
                 # includes DDP's overlapped gradient all-reduce: a dead peer surfaces here

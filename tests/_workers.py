@@ -200,6 +200,9 @@ def train_rank_fails(overrides_json: str, how: str, at_step: str, mark: str) -> 
     try:
         train(load_config(overrides=json.loads(overrides_json)))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        traceback.print_exc()
         err = f"{type(exc).__name__}: {exc}"
     result({"rank": rank, "error": err, "exit_time": time.time()})
     os._exit(0 if err is None else 1)
