@@ -133,6 +133,9 @@ class BatchSampler:
         self.rank, self.world_size, self.num_epochs = rank, world_size, num_epochs
         self.epoch = 0
         self.consumed = 0  # global plan entries of self.epoch already yielded (all ranks)
+        # How this epoch's consumed entries were consumed: [(entries, world_size)] per run segment.
+        # The remainder rule reorders entries per world size, so resuming must rebuild that order.
+        self._segments: list[tuple[int, int]] = []
         self.dropped: dict[int, int] = {}  # epoch -> samples dropped by the remainder rule
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
         self._num_global = len(self._plan(0))
@@ -145,8 +148,19 @@ class BatchSampler:
         return self._plan_cache[1]
 
     def _steps(self, epoch: int, consumed: int) -> list[list[np.ndarray]]:
-        """Remaining global steps of ``epoch`` from cursor ``consumed``: lists of world_size batches."""
-        remaining, dropped = split_for_ranks(self._plan(epoch)[consumed:], self.world_size)
+        """Remaining global steps of ``epoch`` from cursor ``consumed``: lists of world_size batches.
+
+        The entries already consumed are those the earlier run segments went through, in the
+        order their own world size's remainder rule gave them (``_segments``); the rest is split
+        for this world size.
+        """
+        ordered, pos = self._plan(epoch), 0
+        for entries, world in self._segments:
+            ordered = ordered[:pos] + split_for_ranks(ordered[pos:], world)[0]
+            pos += entries
+        if pos != consumed:
+            raise ValueError(f"data cursor consumed={consumed} disagrees with its segments {self._segments}")
+        remaining, dropped = split_for_ranks(ordered[consumed:], self.world_size)
         if dropped:
             self.dropped[epoch] = dropped
             log.warning("epoch %d: dropped %d samples -- the last batches held fewer samples than world_size=%d "
@@ -171,24 +185,26 @@ class BatchSampler:
 
     def __iter__(self):
         while self.num_epochs is None or self.epoch < self.num_epochs:
-            epoch, start = self.epoch, self.consumed
+            epoch, start, before = self.epoch, self.consumed, list(self._segments)
             steps = self._steps(epoch, start)
             for s, batches in enumerate(steps):
                 last = s == len(steps) - 1
                 # Advance the cursor before yielding, so state_dict() taken after this batch resumes after it.
                 if last:
-                    self.epoch, self.consumed = epoch + 1, 0
+                    self.epoch, self.consumed, self._segments = epoch + 1, 0, []
                 else:
                     self.consumed = start + (s + 1) * self.world_size
+                    self._segments = before + [(self.consumed - start, self.world_size)]
                 yield epoch, start // self.world_size + s, batches[self.rank]
             if not steps:
-                self.epoch, self.consumed = epoch + 1, 0
+                self.epoch, self.consumed, self._segments = epoch + 1, 0, []
 
     def __len__(self) -> int:
         return self.batches_per_epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
+        return {"epoch": self.epoch, "consumed": self.consumed, "segments": [list(x) for x in self._segments],
+                "seed": self.seed,
                 "token_budget": self.token_budget, "max_batch_size": self.max_batch_size,
                 "num_samples": len(self.lengths)}
 
@@ -203,3 +219,8 @@ class BatchSampler:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         if not 0 <= self.consumed <= self._num_global:
             raise ValueError(f"data cursor consumed={self.consumed} outside [0, {self._num_global}]")
+        # Cursors without segments (older checkpoints) were made at this world size.
+        segments = state.get("segments", [[self.consumed, self.world_size]] if self.consumed else [])
+        self._segments = [(int(n), int(w)) for n, w in segments]
+        if sum(n for n, _ in self._segments) != self.consumed:
+            raise ValueError(f"data cursor consumed={self.consumed} disagrees with its segments {segments}")
