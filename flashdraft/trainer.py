@@ -10,6 +10,7 @@ never enters a collective.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -225,7 +226,9 @@ class Trainer:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else contextlib.nullcontext())
         self.buffers = [CollateBuffers() for _ in range(cfg.train.grad_accum)]
-        self.history: list[dict] = []
+        # Recent metric records for callers and tests; bounded so a days-long run's memory stays flat
+        # (metrics.jsonl holds them all).
+        self.history: collections.deque[dict] = collections.deque(maxlen=1000)
         # Fault-injection tests pace the loop with this to kill it at a chosen moment.
         self._debug_step_sleep = float(os.environ.get("FLASHDRAFT_DEBUG_STEP_SLEEP", "0"))
 
