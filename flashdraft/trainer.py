@@ -385,11 +385,13 @@ class Trainer:
                 stage = (f"target forward: non-finite target features for samples {bad[:16].tolist()} of "
                          f"{self.dataset.report.source} (micro-batch {k}); check those samples and the target's weights")
                 break
-        if stage is None:
-            bad_loss = [k for k, (_, loss_ok) in enumerate(checks) if not bool(loss_ok)]
-            stage = (f"drafter forward: non-finite loss in micro-batch {bad_loss[0]} (features were finite)"
-                     if bad_loss else "backward: non-finite gradients (loss and features were finite)"
-                     if not torch.isfinite(grad_norm) else "on another rank (this rank's loss and gradients were finite)")
+        bad_loss = [k for k, (_, loss_ok) in enumerate(checks) if not bool(loss_ok)]
+        if stage is None and bad_loss:
+            stage = f"drafter forward: non-finite loss in micro-batch {bad_loss[0]} (features were finite)"
+        elif stage is None and not torch.isfinite(grad_norm):
+            stage = "backward: non-finite gradients (loss and features were finite)"
+        elif stage is None:
+            stage = "another rank's (this rank's features, loss and gradients were finite)"
         samples = np.concatenate(rows).tolist()
         msg = (f"step {self.step}: non-finite values on rank {self.dist.rank} (grad norm {float(grad_norm)}), "
                f"stage {stage}; step skipped, weights unchanged ({self.skipped_steps} skipped so far); batch samples "
