@@ -220,7 +220,10 @@ def _serialize_part(state: Any) -> tuple[bytes, bytes]:
 def _write_part(tmp: Path, name: str, state: Any) -> None:
     tensors, skeleton = flatten_state(state)
     path = tmp / f"{name}.safetensors"
-    safetensors.torch.save_file(tensors, str(path))
+    try:
+        safetensors.torch.save_file(tensors, str(path))
+    except safetensors.SafetensorError as exc:  # its Rust writer reports ENOSPC / EFBIG this way, not as OSError
+        raise CheckpointError(f"{path}: {exc}") from exc
     _fsync_file(path)
     _write_bytes(tmp / f"{name}.json", (json.dumps(skeleton, allow_nan=False) + "\n").encode())
 

@@ -41,6 +41,8 @@ class ModelConfig:
                "use one of auto, bfloat16, float32, float16")
         _check(self.drafter_attention in ("auto", "split", "flex", "dense"), "model.drafter_attention",
                self.drafter_attention, "use one of auto, split, flex, dense")
+        _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
+               "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
@@ -156,6 +158,14 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def __post_init__(self):
+        # Cross-section checks; each section validated its own fields already.
+        if self.data.min_supervised is None:
+            need = 2 * self.model.block_size
+            _check(self.data.max_length >= need, "data.max_length", f"{self.data.max_length}",
+                   f"every sample needs 2 * model.block_size = {need} supervised tokens (DFlash's filter), so use "
+                   f"data.max_length >= {need}, or set data.min_supervised explicitly")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

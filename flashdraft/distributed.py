@@ -15,8 +15,10 @@ default TORCH_NCCL_ASYNC_ERROR_HANDLING=3 then tears the process down, which tor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -167,6 +169,23 @@ def barrier() -> None:
             tdist.barrier()
     except RuntimeError as exc:
         raise _fail("barrier", exc) from exc
+
+
+@contextlib.contextmanager
+def collective_errors(op: str):
+    """Turn a torch.distributed failure inside the block (e.g. DDP's all-reduce in backward)
+    into :class:`CollectiveError` naming ``op``. Other errors pass through unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        # DDP's reducer re-raises gloo/NCCL failures as plain RuntimeError; recognise them by the
+        # backend's wording so that real bugs (shape errors, OOM) are never relabelled.
+        if not _active() or not (isinstance(exc, tdist.DistError) or _COMM_FAILURE.search(str(exc))):
+            raise
+        raise _fail(op, exc) from exc
+
+
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed out|ProcessGroup", re.IGNORECASE)
 
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}

@@ -59,9 +59,9 @@ def drafter_config_from_target(
     )
     if not 0 <= mask_token_id < cfg["vocab_size"]:
         raise ValueError(
-            f"mask_token_id {mask_token_id} is outside the target's embedding table (vocab_size "
-            f"{cfg['vocab_size']}); add a mask token to the tokenizer and resize the target, or pick an "
-            "unused id inside the table (Qwen3: 151669)"
+            f"model.mask_token_id={mask_token_id} is outside the target's embedding table (vocab_size "
+            f"{cfg['vocab_size']}): set model.mask_token_id to an unused id in [0, {cfg['vocab_size'] - 1}] "
+            "(Qwen3: 151669), or add a mask token to the tokenizer and resize the target's embeddings"
         )
     return cfg
 

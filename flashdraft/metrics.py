@@ -337,6 +337,12 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f: TextIO | None = open(self.path, "a", encoding="utf-8")
+        if self._f.tell() > 0:  # resuming: end a line torn by a crash so the next record stays parseable
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:
+                self._f.write("\n")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._f is None:

@@ -85,8 +85,8 @@ class TargetModel(nn.Module):
         bad = [i for i in ids if not 0 <= i < self.num_layers]
         if bad or len(set(ids)) != len(ids):
             raise ValueError(
-                f"target_layer_ids {ids} invalid for a {self.num_layers}-layer target: "
-                f"use distinct ids in [0, {self.num_layers - 1}]"
+                f"model.target_layer_ids={ids} is invalid for this {self.num_layers}-layer target: "
+                f"use distinct ids in [0, {self.num_layers - 1}] (layer i is the output of decoder layer i)"
             )
         self.layer_ids = ids
         self.hidden_size = int(self.config.hidden_size)

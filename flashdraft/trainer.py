@@ -10,6 +10,7 @@ never enters a collective.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -224,25 +225,20 @@ class Trainer:
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
         self.model = self.drafter
         if self.dist.world_size > 1:
+            # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
+            # them would add a collective to every forward.
             self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                             gradient_as_bucket_view=True)
+                             gradient_as_bucket_view=True, broadcast_buffers=False)
 
         min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * bs
         open_kw = dict(vocab_size=self.target.config.vocab_size, max_length=cfg.data.max_length,
                        min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
-        if len(self.dataset) == 0:
-            raise ValueError(
-                f"{cfg.data.path}: no usable training samples ({self.dataset.report.to_dict()}); check the data "
-                f"(`flashdraft inspect {cfg.data.path}`) or lower data.min_supervised"
-            )
-        longest = int(self.dataset.lengths.max())
-        if longest > cfg.data.token_budget:
-            raise ValueError(
-                f"data.token_budget={cfg.data.token_budget} is smaller than the longest sample ({longest} tokens after "
-                f"truncation to data.max_length={cfg.data.max_length}); raise data.token_budget or lower data.max_length"
-            )
+        self._check_lengths(self.dataset)
+        if self.eval_dataset is not None:  # found now, not at the first eval hours later
+            self._check_lengths(self.eval_dataset)
+        self.eval_prompt_ids = self._load_eval_prompts()
         self.sampler = BatchSampler(
             self.dataset.lengths, token_budget=cfg.data.token_budget, max_batch_size=cfg.data.max_batch_size,
             seed=cfg.train.seed, rank=self.dist.rank, world_size=self.dist.world_size,
@@ -266,9 +262,49 @@ class Trainer:
         self.target_lock = threading.Lock()
         self._data_state: dict | None = None  # cursor after the last step TRAINED (not collated)
         self.pipeline_report = None  # the last PipelineReport (per-stage busy/starved/blocked)
-        self.history: list[dict] = []
+        # Recent metric records for callers and tests; bounded so a days-long run's memory stays flat
+        # (metrics.jsonl holds them all).
+        self.history: collections.deque[dict] = collections.deque(maxlen=1000)
         # Fault-injection tests pace the loop with this to kill it at a chosen moment.
         self._debug_step_sleep = float(os.environ.get("FLASHDRAFT_DEBUG_STEP_SLEEP", "0"))
+
+    def _check_lengths(self, dataset) -> None:
+        """Start-up refusal of samples no batch (or no target position) can hold."""
+        cfg = self.config
+        if len(dataset) == 0:
+            raise ValueError(
+                f"{dataset.report.source}: no usable samples ({dataset.report.to_dict()}); check the data "
+                f"(`flashdraft inspect {dataset.report.source}`) or lower data.min_supervised"
+            )
+        longest = int(dataset.lengths.max())
+        if longest > cfg.data.token_budget:
+            raise ValueError(
+                f"{dataset.report.source}: data.token_budget={cfg.data.token_budget} is smaller than the longest sample "
+                f"({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
+                f"data.token_budget to at least {longest} or lower data.max_length to {cfg.data.token_budget}"
+            )
+        max_pos = getattr(self.target.config, "max_position_embeddings", None)
+        if max_pos and longest > max_pos:
+            raise ValueError(
+                f"{dataset.report.source}: samples of up to {longest} tokens exceed the target's "
+                f"max_position_embeddings={max_pos}; lower data.max_length to {max_pos} (longer samples are truncated)"
+            )
+
+    def _load_eval_prompts(self) -> list[list[int]]:
+        """Held-out prompts for tau, read and checked at start-up (not at the first eval)."""
+        cfg = self.config
+        if cfg.data.eval_prompts:
+            prompts = read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
+        elif self.eval_dataset is not None:
+            prompts = prompts_from_dataset(self.eval_dataset, cfg.train.eval_prompts)
+        else:
+            return []
+        vocab = int(self.target.config.vocab_size)
+        for n, ids in enumerate(prompts):
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"{cfg.data.eval_prompts or cfg.data.eval_path}: prompt {n} has token ids outside "
+                                 f"[0, {vocab}) (the target's vocabulary); re-tokenize it with the target's tokenizer")
+        return prompts
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -297,7 +333,12 @@ class Trainer:
             return False
         self._check_compatible(loaded.config or {})
         parts = loaded.parts
-        self.drafter.load_state_dict(parts["drafter"])
+        try:
+            self.drafter.load_state_dict(parts["drafter"])
+        except RuntimeError as exc:  # e.g. another target (hidden size) behind the same model.target path
+            raise ValueError(f"cannot resume from {self.checkpoints.root}: its drafter does not fit "
+                             f"this target/config ({str(exc).splitlines()[0]} ...); use the target it was trained "
+                             "with, or start a fresh run with another train.output_dir (or train.resume=never)") from None
         self.optimizer.load_state_dict(parts["optimizer"])
         self.scheduler.load_state_dict(parts["scheduler"])
         trainer = parts["trainer"]
@@ -365,36 +406,64 @@ class Trainer:
             normalizer = normalizer / self.dist.world_size
         # Gradients are all-reduced once, on the last backward of the step (DDP no_sync before).
         pieces = [(m, part) for m, blk in zip(micro, blocks) for part in blk.slices(cfg.objective.anchors_per_microbatch)]
+        outs = []
         for i, (m, part) in enumerate(pieces):
             features = m.features
             last = i == len(pieces) - 1
             no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not last else contextlib.nullcontext()
             with no_sync:
-                with self.timer.stage("drafter"), self.autocast:
+                with self.timer.stage("drafter"), self.autocast, distributed.collective_errors("DDP forward"):
                     out = block_loss(self.model, self.target, features, part,
                                      chunk_size=cfg.objective.loss_chunk_size, normalizer=normalizer)
-                with self.timer.stage("backward"):  # includes DDP's overlapped gradient all-reduce
+                # includes DDP's overlapped gradient all-reduce: a dead peer surfaces here
+                with self.timer.stage("backward"), distributed.collective_errors("DDP gradient all-reduce (backward)"):
                     out.loss.backward()
-            stats.add(out)
+            outs.append(out)
+        # Device-side, read only when the step turns out non-finite: which samples' target
+        # features were non-finite, and whether each micro-batch's loss was.
+        checks = [(torch.isfinite(m.features).flatten(1).all(1),
+                   torch.isfinite(torch.stack([o.total for (mm, _), o in zip(pieces, outs) if mm is m])).all())
+                  for m in micro]
         for m in micro:
             m.features = None  # drop the references early: memory
         with self.timer.stage("optim"):
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
-            # Deliberate sync: never let a non-finite gradient into the weights.
-            if torch.isfinite(grad_norm).item():
+            bad = (~torch.isfinite(grad_norm) | ~torch.stack([loss_ok for _, loss_ok in checks]).all()).float()
+            # All ranks must agree to skip (a local NaN loss need not reach every rank's gradients).
+            # Deliberate sync: never let a non-finite loss or gradient into the weights.
+            if distributed.all_reduce(bad, "max").item() == 0:
                 self.optimizer.step()
+                for out in outs:  # a skipped step's NaNs stay out of the logged loss too
+                    stats.add(out)
             else:
-                self._nonfinite(micro, grad_norm)
+                self._nonfinite(micro, grad_norm, checks)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         return grad_norm
 
-    def _nonfinite(self, micro, grad_norm) -> None:
+    def _nonfinite(self, micro, grad_norm, checks) -> None:
+        """Count a skipped step and say where the non-finite values came from; raise past the limit."""
         self.skipped_steps += 1
-        samples = np.concatenate([i for _, i in micro]).tolist()
-        msg = (f"step {self.step}: non-finite gradient norm ({float(grad_norm)}) on rank {self.dist.rank}; step "
-               f"skipped ({self.skipped_steps} so far); samples {samples[:16]}{'...' if len(samples) > 16 else ''}")
+        rows = [self.dataset.source_index[i] for _, i in micro]  # rows of the source file, not plan indices
+        stage = None
+        for k, (features_ok, loss_ok) in enumerate(checks):
+            bad = rows[k][~features_ok.cpu().numpy()]
+            if len(bad):
+                stage = (f"target forward: non-finite target features for samples {bad[:16].tolist()} of "
+                         f"{self.dataset.report.source} (micro-batch {k}); check those samples and the target's weights")
+                break
+        bad_loss = [k for k, (_, loss_ok) in enumerate(checks) if not bool(loss_ok)]
+        if stage is None and bad_loss:
+            stage = f"drafter forward: non-finite loss in micro-batch {bad_loss[0]} (features were finite)"
+        elif stage is None and not torch.isfinite(grad_norm):
+            stage = "backward: non-finite gradients (loss and features were finite)"
+        elif stage is None:
+            stage = "another rank's (this rank's features, loss and gradients were finite)"
+        samples = np.concatenate(rows).tolist()
+        msg = (f"step {self.step}: non-finite values on rank {self.dist.rank} (grad norm {float(grad_norm)}), "
+               f"stage {stage}; step skipped, weights unchanged ({self.skipped_steps} skipped so far); batch samples "
+               f"{samples[:16]}{'...' if len(samples) > 16 else ''}")
         if self.skipped_steps > self.config.train.max_nonfinite_steps:
             raise FloatingPointError(
                 msg + f". More than train.max_nonfinite_steps={self.config.train.max_nonfinite_steps} skipped: "
@@ -419,6 +488,7 @@ class Trainer:
         last_saved = self.step
         tokens = 0
         record: dict = {}
+        stopping = False
         self.drafter.train()
         with GracefulStop() as stop, self._pipeline() as (pipe, pool):
             for item in pipe:
@@ -438,26 +508,30 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0 or done:
                     record = self._log(stats, grad_norm, speed, metrics, progress)
                     stats = StepStats.zeros(self.drafter.block_size, self.device)
-                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not done:
+                # Agreed before the periodic eval, so a stop request never waits for an eval.
+                stopping = bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item()) \
+                    if self.dist.world_size > 1 else stop.requested
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not done and not stopping:
                     with self.target_lock:  # the target thread waits: no concurrent target forwards
                         self._eval(metrics, progress)
                     self.drafter.train()
-                stopping = bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item()) \
-                    if self.dist.world_size > 1 else stop.requested
                 if stopping or (cfg.train.save_every and self.step % cfg.train.save_every == 0 and not done):
                     self.save_checkpoint()
                     last_saved = self.step
                 if stopping:
                     progress.write(f"stopped by signal at step {self.step}; checkpoint saved")
                     break
-        self.sampler.load_state_dict(self._data_state)  # rewind the data thread's read-ahead
-        final = {}
-        if self.step >= self.total_steps:
-            final = self._eval(metrics, progress)
-            if last_saved != self.step:
-                self.save_checkpoint()
-            if main:
-                self.drafter.save_pretrained(self.output / "drafter")
+            # Still under GracefulStop: a SIGTERM during the final eval/save must not kill the save.
+            self.sampler.load_state_dict(self._data_state)  # rewind the data thread's read-ahead
+            final = {}
+            if self.step >= self.total_steps:
+                if not stopping:  # a stop request skips the (possibly long) final eval
+                    with self.target_lock:
+                        final = self._eval(metrics, progress)
+                if last_saved != self.step:
+                    self.save_checkpoint()
+                if main:
+                    self.drafter.save_pretrained(self.output / "drafter")
         progress.close()
         metrics.close()
         return {**record, **final}
@@ -547,7 +621,7 @@ class Trainer:
             cfg = self.config
             if self.eval_dataset is not None:
                 result.update(self.eval_loss())
-            prompts = self._eval_prompts()
+            prompts = self.eval_prompt_ids
             if prompts:
                 with self.autocast:
                     report = evaluate_tau(self.target, self.drafter, prompts,
@@ -561,14 +635,6 @@ class Trainer:
                     f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float)))
         distributed.barrier()
         return result
-
-    def _eval_prompts(self) -> list[list[int]]:
-        cfg = self.config
-        if cfg.data.eval_prompts:
-            return read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
-        if self.eval_dataset is not None:
-            return prompts_from_dataset(self.eval_dataset, cfg.train.eval_prompts)
-        return []
 
     def eval_loss(self, max_batches: int = 8) -> dict:
         """Weighted CE / accuracy / simulated tau on the held-out set (fixed anchors: seed 0)."""

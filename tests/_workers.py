@@ -156,11 +156,63 @@ def train_ranks(overrides_json: str) -> None:
     D.teardown()
 
 
+def cli(*argv: str) -> None:
+    """``flashdraft ARGV...`` exactly as the console script runs it; exits with its status."""
+    import signal
+
+    from flashdraft.cli import main
+
+    if os.environ.get("FLASHDRAFT_TEST_IGNORE_SIGXFSZ"):  # a file-size limit then fails writes (EFBIG), like ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    code = main(list(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def train_rank_fails(overrides_json: str, how: str, at_step: str, mark: str) -> None:
+    """A 2-rank Trainer job in which rank 1 dies (``how=die``: os._exit) or hangs (``how=hang``)
+    inside optimizer step ``at_step``, after the step's first collective and before DDP's
+    gradient all-reduce. Rank 0 must fail with a clear error within train.collective_timeout_s
+    and its process must exit; it reports the error and the time it exits (teardown included);
+    rank 1 writes the time of its fault to ``mark``."""
+    from flashdraft.config import load_config
+    from flashdraft.trainer import train
+
+    rank, at = int(os.environ["RANK"]), int(at_step)
+    import flashdraft.target as target_mod
+
+    real_features = target_mod.TargetModel.features
+    calls = {"n": 0}
+
+    def features(self, *args, **kwargs):  # rank 1's target stage of step ``at`` is the fault
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == at:
+            with open(mark, "w") as f:  # when the fault happened, for rank 0's deadline
+                f.write(repr(time.time()))
+            if how == "die":
+                os._exit(3)
+            time.sleep(600)
+        return real_features(self, *args, **kwargs)
+
+    target_mod.TargetModel.features = features
+    err = None
+    try:
+        train(load_config(overrides=json.loads(overrides_json)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        traceback.print_exc()
+        err = f"{type(exc).__name__}: {exc}"
+    result({"rank": rank, "error": err, "exit_time": time.time()})
+    os._exit(0 if err is None else 1)
+
+
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
-                                     checkpoint_save_fails_everywhere, checkpoint_writer)}
+                                     checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails)}
 
 
-def serve() -> None:
+def serve(*preload: str) -> None:
     """Fork server: torch is imported once here and every worker is forked from this process,
     so a multi-process test costs milliseconds to launch instead of an interpreter start each
     (seconds on 2 cores). Nothing here starts threads or runs torch compute before forking.
@@ -171,7 +223,12 @@ def serve() -> None:
     import select
     import traceback
 
+    import importlib
+
     import flashdraft.checkpoint  # noqa: F401  (warm the import for the children)
+
+    for module in preload:  # e.g. flashdraft.trainer: transformers costs seconds per import on 2 cores
+        importlib.import_module(module)
 
     torch.set_num_threads(1)
     print("ready", flush=True)
@@ -218,6 +275,6 @@ def serve() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        serve()
+        serve(*sys.argv[2:])
     else:
         SCENARIOS[sys.argv[1]](*sys.argv[2:])

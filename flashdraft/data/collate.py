@@ -110,6 +110,17 @@ def pad_batch(dataset, indices, *, buffers: CollateBuffers | None = None, pad_id
         ids[row, :n] = src_ids[start : start + n]
         mask[row, :n] = src_mask[start : start + n]
     np.less(np.arange(s)[None, :], lengths[:, None], out=attn, casting="unsafe")
+    vocab = getattr(dataset, "vocab_size", None)
+    if vocab is not None and b * s and int(ids.max()) >= vocab:
+        # open_dataset checks ids against meta.json's max_id; this per-batch max (B x S values,
+        # no sync) catches a shard whose metadata lies, before the id reaches an embedding.
+        row = int(np.argmax(ids.max(1)))
+        source = getattr(dataset, "source_index", indices)[indices[row]]
+        raise ValueError(
+            f"{getattr(dataset, 'path', 'dataset')}: sample {int(source)} has token id {int(ids[row].max())} >= "
+            f"vocab_size {vocab}, although the shard's meta.json max_id says otherwise: the shard is corrupt; "
+            "re-run `flashdraft prepare` (or re-convert the source)"
+        )
     buffers.len_np[:b] = lengths
     return Batch(
         input_ids=buffers.ids_t[: b * s].view(b, s),

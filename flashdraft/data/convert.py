@@ -154,6 +154,16 @@ def convert_to_shard(path: str | os.PathLike, out_dir: str | os.PathLike, *, pro
                 "input_ids + loss_mask (1 = supervised token). Run `flashdraft prepare` on the chats, or add "
                 "the column"
             )
+        for name in ("input_ids", "loss_mask"):
+            field = batch.schema.field(name)
+            value = field.type.value_type if pa.types.is_list(field.type) or pa.types.is_large_list(field.type) else None
+            ok = value is not None and (pa.types.is_integer(value) or (name == "loss_mask" and pa.types.is_boolean(value)))
+            if not ok:
+                raise ValueError(
+                    f"{files[0]}: column {name!r} has type {field.type}; it must be a list of integers"
+                    f"{' (or bools)' if name == 'loss_mask' else ' (token ids)'} -- re-tokenize, or cast the column "
+                    "before converting (non-integer ids would be silently truncated)"
+                )
         break
     max_id = 0
     for batch in _record_batches(files, kind):

@@ -196,10 +196,22 @@ def read_token_shard(path: str | os.PathLike) -> tuple[dict, np.ndarray, np.ndar
     meta_file = path / META
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path}: not a flashdraft token shard (no {META}); write one with `flashdraft prepare`")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{meta_file}: unsupported format {meta.get('format')!r} v{meta.get('version')}")
-    n, t = int(meta["num_samples"]), int(meta["num_tokens"])
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{meta_file}: not valid JSON ({exc}); the shard is corrupt -- re-run `flashdraft prepare`") \
+            from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{meta_file}: unsupported format {got!r}; expected {FORMAT!r} v{VERSION}")
+    bad = [k for k in ("num_samples", "num_tokens", "vocab_size") if not isinstance(meta.get(k), int) or meta[k] < 0]
+    if bad:
+        raise ValueError(f"{meta_file}: field {bad[0]!r} is missing or not a non-negative integer "
+                         f"({meta.get(bad[0])!r}); the shard is corrupt -- re-run `flashdraft prepare`")
+    if meta.get("ids_dtype") not in ("uint16", "uint32"):
+        raise ValueError(f"{meta_file}: ids_dtype {meta.get('ids_dtype')!r} is not uint16 or uint32 (the only id "
+                         "types flashdraft writes); the shard is corrupt -- re-run `flashdraft prepare`")
+    n, t = meta["num_samples"], meta["num_tokens"]
     dtype = np.dtype(meta["ids_dtype"])
     expected = {IDS: t * dtype.itemsize, MASK: t, OFFSETS: (n + 1) * 8}
     for name, size in expected.items():
@@ -224,5 +236,5 @@ def read_num_supervised(path: str | os.PathLike, offsets: np.ndarray, mask: np.n
     if file.exists() and file.stat().st_size == n * 4:
         return np.fromfile(file, dtype=np.int32)
     prefix = np.zeros(len(mask) + 1, dtype=np.int64)
-    np.cumsum(mask, out=prefix[1:])
+    np.cumsum(mask != 0, out=prefix[1:])  # any non-zero byte is supervised, as in the objective
     return (prefix[offsets[1:]] - prefix[offsets[:-1]]).astype(np.int32)

@@ -1,0 +1,111 @@
+"""Soak test: thousands of tiny CPU training steps with periodic checkpoints and evals, recording
+process RSS, open file descriptors and thread count over time (docs/reliability.md has figures).
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/soak.py --steps 3000 --out /tmp/soak
+
+A leak shows as RSS, fds or threads growing with the step count after warm-up; the script
+prints the samples and a summary and writes them to OUT/soak.json. Exit 1 if fds or threads
+grew, or RSS grew by more than --max-rss-growth-mb after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from flashdraft.config import load_config
+from flashdraft.data.shards import write_token_shard
+from flashdraft.evaluate import write_prompts
+from flashdraft.trainer import Trainer
+
+
+def make_job(root: Path, seed: int = 0) -> None:
+    """A tiny Qwen3 target and random tokenized conversations (prompt 6 tokens, 34 supervised)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
+    rng = np.random.default_rng(seed)
+    mask = np.r_[np.zeros(6), np.ones(34)]
+    write_token_shard(root / "data", [(rng.integers(0, 298, 40), mask) for _ in range(64)], vocab_size=300)
+    write_token_shard(root / "heldout", [(rng.integers(0, 298, 40), mask) for _ in range(8)], vocab_size=300)
+    write_prompts(root / "prompts.jsonl", rng.integers(0, 298, (4, 6)).tolist())
+
+
+def sample(step: int, t0: float) -> dict:
+    proc = psutil.Process()
+    return {"step": step, "elapsed_s": round(time.monotonic() - t0, 1), "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+            "fds": proc.num_fds(), "threads": threading.active_count(), "os_threads": proc.num_threads()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--every", type=int, default=100, help="sample the process every this many steps")
+    parser.add_argument("--save-every", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--warmup", type=int, default=500, help="steps before the RSS baseline is taken")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=25.0)
+    parser.add_argument("--out", default="runs/soak")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    make_job(out)
+    torch.set_num_threads(1)
+    config = load_config(overrides=[
+        f"model.target={out / 'target'}", "model.mask_token_id=299", "model.num_draft_layers=1", "model.block_size=4",
+        "model.target_layer_ids=[1,2]", f"data.path={out / 'data'}", f"data.eval_path={out / 'heldout'}",
+        f"data.eval_prompts={out / 'prompts.jsonl'}", "data.token_budget=160", "data.max_batch_size=4",
+        "objective.num_anchors=8", f"train.max_steps={args.steps}", "train.log_every=50",
+        f"train.save_every={args.save_every}", f"train.eval_every={args.eval_every}", "train.eval_prompts=4",
+        "train.eval_max_new_tokens=16", "train.keep_last=2", f"train.output_dir={out / 'run'}", "train.device=cpu",
+        "train.resume=never",
+    ])
+    samples: list[dict] = []
+    t0 = time.monotonic()
+
+    class Soak(Trainer):
+        def train_step(self, micro, stats):
+            norm = super().train_step(micro, stats)
+            if (self.step + 1) % args.every == 0 or self.step == 0:
+                samples.append(sample(self.step + 1, t0))
+                print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
+            return norm
+
+    trainer = Soak(config)
+    trainer.fit()
+    samples.append(sample(trainer.step, t0))
+    base = next(s for s in samples if s["step"] >= min(args.warmup, trainer.step))
+    last = samples[-1]
+    after = [s for s in samples if s["step"] >= base["step"]]
+    summary = {
+        "steps": trainer.step, "wall_s": last["elapsed_s"], "checkpoints_every": args.save_every,
+        "evals_every": args.eval_every, "baseline_step": base["step"],
+        "rss_mb_first": samples[0]["rss_mb"], "rss_mb_baseline": base["rss_mb"], "rss_mb_last": last["rss_mb"],
+        "rss_mb_max_after_baseline": max(s["rss_mb"] for s in after),
+        "rss_growth_mb_after_baseline": round(last["rss_mb"] - base["rss_mb"], 1),
+        "fds_baseline": base["fds"], "fds_last": last["fds"], "fds_max": max(s["fds"] for s in after),
+        "threads_baseline": base["threads"], "threads_last": last["threads"],
+        "os_threads_baseline": base["os_threads"], "os_threads_last": last["os_threads"],
+        "checkpoints_on_disk": sorted(p.name for p in (out / "run" / "checkpoints").iterdir()),
+    }
+    (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
+    print(json.dumps(summary, indent=1))
+    leaked = (last["fds"] > base["fds"] or last["threads"] > base["threads"] or last["os_threads"] > base["os_threads"]
+              or summary["rss_growth_mb_after_baseline"] > args.max_rss_growth_mb)
+    return 1 if leaked else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

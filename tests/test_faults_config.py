@@ -1,0 +1,173 @@
+"""Config mistakes are refused at start-up with the fix named; security properties of what
+flashdraft reads and writes (issue 8)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_qwen3
+from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, _sha256
+from flashdraft.config import load_config
+from flashdraft.target import TargetModel
+from flashdraft.trainer import Trainer
+from test_trainer import overrides, tiny_job  # noqa: F401  (tiny_job is a fixture)
+
+PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
+
+
+# ---- config mistakes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"model__target_layer_ids": "[1,4]"},
+     r"model.target_layer_ids=\[1, 4\] is invalid for this 4-layer target: use distinct ids in \[0, 3\]"),
+    ({"model__mask_token_id": 300},
+     r"model.mask_token_id=300 is outside the target's embedding table \(vocab_size 300\): set "
+     r"model.mask_token_id to an unused id in \[0, 299\]"),
+    ({"data__token_budget": 30},
+     r"data.token_budget=30 is smaller than the longest sample \(40 tokens.*raise data.token_budget to at least 40"),
+], ids=["tap_beyond_layers", "mask_outside_vocab", "budget_below_longest_sample"])
+def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(tiny_job, tmp_path, extra, message):  # noqa: F811
+    extra = {k: str(v).replace("{job}", str(tiny_job)) for k, v in extra.items()}
+    with pytest.raises(ValueError, match=message):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", **extra)))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.block_size=1", r"model.block_size=1 is invalid: use 2 or more"),
+    ("model.mask_token_id=-1", r"model.mask_token_id=-1 is invalid: use an unused id inside the target's vocabulary"),
+    ("model.target_layer_ids=[3,3]", r"model.target_layer_ids=\[3, 3\] is invalid: give distinct"),
+    ("data.max_length=6", r"data.max_length=6 is invalid: every sample needs 2 \* model.block_size = 8"),
+    ("train.collective_timeout_s=0", r"train.collective_timeout_s=0.0 is invalid: use a positive number"),
+    ("train.max_nonfinite_steps=x", r"train.max_nonfinite_steps='x' is invalid: give an integer"),
+    ("train.resum=never", r"unknown key train.resum; known keys of train: .*resume"),
+])
+def test_config_mistakes_are_refused_before_anything_loads(override, message):
+    base = ["model.block_size=4"]
+    with pytest.raises(ValueError, match=message):
+        load_config(overrides=[*base, override])
+
+
+def test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_first_eval(tiny_job, tmp_path):  # noqa: F811
+    import numpy as np
+
+    from flashdraft.data.shards import write_token_shard
+
+    write_token_shard(tmp_path / "long_heldout", [(np.arange(1, 200) % 290, np.ones(199))], vocab_size=300)
+    with pytest.raises(ValueError, match=r"long_heldout: data.token_budget=160 is smaller than the longest sample"):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_path=tmp_path / "long_heldout")))
+
+
+def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_path):  # noqa: F811
+    model = tiny_qwen3(num_layers=4, hidden=32, seed=1, )
+    model.config.max_position_embeddings = 32
+    model.save_pretrained(tmp_path / "short_target")
+    with pytest.raises(ValueError, match=r"up to 40 tokens exceed the target's max_position_embeddings=32; "
+                                         r"lower data.max_length to 32"):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__target=tmp_path / "short_target")))
+
+
+def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, tmp_path):  # noqa: F811
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl: prompt 0 has token ids outside \[0, 300\)"):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "prompts.jsonl")))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model__block_size": 8}, r"model.block_size: checkpoint 4 vs now 8"),
+    ({"model__num_draft_layers": 2}, r"model.num_draft_layers: checkpoint 1 vs now 2"),
+    ({"data__token_budget": 200}, r"data.token_budget: checkpoint 160 vs now 200"),
+])
+def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tmp_path, change, message):  # noqa: F811
+    out = tmp_path / "run"
+    first = Trainer(load_config(overrides=overrides(tiny_job, out)))
+    first.save_checkpoint()  # step 0: what a preempted run leaves behind
+    changed = Trainer(load_config(overrides=overrides(tiny_job, out, **change)))
+    with pytest.raises(ValueError, match=message + r".*restore those values, or start a fresh run with another "
+                                                   r"train.output_dir \(or train.resume=never\)"):
+        changed.fit()
+    assert changed.step == 0
+
+
+# ---- security -----------------------------------------------------------------------------
+
+
+def test_no_pickle_anywhere_in_the_package():
+    """No torch.load / pickle / numpy allow_pickle / eval / exec in flashdraft. (The in-memory
+    object collectives between our own ranks are torch.distributed's; nothing is read from disk.)"""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                found += [f"{path.name}: import {n}" for n in names if n.split(".")[0] in ("pickle", "dill", "cloudpickle",
+                                                                                             "joblib", "marshal", "shelve")]
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (isinstance(f, ast.Name) and f.id in ("eval", "exec")) or ast.unparse(f) in ("torch.load", "np.load"):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+                if any(k.arg == "allow_pickle" for k in node.keywords):
+                    found.append(f"{path.name}:{node.lineno}: allow_pickle")
+    assert not found, found
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+def test_a_pickle_planted_in_a_checkpoint_is_never_unpickled_even_with_a_matching_manifest(tmp_path):
+    """An attacker who can write the checkpoint dir can also fix up the manifest; loading must
+    still never execute anything: parts are read with safetensors, structure with JSON."""
+    manager = CheckpointManager(tmp_path / "ckpt")
+    path = manager.save(1, {"model": {"w": torch.ones(3)}})
+    marker = tmp_path / "marker"
+    (path / "model.safetensors").write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["model.safetensors"] = {"size": (path / "model.safetensors").stat().st_size,
+                                              "sha256": _sha256(path / "model.safetensors")}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="cannot load"):
+        manager.load(path)
+    assert not marker.exists()
+
+
+def test_trainer_checkpoints_and_exports_are_safetensors_and_json_only(tiny_job, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=1)))
+    trainer.fit()
+    files = [p for p in out.rglob("*") if p.is_file()]
+    checkpoint_files = [p for p in files if "checkpoints" in p.parts and p.name != "latest"]
+    export_files = [p for p in files if "drafter" in p.parts]
+    assert checkpoint_files and export_files
+    assert {p.suffix for p in checkpoint_files + export_files} == {".safetensors", ".json"}
+
+
+def test_remote_code_in_a_target_directory_is_not_run_unless_asked(tmp_path):
+    target = tmp_path / "evil_target"
+    target.mkdir()
+    marker = tmp_path / "remote_code_ran"
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "evil", "architectures": ["EvilForCausalLM"],
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilForCausalLM"}}))
+    (target / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    assert load_config().model.trust_remote_code is False
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        TargetModel.from_pretrained(target)
+    assert not marker.exists()
+
+
+@pytest.mark.skip(reason="pending: the regeneration client (flashdraft/data/regenerate.py) is on another branch")
+def test_regeneration_client_only_talks_to_the_configured_url():
+    """To write when regenerate.py lands: run it against a local HTTP server with proxies and
+    other hosts blocked (a socket.connect guard) and assert every connection went to the
+    configured URL's host:port, and that no sample leaves through logs or telemetry."""
