@@ -624,7 +624,7 @@ class Trainer:
             prompts = self.eval_prompt_ids
             if prompts:
                 with self.autocast:
-                    report = evaluate_tau(self.target, self.drafter, prompts,
+                    report = evaluate_tau(self.target, self.shipped_drafter(), prompts,
                                           max_new_tokens=cfg.train.eval_max_new_tokens,
                                           eos_ids=eos_ids_of(cfg.model.target, self.target.config), check_lossless=False)
                 result.update(eval_tau=report["tau"], eval_acceptance=report["per_position_acceptance"])
@@ -635,6 +635,13 @@ class Trainer:
                     f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float)))
         distributed.barrier()
         return result
+
+    def shipped_drafter(self) -> DFlashDrafter:
+        """The drafter as the serving export holds it (weights rounded to bf16), for tau: the
+        eval measures what users will serve, and equals `flashdraft eval` on the export."""
+        shipped = DFlashDrafter(self.drafter.config, attention=self.drafter.attention)
+        shipped.load_state_dict({k: v.to(torch.bfloat16) for k, v in self.drafter.state_dict().items()})
+        return shipped.to(self.device).eval()
 
     def eval_loss(self, max_batches: int = 8) -> dict:
         """Weighted CE / accuracy / simulated tau on the held-out set (fixed anchors: seed 0)."""

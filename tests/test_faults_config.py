@@ -165,9 +165,3 @@ def test_remote_code_in_a_target_directory_is_not_run_unless_asked(tmp_path):
         TargetModel.from_pretrained(target)
     assert not marker.exists()
 
-
-@pytest.mark.skip(reason="pending: the regeneration client (flashdraft/data/regenerate.py) is on another branch")
-def test_regeneration_client_only_talks_to_the_configured_url():
-    """To write when regenerate.py lands: run it against a local HTTP server with proxies and
-    other hosts blocked (a socket.connect guard) and assert every connection went to the
-    configured URL's host:port, and that no sample leaves through logs or telemetry."""

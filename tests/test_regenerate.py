@@ -119,3 +119,31 @@ def test_bad_records_are_skipped_and_output_feeds_prepare(target, tmp_path):
     p = prepare([tmp_path / "out.jsonl"], tmp_path / "tok", tmp_path / "shard", max_length=512, min_supervised=1,
                 num_workers=1, progress=False, log=lambda *_: None)
     assert p["samples_in"] == 3 and p["samples"] + sum(p["dropped"].values()) == 3
+
+
+def test_the_http_client_connects_only_to_the_configured_url(target, tmp_path, monkeypatch):
+    """Security: every socket the client opens goes to base_url's host:port -- proxies from the
+    environment are ignored (samples must not leave through them)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    model, tok = target
+    write_jsonl(tmp_path / "in.jsonl", synthetic_conversations(4, seed=9, max_turns=1))
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.2:9")  # a "proxy" that must never be contacted
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    seen = []
+    real_connect = socket.socket.connect
+
+    def recording_connect(self, address):
+        seen.append(address[:2])
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", recording_connect)
+    with ToyOpenAIServer(model, tok) as server:
+        s = regenerate([tmp_path / "in.jsonl"], tmp_path / "out.jsonl", base_url=server.url, max_tokens=MAX_TOKENS,
+                       concurrency=2, progress=False, log=lambda *_: None)
+        url = urlsplit(server.url)
+    assert s["generated"] == 4
+    assert seen and set(seen) == {(url.hostname, url.port)}

@@ -140,6 +140,7 @@ def convert_to_shard(path: str | os.PathLike, out_dir: str | os.PathLike, *, pro
     Two vectorised passes over the columns: the first finds the largest id (it decides the
     narrow ids dtype), the second writes. Row i of the source is sample i of the shard.
     """
+    import pyarrow as pa
     import pyarrow.compute as pc
     from tqdm.auto import tqdm
 

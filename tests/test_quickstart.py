@@ -1,0 +1,55 @@
+"""The quickstart end to end at seconds-level budgets, and `flashdraft eval` on its outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashdraft.cli import main
+from flashdraft.evaluate import read_prompts, write_prompts
+from flashdraft.quickstart import SMOKE, quickstart
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("quickstart")
+    return out, quickstart(out, SMOKE, use_cache=False)
+
+
+def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
+    out, report = smoke_run
+    for path in ("target/config.json", "target/tokenizer.json", "drafter/config.json", "drafter/model.safetensors",
+                 "eval/prompts.jsonl", "eval/report.json", "training.png", "summary.md", "run/metrics.jsonl"):
+        assert (out / path).is_file(), path
+    saved = json.loads((out / "eval" / "report.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    for key in ("tau", "tau_untrained", "tau_ngram", "per_position_acceptance", "lossless", "settings"):
+        assert key in saved, key
+    assert saved["lossless"] is True
+    assert 1.0 <= saved["tau"] <= SMOKE.block_size
+    assert len(saved["per_position_acceptance"]) == SMOKE.block_size - 1
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flashdraft_eval_reproduces_the_report_on_the_output_triple(smoke_run, tmp_path):
+    out, report = smoke_run
+    code = main(["eval", "--target", str(out / "target"), "--drafter", str(out / "drafter"),
+                 "--prompts", str(out / "eval" / "prompts.jsonl"),
+                 "--max-new-tokens", str(SMOKE.eval_max_new_tokens), "--output", str(tmp_path / "r.json")])
+    again = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and again["lossless"] is True
+    assert again["tau"] == report["tau"]
+    assert again["per_position_acceptance"] == report["per_position_acceptance"]
+
+
+def test_periodic_eval_tau_matches_flashdraft_eval_on_the_export(smoke_run, tmp_path):
+    """The trainer's last eval (4 prompts, 32 new tokens) measured the weights it exported."""
+    out, _ = smoke_run
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [r for r in records if "eval_tau" in r][-1]
+    write_prompts(tmp_path / "p.jsonl", read_prompts(out / "eval" / "prompts.jsonl")[:4])
+    main(["eval", "--target", str(out / "target"), "--drafter", str(out / "drafter"), "--prompts",
+          str(tmp_path / "p.jsonl"), "--max-new-tokens", "32", "--output", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text())["tau"] == last_eval["eval_tau"]
