@@ -13,6 +13,7 @@ import importlib
 SUBBENCHES: dict[str, tuple[str, str]] = {
     "data": ("flashdraft.data.bench", "data path: seed-style HF dataset vs flashdraft shard (ready, gather+pad, plan, RSS)"),
     "step": ("flashdraft.benchmarks.step", "drafter step: fast attention path vs dense-mask reference (time, peak memory)"),
+    "train": ("flashdraft.benchmarks.train", "the real trainer on a fixed tiny config: steps/s, tokens/s, stage split"),
     "pipeline": ("flashdraft.benchmarks.pipeline", "pipelined vs sequential stages: synthetic costs and the real trainer"),
 }
 

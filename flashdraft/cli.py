@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
     "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
-    "bench": ("flashdraft.bench", "benchmarks: flashdraft bench {data,step,pipeline} [options]"),
+    "bench": ("flashdraft.bench", "benchmarks: flashdraft bench {data,step,train,pipeline} [options]"),
 }
 
 

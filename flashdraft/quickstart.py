@@ -49,13 +49,13 @@ class Budget:
     regen_temperature: float = 0.0  # 0: greedy answers (the smoke budget samples: its target barely trained)
     num_train_prompts: int = 1024
     num_eval_prompts: int = 12
-    drafter_steps: int = 240
+    drafter_steps: int = 400
     drafter_layers: int = 1
     block_size: int = 8
-    num_anchors: int = 48
+    num_anchors: int = 24
     token_budget: int = 4096
-    drafter_lr: float = 3e-3
-    eval_every: int = 60
+    drafter_lr: float = 1e-2
+    eval_every: int = 100
     eval_max_new_tokens: int = 96
 
 
