@@ -197,8 +197,9 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax_tau.plot(steps, [h["tau_sim"] for h in history if "loss" in h], ":", color="tab:orange", alpha=0.6,
                 label="tau (simulated)")
     ax_tau.set_ylabel("acceptance length tau", color="tab:orange")
-    fig.legend(loc="upper center", ncol=3, fontsize=8)
-    ax_loss.set_title("flashdraft quickstart: DFlash drafter training", fontsize=10, pad=22)
+    handles = ax_loss.get_legend_handles_labels()[0] + ax_tau.get_legend_handles_labels()[0]
+    ax_loss.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
+    ax_loss.set_title("flashdraft quickstart: DFlash drafter training", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
