@@ -55,46 +55,65 @@ def greedy_generate(target: TargetModel, prompt: list[int], max_new_tokens: int,
     return Generation(out, seconds=time.perf_counter() - begin)
 
 
-@torch.no_grad()
-def speculative_generate(
-    target: TargetModel, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int, eos_ids=()
-) -> Generation:
-    """Greedy DFlash speculative decoding of one prompt (batch 1)."""
+def _draft_and_verify(target: TargetModel, prompt: list[int], max_new_tokens: int, eos_ids, propose,
+                      on_verified=None) -> Generation:
+    """The verification loop shared by every drafter.
+
+    ``propose(x, tokens)`` returns the draft tokens that should follow the last committed
+    token x (``tokens``: prompt + output so far). ``on_verified(taps, accepted)`` receives the
+    prefill taps (accepted None), then after each step the taps of x, d1..da (DFlash's context).
+    """
     eos_ids = set(eos_ids)
-    bs = drafter.block_size
     device = target.device
     begin = time.perf_counter()
     cache = target.new_cache()
     logits, taps = target.forward_with_cache(torch.tensor([prompt], device=device), cache, 0)
-    context = drafter.new_cache()
-    drafter.extend_context(context, taps.to(next(drafter.parameters()).dtype))
+    if on_verified:
+        on_verified(taps, None)
     x = int(logits[0, -1].argmax())
     out, accepted_log = [x], []
     start = len(prompt)  # position of x
-    mask_ids = torch.full((1, bs - 1), drafter.mask_token_id, device=device)
     while len(out) < max_new_tokens and x not in eos_ids:
-        # Draft: one drafter forward over [x, MASK...] at positions start .. start + bs - 1.
-        block = torch.cat([torch.tensor([[x]], device=device), mask_ids], dim=1)
-        hidden = drafter.forward_block(context, target.embed(block).to(context.keys[0].dtype))
-        drafts = target.lm_head(hidden[:, 1:].to(target.dtype)).argmax(-1)  # [1, bs - 1]
-        # Verify: one target forward over [x, d1 .. d(bs-1)].
-        verify = torch.cat([block[:, :1], drafts], dim=1)
-        logits, taps = target.forward_with_cache(verify, cache, start)
-        predicted = logits[0].argmax(-1)  # predicted[i]: the target's token for position start + i + 1
-        matches = (drafts[0] == predicted[:-1]).int()
-        accepted = int(matches.cumprod(0).sum())  # host sync: the loop needs the count
-        committed = drafts[0, :accepted].tolist() + [int(predicted[accepted])]
+        drafts = propose(x, prompt + out)
+        logits, taps = target.forward_with_cache(torch.tensor([[x] + drafts], device=device), cache, start)
+        predicted = logits[0].argmax(-1).tolist()  # predicted[i]: the target's token for position start + i + 1
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
+            accepted += 1
+        committed = drafts[:accepted] + [predicted[accepted]]  # the accepted drafts + the bonus token
         out.extend(committed)
         accepted_log.append(accepted)
-        # Keep x, d1..da in the target cache; their taps become drafter context.
-        crop_cache(cache, start + accepted + 1)
-        drafter.extend_context(context, taps[:, : accepted + 1].to(context.keys[0].dtype))
+        crop_cache(cache, start + accepted + 1)  # keep x, d1..da
+        if on_verified:
+            on_verified(taps[:, : accepted + 1], accepted)
         start += accepted + 1
         x = out[-1]
         if any(t in eos_ids for t in committed):
             break
     stop = _stop_index(out, eos_ids, max_new_tokens)
     return Generation(out[:stop], accepted_log, time.perf_counter() - begin)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: TargetModel, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int, eos_ids=()
+) -> Generation:
+    """Greedy DFlash speculative decoding of one prompt (batch 1)."""
+    device = target.device
+    context = drafter.new_cache()
+    dtype = next(drafter.parameters()).dtype
+    mask_ids = torch.full((1, drafter.block_size - 1), drafter.mask_token_id, device=device)
+
+    def propose(x: int, tokens: list[int]) -> list[int]:
+        # One drafter forward over [x, MASK...] at positions start .. start + bs - 1.
+        block = torch.cat([torch.tensor([[x]], device=device), mask_ids], dim=1)
+        hidden = drafter.forward_block(context, target.embed(block).to(dtype))
+        return target.lm_head(hidden[:, 1:].to(target.dtype)).argmax(-1)[0].tolist()
+
+    def extend(taps: torch.Tensor, accepted: int | None) -> None:
+        drafter.extend_context(context, taps.to(dtype))  # verified rows become drafter context
+
+    return _draft_and_verify(target, prompt, max_new_tokens, eos_ids, propose, extend)
 
 
 def ngram_draft(history: list[int], num_draft: int, max_ngram: int = 3) -> list[int]:
@@ -119,29 +138,5 @@ def ngram_generate(
     target: TargetModel, prompt: list[int], max_new_tokens: int, block_size: int, eos_ids=(), max_ngram: int = 3
 ) -> Generation:
     """The no-model baseline: n-gram drafts of block_size - 1 tokens, verified like DFlash."""
-    eos_ids = set(eos_ids)
-    device = target.device
-    begin = time.perf_counter()
-    cache = target.new_cache()
-    logits, _ = target.forward_with_cache(torch.tensor([prompt], device=device), cache, 0)
-    x = int(logits[0, -1].argmax())
-    out, accepted_log = [x], []
-    start = len(prompt)
-    while len(out) < max_new_tokens and x not in eos_ids:
-        drafts = ngram_draft(prompt + out, block_size - 1, max_ngram)
-        verify = torch.tensor([[x] + drafts], device=device)
-        logits, _ = target.forward_with_cache(verify, cache, start)
-        predicted = logits[0].argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
-            accepted += 1
-        committed = drafts[:accepted] + [predicted[accepted]]
-        out.extend(committed)
-        accepted_log.append(accepted)
-        crop_cache(cache, start + accepted + 1)
-        start += accepted + 1
-        x = out[-1]
-        if any(t in eos_ids for t in committed):
-            break
-    stop = _stop_index(out, eos_ids, max_new_tokens)
-    return Generation(out[:stop], accepted_log, time.perf_counter() - begin)
+    return _draft_and_verify(target, prompt, max_new_tokens, eos_ids,
+                             lambda x, tokens: ngram_draft(tokens, block_size - 1, max_ngram))

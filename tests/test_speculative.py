@@ -1,0 +1,82 @@
+"""Draft/verify decoding: lossless against plain greedy, tau bookkeeping, n-gram drafting."""
+
+import torch
+
+from conftest import VOCAB, make_drafter, tiny_qwen3
+from flashdraft.objective import block_input_ids, block_labels_and_weights, dflash_loss, sample_anchors
+from flashdraft.speculative import greedy_generate, ngram_draft, ngram_generate, speculative_generate
+from flashdraft.target import TargetModel
+
+
+def _prompts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _confident_target() -> TargetModel:
+    model = tiny_qwen3(num_layers=4, hidden=64, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked outputs: a learnable, repetitive greedy continuation
+    return TargetModel(model, [1, 2])
+
+
+def _train(target, drafter, steps=60):
+    """Fit the drafter to the target's own greedy continuations (a few dozen steps)."""
+    prompts = torch.randint(0, VOCAB - 1, (16, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ids = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=28,
+                                    do_sample=False)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[:, :4] = 0
+    lengths = torch.full((16,), ids.shape[1])
+    features = target.features(ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
+    drafter.train()
+    for step in range(steps):
+        anchors, valid = sample_anchors(loss_mask, lengths, 12, seed=step)
+        labels, weights = block_labels_and_weights(ids, loss_mask, lengths, anchors, valid, drafter.block_size, 4.0)
+        hidden = drafter(features, target.embed(block_input_ids(ids, anchors, drafter.block_size, drafter.mask_token_id)),
+                         anchors, valid)
+        loss = dflash_loss(hidden, target.lm_head.weight, labels, weights).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return drafter.eval()
+
+
+def test_speculative_output_equals_greedy_for_random_and_trained_drafters():
+    target = _confident_target()
+    random_drafter = make_drafter(target, num_layers=1, block_size=6)
+    trained = _train(target, make_drafter(target, num_layers=1, block_size=6))
+    taus = {}
+    for name, drafter in (("random", random_drafter), ("trained", trained)):
+        steps = []
+        for prompt in _prompts():
+            ref = greedy_generate(target, prompt, 40)
+            spec = speculative_generate(target, drafter, prompt, 40)
+            assert spec.tokens == ref.tokens, name
+            assert sum(a + 1 for a in spec.accepted) >= len(spec.tokens) - 1  # every token came from a step
+            steps.append(spec.tau)
+        taus[name] = sum(steps) / len(steps)
+    assert taus["trained"] > taus["random"]
+
+
+def test_eos_stops_both_decoders_at_the_same_place():
+    target = _confident_target()
+    drafter = make_drafter(target, num_layers=1, block_size=4)
+    prompt = _prompts(1, seed=4)[0]
+    free = greedy_generate(target, prompt, 30).tokens
+    eos = free[7]
+    ref = greedy_generate(target, prompt, 30, eos_ids=[eos])
+    assert ref.tokens == free[: free.index(eos) + 1]
+    assert speculative_generate(target, drafter, prompt, 30, eos_ids=[eos]).tokens == ref.tokens
+    assert ngram_generate(target, prompt, 30, 4, eos_ids=[eos]).tokens == ref.tokens
+
+
+def test_ngram_baseline_is_lossless_and_copies_the_last_occurrence():
+    assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert ngram_draft([5, 6, 7], 2) == []
+    target = _confident_target()
+    for prompt in _prompts():
+        assert ngram_generate(target, prompt, 40, 6).tokens == greedy_generate(target, prompt, 40).tokens
