@@ -689,6 +689,8 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_config(args.config, args.overrides)
     result = train(config)
-    if distributed.get_rank() == 0:
-        print({k: v for k, v in result.items() if isinstance(v, (int, float))}, file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:  # the process group is already torn down here
+        keys = ("loss", "acc", "tau_sim", "eval_loss", "eval_tau", "tokens_per_s", "skipped_steps")
+        print("final: " + " ".join(f"{k} {result[k]:.4g}" for k in keys if isinstance(result.get(k), (int, float))),
+              file=sys.stderr)
     return 0
