@@ -82,8 +82,12 @@ class StageTimer:
     ``max_pending_steps`` bounds memory when ``summary`` is never called (oldest dropped).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", max_pending_steps: int = 10_000):
+    def __init__(self, device: torch.device | str = "cpu", max_pending_steps: int = 10_000, owner_only: bool = False):
+        """``owner_only``: record only stages entered on the creating thread. A pipelined
+        trainer sets it, so the per-step breakdown is the main thread's and sums to its step
+        time; concurrent stages (data, target) are reported by the pipeline's busy/wait split."""
         self.device = torch.device(device)
+        self._owner = threading.get_ident() if owner_only else None
         self._cuda = self.device.type == "cuda"
         self._lock = threading.Lock()
         self._stages: list[tuple[str, Any, Any]] = []  # (name, start mark, end mark) of the open step
@@ -105,6 +109,9 @@ class StageTimer:
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Time the body as stage ``name`` of the current step. No host sync."""
+        if self._owner is not None and threading.get_ident() != self._owner:
+            yield  # another thread's stage: the pipeline report covers it
+            return
         start = self._mark()
         with self._lock:
             if self._step_start is None:

@@ -254,7 +254,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.output / "checkpoints", cfg.train.keep_last)
         self.step = 0
         self.skipped_steps = 0
-        self.timer = StageTimer(self.device)
+        self.timer = StageTimer(self.device, owner_only=True)  # main thread; the pipeline reports the rest
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else contextlib.nullcontext())
         # Serialises target forwards across threads: training forwards (target thread) vs eval

@@ -225,3 +225,29 @@ def test_metrics_logger_disabled_is_a_no_op():
     logger = MetricsLogger([Boom()], enabled=False)
     logger.log(1, {"a": 1})
     logger.close()
+
+
+def test_owner_only_timer_ignores_other_threads_so_the_breakdown_sums_to_the_step():
+    import threading
+    import time as _time
+
+    from flashdraft.metrics import StageTimer
+
+    timer = StageTimer("cpu", owner_only=True)
+
+    def elsewhere():
+        with timer.stage("target"):
+            _time.sleep(0.05)
+
+    worker = threading.Thread(target=elsewhere)
+    with timer.stage("drafter"):
+        worker.start()
+        _time.sleep(0.02)
+    worker.join()
+    with timer.stage("optim"):
+        _time.sleep(0.01)
+    timer.step_done()
+    summary = timer.summary()
+    assert "target" not in summary.stage_ms
+    assert abs(sum(summary.stage_ms.values()) - summary.step_ms) < 1e-6
+    assert summary.stage_ms["drafter"] >= 20
