@@ -64,7 +64,7 @@ def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "config.yaml").is_file()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert any("time/target_share" in line for line in lines)
+    assert any("time/drafter_share" in line and "pipe/target_busy_ms" in line for line in lines)
 
 
 def test_target_gets_no_gradient_and_no_optimizer_state(tiny_job, tmp_path):
