@@ -170,7 +170,8 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
 # File helpers
 # --------------------------------------------------------------------------------------------
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -273,7 +274,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         if size != meta["size"]:
             raise CheckpointError(f"{f}: size {size} != {meta['size']} in the manifest (truncated or modified)")
     for rel, meta in files.items():
-        if _sha256(path / rel) != meta["sha256"]:
+        if sha256_file(path / rel) != meta["sha256"]:
             raise CheckpointError(f"{path / rel}: sha256 mismatch (corrupted)")
     return manifest
 
@@ -391,7 +392,7 @@ class CheckpointManager:
                         _fsync_file(f)
             files = {}
             for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+                files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
             for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 _fsync_dir(d)
             manifest = {"format": FORMAT, "version": VERSION, "flashdraft_version": __version__,

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from flashdraft.checkpoint import sha256_file
 from flashdraft.data.chat import SampleError, normalize_record, probe_template, tokenize_conversation
 from flashdraft.data.shards import META, TokenShardWriter, is_token_shard
 from flashdraft.data.sources import decode_record, iter_records, source_files
@@ -54,19 +55,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def cache_key(inputs, tokenizer, options: dict) -> str:
     """The prepared data's identity: sources' content, tokenizer + template, and options."""
     payload = {
         "version": PREPARE_VERSION,
-        "sources": [_file_digest(p) for p in source_files(inputs)],
+        "sources": [sha256_file(p) for p in source_files(inputs)],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "options": options,
     }
