@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_qwen3
-from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, _sha256
+from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
 from flashdraft.trainer import Trainer
@@ -134,7 +134,7 @@ def test_a_pickle_planted_in_a_checkpoint_is_never_unpickled_even_with_a_matchin
     (path / "model.safetensors").write_bytes(pickle.dumps(_Payload(marker)))
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["files"]["model.safetensors"] = {"size": (path / "model.safetensors").stat().st_size,
-                                              "sha256": _sha256(path / "model.safetensors")}
+                                              "sha256": sha256_file(path / "model.safetensors")}
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="cannot load"):
         manager.load(path)
