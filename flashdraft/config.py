@@ -220,6 +220,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             return value
         raise ValueError(f"config {name}={value!r} is invalid: use true or false")
     if tp is int:
+        if isinstance(value, str):  # YAML 1.1 reads 64e9 (no dot) as a string: byte budgets are written so
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)

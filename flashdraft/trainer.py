@@ -34,8 +34,8 @@ from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.feature_cache import CacheLookup, FeatureCache, full_cache_bytes
 from flashdraft.evaluate import eos_ids_of, evaluate_tau, prompts_from_dataset, read_prompts
+from flashdraft.feature_cache import CacheLookup, FeatureCache, full_cache_bytes
 from flashdraft.metrics import (Progress, StageTimer, Throughput, format_bytes, format_line, open_metrics,
                                 peak_memory_bytes)
 from flashdraft.objective import block_loss, default_gamma, make_blocks

@@ -3,6 +3,7 @@ that skips the target forward in later epochs yet trains the same."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import results, run_ranks
 from flashdraft.config import load_config
 from flashdraft.data.shards import write_token_shard
 from flashdraft.feature_cache import FeatureCache
@@ -97,6 +99,18 @@ def test_config_mistakes_name_the_fix(bad, match):
     assert load_config().pipeline.feature_cache_bytes == 0  # off by default
 
 
+def test_budgets_read_like_people_write_them_and_the_bench_says_whether_they_cover_a_full_cache(tiny_job):  # noqa: F811
+    from flashdraft.benchmarks.pipeline import cache_budget_verdict, feature_cache_estimate
+
+    # YAML 1.1 reads 64e9 as a string; it is an integer byte count.
+    assert load_config(overrides=["pipeline.feature_cache_bytes=64e9"]).pipeline.feature_cache_bytes == 64 * 10**9
+    est = feature_cache_estimate(str(tiny_job / "target"), str(tiny_job / "data"), num_taps=2)
+    assert est["bytes"] == 32 * 40 * 2 * 32 * 2  # 32 samples x 40 tokens x 2 taps x hidden 32 x bf16
+    assert "covers it" in cache_budget_verdict(est["bytes"], est["bytes"] - 10, 10)
+    assert "holds 50% of it" in cache_budget_verdict(est["bytes"], est["bytes"] // 4, est["bytes"] // 4)
+    assert "is off" in cache_budget_verdict(est["bytes"], 0, 0)
+
+
 # ---- the trainer ---------------------------------------------------------------------------
 
 
@@ -158,3 +172,18 @@ def test_the_disk_tier_serves_what_ram_cannot_hold(tiny_job, varied, tmp_path): 
     assert stats.disk_bytes > stats.ram_bytes > 0 and stats.entries == 32 and forwards == 9
     assert losses == pytest.approx(plain, rel=1e-5)
     assert scratch.is_dir() and os.listdir(scratch) == []  # the scratch file is gone with the run
+
+
+def test_each_of_two_ranks_caches_what_it_sees(tiny_job, tmp_path, forkserver):  # noqa: F811
+    """3 epochs at world size 2 (4 steps per epoch per rank): the counters are summed over
+    ranks at every log, and the ranks stay in lockstep."""
+    two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(
+        tiny_job, tmp_path / "two", train__max_steps=12, pipeline__feature_cache_bytes=10**7)), timeout=240)
+    r0, r1 = results(two)
+    assert all(r0["identical"]) and len(r0["identical"]) == 12 and r0["losses"] == r1["losses"]
+    cache = r0["cache"]
+    assert cache == r1["cache"]
+    assert cache["cache/hits"] + cache["cache/misses"] == 12 * 4 * 2  # steps x samples per micro-batch x ranks
+    # Epoch 1 fills each rank with the 16 samples it saw; later epochs deal each rank a different
+    # half, so only some of its samples are held: hits, but fewer than at world size 1.
+    assert 0 < cache["cache/hits"] < 64 and cache["cache/entries"] >= 32
