@@ -136,7 +136,9 @@ class PipelineConfig:
     enabled: bool = True  # run data, target forward and drafter step as overlapped stages (false: sequential)
     capacity: int = 2  # items each bounded channel holds (how far a stage may run ahead of the next)
     placement: str = "colocated"  # colocated (target + drafter on the same GPUs) or disaggregated (not implemented yet)
-    feature_cache_bytes: int = 0  # byte budget of a cache of target features reused across epochs (0: off; not implemented yet)
+    feature_cache_bytes: int = 0  # RAM budget (bytes, per process) of the target-feature cache reused across epochs (0: no RAM tier)
+    feature_cache_disk_bytes: int = 0  # disk budget (bytes, per process) of the cache, used once the RAM tier is full (0: no disk tier)
+    feature_cache_dir: str = ""  # directory of the disk tier's scratch files ("": OUTPUT_DIR/feature_cache)
     join_timeout_s: float = 5.0  # how long shutdown waits for stage threads before logging the stragglers
 
     def __post_init__(self):
@@ -145,8 +147,12 @@ class PipelineConfig:
                "use colocated or disaggregated")
         _check(self.placement == "colocated", "pipeline.placement", self.placement,
                "disaggregated placement is documented (docs/pipeline.md) but not implemented yet; use colocated")
-        _check(self.feature_cache_bytes == 0, "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
-               "the feature cache is not implemented yet; use 0 (`flashdraft bench pipeline` prints the size it would need)")
+        _check(self.feature_cache_bytes >= 0, "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
+               "use 0 (off) or a RAM budget in bytes, e.g. 8e9 (`flashdraft bench pipeline` prints what a full cache needs)")
+        _check(self.feature_cache_disk_bytes >= 0, "pipeline.feature_cache_disk_bytes", f"{self.feature_cache_disk_bytes}",
+               "use 0 (off) or a disk budget in bytes, e.g. 2e11")
+        _check(not self.feature_cache_dir or self.feature_cache_disk_bytes > 0, "pipeline.feature_cache_dir",
+               self.feature_cache_dir, "it is only used by the disk tier: set pipeline.feature_cache_disk_bytes too, or drop it")
         _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}", "use a positive number of seconds")
 
 
@@ -214,6 +220,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             return value
         raise ValueError(f"config {name}={value!r} is invalid: use true or false")
     if tp is int:
+        if isinstance(value, str):  # YAML 1.1 reads 64e9 (no dot) as a string: byte budgets are written so
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -196,12 +196,14 @@ class StageReport:
 
 @dataclass
 class PipelineReport:
-    """Per-stage busy / starved / blocked split over a window and the resulting bound."""
+    """Per-stage busy / starved / blocked split over a window and the resulting bound; ``notes``:
+    lines the owner adds (e.g. the trainer's feature-cache counters), printed by ``format``."""
 
     stages: list[StageReport]
     wall_s: float
     items: int
     threaded: bool
+    notes: list[str] = field(default_factory=list)
 
     @property
     def slowest(self) -> StageReport:
@@ -240,7 +242,7 @@ class PipelineReport:
                          f"{1e3 * s.blocked_s / n:>14.2f} {share:>6.1f}%")
         lines.append(f"{'threaded' if self.threaded else 'sequential'}: {self.items_per_s:.2f} items/s, "
                      f"{self.bound} (ideal {self.ideal_items_per_s:.2f} items/s)")
-        return "\n".join(lines)
+        return "\n".join(lines + self.notes)
 
 
 class _Meter:

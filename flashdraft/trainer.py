@@ -35,7 +35,9 @@ from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau, prompts_from_dataset, read_prompts
-from flashdraft.metrics import Progress, StageTimer, Throughput, format_line, open_metrics, peak_memory_bytes
+from flashdraft.feature_cache import CacheLookup, FeatureCache, full_cache_bytes
+from flashdraft.metrics import (Progress, StageTimer, Throughput, format_bytes, format_line, open_metrics,
+                                peak_memory_bytes)
 from flashdraft.objective import block_loss, default_gamma, make_blocks
 from flashdraft.pipeline import BufferPool, Pipeline, Stage
 from flashdraft.target import TargetModel
@@ -129,6 +131,7 @@ class Micro:
 
     batch / sample_ids: host data (``batch`` is a view of a pooled CollateBuffers slot).
     device_batch / device_ids / features: filled by the target stage (``Trainer.stage_target``).
+    cached: the feature cache's rows of this micro-batch (h2d part), when the cache is on.
     """
 
     batch: Batch
@@ -136,6 +139,7 @@ class Micro:
     device_batch: Batch | None = None
     device_ids: torch.Tensor | None = None
     features: torch.Tensor | None = None
+    cached: CacheLookup | None = None
 
     def __iter__(self):
         return iter((self.batch, self.sample_ids))
@@ -262,6 +266,8 @@ class Trainer:
         self.target_lock = threading.Lock()
         self._data_state: dict | None = None  # cursor after the last step TRAINED (not collated)
         self.pipeline_report = None  # the last PipelineReport (per-stage busy/starved/blocked)
+        self.feature_cache: FeatureCache | None = None  # lives while the pipeline runs (``_pipeline``)
+        self.feature_cache_stats = None  # its final CacheStats
         # Recent metric records for callers and tests; bounded so a days-long run's memory stays flat
         # (metrics.jsonl holds them all).
         self.history: collections.deque[dict] = collections.deque(maxlen=1000)
@@ -373,6 +379,8 @@ class Trainer:
                 if m.device_batch is None:
                     m.device_batch = m.batch.to(self.device)
                     m.device_ids = torch.from_numpy(m.sample_ids).to(self.device, non_blocking=True)
+                    if self.feature_cache is not None:
+                        m.cached = self.feature_cache.lookup(m.sample_ids, m.batch.lengths, self.device)
         return micro
 
     def stage_target(self, micro: list[Micro]) -> list[Micro]:
@@ -382,7 +390,12 @@ class Trainer:
         for m in micro:
             if m.features is None:
                 with self.target_lock, self.timer.stage("target"):
-                    m.features = self.target.features(m.device_batch.input_ids, m.device_batch.attention_mask)
+                    if m.cached is not None:  # the cache's rows; the target runs on the rest, if any
+                        m.features = self.feature_cache.complete(m.cached, self.target, m.device_batch,
+                                                                 m.sample_ids, m.batch.lengths)
+                        m.cached = None
+                    else:
+                        m.features = self.target.features(m.device_batch.input_ids, m.device_batch.attention_mask)
         return micro
 
     def train_step(self, micro: list[Micro], stats: StepStats) -> torch.Tensor:
@@ -551,6 +564,7 @@ class Trainer:
                           self.device)
         if threaded and self.step < self.total_steps:
             self._warm_up_target()
+        self.feature_cache = self._open_feature_cache()
         pipe = Pipeline(self._step_inputs(pool, self.total_steps - self.step), [
             Stage("target", self._target_stage, device=self.device, h2d=self._h2d_stage)],
             capacity=pcfg.capacity, threaded=threaded, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
@@ -562,6 +576,28 @@ class Trainer:
             pipe.close()
             self.pipeline_report = pipe.report(window=False)  # the whole run's stage split
             self._pipe = None
+            if self.feature_cache is not None:  # after close: no stage thread uses it any more
+                self.feature_cache_stats = self.feature_cache.stats()
+                self.pipeline_report.notes.append(self.feature_cache_stats.format())
+                self.feature_cache.close()
+                self.feature_cache = None
+
+    def _open_feature_cache(self) -> FeatureCache | None:
+        """The target-feature cache of this run (pipeline.feature_cache_*), or None when off.
+        Always starts empty: it is an optimisation, never part of a checkpoint."""
+        pcfg = self.config.pipeline
+        if not pcfg.feature_cache_bytes and not pcfg.feature_cache_disk_bytes:
+            return None
+        directory = Path(pcfg.feature_cache_dir) if pcfg.feature_cache_dir else self.output / "feature_cache"
+        cache = FeatureCache(feature_size=self.target.feature_size, dtype=self.target.dtype,
+                             ram_bytes=pcfg.feature_cache_bytes, disk_bytes=pcfg.feature_cache_disk_bytes,
+                             directory=directory)
+        if self.dist.is_main:
+            need = full_cache_bytes(int(self.dataset.lengths.sum()), cache.feature_size, cache.itemsize)
+            log.info("feature cache: RAM %s + disk %s per rank; the features of every sample take %s (each rank "
+                     "sees a different 1/%d of them every epoch; docs/pipeline.md)", format_bytes(cache.ram_budget),
+                     format_bytes(cache.disk_budget), format_bytes(need), self.dist.world_size)
+        return cache
 
     def _step_inputs(self, pool: BufferPool, num_steps: int):
         """Stage 1 (data thread): plan + collate ``num_steps`` steps into pooled buffers."""
@@ -601,7 +637,7 @@ class Trainer:
             pipe = self.pipeline_report.as_metrics()
         record = {**values, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                   "tokens_per_s": speed.tokens_per_s or 0.0, "s_per_step": speed.s_per_step or 0.0,
-                  "skipped_steps": self.skipped_steps, **timing.as_metrics(), **pipe}
+                  "skipped_steps": self.skipped_steps, **timing.as_metrics(), **pipe, **self._cache_metrics()}
         self.history.append({"step": self.step, **record})
         metrics.log(self.step, record)
         progress.write(format_line(
@@ -611,6 +647,19 @@ class Trainer:
             shares=timing.share, peak_mem_bytes=peak_memory_bytes(self.device),
         ))
         return record
+
+    def _cache_metrics(self) -> dict:
+        """The feature cache's counters summed over ranks (since the start; every rank logs at
+        the same steps, so the all-reduce lines up). Empty when the cache is off."""
+        if self.feature_cache is None:
+            return {}
+        mine = self.feature_cache.stats().as_metrics()
+        keys = [k for k in mine if k != "cache/hit_rate"]
+        total = distributed.all_reduce(torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64,
+                                                    device=self.device), "sum").tolist()  # deliberate sync: log time
+        out = {k: int(v) for k, v in zip(keys, total)}
+        out["cache/hit_rate"] = out["cache/hits"] / max(1, out["cache/hits"] + out["cache/misses"])
+        return out
 
     @torch.no_grad()
     def _eval(self, metrics, progress) -> dict:

@@ -12,8 +12,9 @@ pipelined, back to back in one process:
    sequential vs pipelined steps/s at the chosen intra-op thread counts, with the per-stage
    busy / starved / blocked split and the bound.
 
-It also prints the storage a full feature cache would need (``--target`` / ``--data`` give the
-user's own model and dataset; otherwise the tiny job's).
+It also prints the storage a full feature cache would need (``--config`` or ``--target`` /
+``--data`` give the user's own model and dataset; otherwise the tiny job's), and whether the
+configured ``pipeline.feature_cache_bytes`` + ``feature_cache_disk_bytes`` cover it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.feature_cache import full_cache_bytes
 from flashdraft.metrics import format_bytes
 from flashdraft.pipeline import Pipeline, Stage
 
@@ -42,9 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=2, help="channel capacity")
     parser.add_argument("--real-steps", type=int, default=30, help="trainer steps per real run (0: skip the real part)")
     parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts for the real part")
+    parser.add_argument("--config", default="", help="a flashdraft train config: its target, data, taps and feature-cache "
+                        "budgets, for the feature-cache size estimate (the options below override it)")
     parser.add_argument("--target", default="", help="a HF target dir, for the feature-cache size estimate")
     parser.add_argument("--data", default="", help="training data, for the feature-cache size estimate")
-    parser.add_argument("--num-taps", type=int, default=5, help="tapped layers, for the feature-cache size estimate")
+    parser.add_argument("--num-taps", type=int, default=None, help="tapped layers, for the feature-cache size estimate (5)")
+    parser.add_argument("--feature-cache-bytes", type=float, default=None, help="RAM budget to compare with the estimate")
+    parser.add_argument("--feature-cache-disk-bytes", type=float, default=None, help="disk budget to compare with the estimate")
+    parser.add_argument("--estimate-only", action="store_true", help="only the feature-cache size estimate (skip the runs)")
     parser.add_argument("--json", default="", help="also write the results as JSON to this file")
 
 
@@ -134,7 +141,8 @@ def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 6
     return root
 
 
-def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int) -> dict:
+def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int,
+             feature_cache_bytes: int = 0) -> dict:
     from flashdraft.config import load_config
     from flashdraft.trainer import Trainer
 
@@ -153,14 +161,18 @@ def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, c
         "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
         "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
-        "pipeline.capacity": capacity, "train.resume": "never",
+        "pipeline.capacity": capacity, "train.resume": "never", "pipeline.feature_cache_bytes": feature_cache_bytes,
     }
     trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
     trainer.fit()
     skip = min(3, steps // 3)  # warm-up steps (allocator, first-call overheads)
     rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
     tokens = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch  # mean tokens per step
-    return {"steps_per_s": rate, "tokens_per_s": rate * tokens, "report": trainer.pipeline_report}
+    per_epoch = trainer.sampler.batches_per_epoch
+    epochs = [stamps[e : e + per_epoch] for e in range(0, len(stamps), per_epoch)]
+    epoch_rates = [(len(t) - 1) / (t[-1] - t[0]) for t in epochs if len(t) > 1]  # each epoch's own steps
+    return {"steps_per_s": rate, "tokens_per_s": rate * tokens, "report": trainer.pipeline_report,
+            "epoch_steps_per_s": epoch_rates, "steps_per_epoch": per_epoch}
 
 
 def run_real(args) -> list[dict]:
@@ -213,22 +225,52 @@ def feature_cache_estimate(target: str, data: str, num_taps: int, dtype_bytes: i
 
     hidden = int(AutoConfig.from_pretrained(target).hidden_size)
     tokens = int(open_dataset(data, progress=False).lengths.sum())
-    per_token = num_taps * hidden * dtype_bytes
-    return {"tokens": tokens, "per_token": per_token, "bytes": tokens * per_token,
-            "human": format_bytes(tokens * per_token)}
+    total = full_cache_bytes(tokens, num_taps * hidden, dtype_bytes)
+    return {"tokens": tokens, "per_token": num_taps * hidden * dtype_bytes, "bytes": total, "human": format_bytes(total)}
+
+
+def cache_budget_verdict(need: int, ram_bytes: float, disk_bytes: float) -> str:
+    """Whether a RAM + disk budget (per process) holds a full cache of ``need`` bytes."""
+    budget = ram_bytes + disk_bytes
+    held = f"RAM {format_bytes(ram_bytes)} + disk {format_bytes(disk_bytes)}"
+    if budget <= 0:
+        return f"the feature cache is off ({held}); set pipeline.feature_cache_bytes (RAM) and/or feature_cache_disk_bytes"
+    if budget >= need:
+        return f"the budget ({held}) covers it: from epoch 2 on, every target forward is a cache read (one process)"
+    return (f"the budget ({held}) holds {100 * budget / need:.0f}% of it: later epochs hit about that share of "
+            f"samples (one process); raise it to {format_bytes(need)} for a full cache")
+
+
+def _feature_cache_args(args) -> tuple[str, str, int, float, float]:
+    """(target, data, taps, RAM budget, disk budget) from --config and the explicit options."""
+    target, data, taps, ram, disk = "", "", 5, 0.0, 0.0
+    if args.config:
+        from flashdraft.config import load_config
+
+        cfg = load_config(args.config)
+        target, data = cfg.model.target, cfg.data.path
+        taps = len(cfg.model.target_layer_ids) if cfg.model.target_layer_ids else cfg.model.num_taps
+        ram, disk = cfg.pipeline.feature_cache_bytes, cfg.pipeline.feature_cache_disk_bytes
+    pick = lambda given, default: default if given is None or given == "" else given  # noqa: E731
+    return (pick(args.target, target), pick(args.data, data), pick(args.num_taps, taps),
+            pick(args.feature_cache_bytes, ram), pick(args.feature_cache_disk_bytes, disk))
 
 
 def run(args) -> int:
     torch.manual_seed(0)
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, cuda {torch.cuda.is_available()}")
-    results = {"synthetic": run_synthetic(args)}
-    if args.real_steps:
-        results["real"] = run_real(args)
-    if args.target and args.data:
-        est = feature_cache_estimate(args.target, args.data, args.num_taps)
+    results = {}
+    if not args.estimate_only:
+        results["synthetic"] = run_synthetic(args)
+        if args.real_steps:
+            results["real"] = run_real(args)
+    target, data, taps, ram, disk = _feature_cache_args(args)
+    if target and data:
+        est = feature_cache_estimate(target, data, taps)
+        est["verdict"] = cache_budget_verdict(est["bytes"], ram, disk)
         results["feature_cache"] = est
-        print(f"\nfull feature cache for {args.data} with {args.target} ({args.num_taps} taps, bf16): {est['human']} "
-              f"({est['tokens']} tokens x {est['per_token']} B); set pipeline.feature_cache_bytes accordingly")
+        print(f"\nfull feature cache for {data} with {target} ({taps} taps, bf16): {est['human']} "
+              f"({est['tokens']} tokens x {est['per_token']} B); {est['verdict']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0

@@ -1,0 +1,246 @@
+"""A byte-bounded cache of the frozen target's packed features, per sample, reused across epochs.
+
+The target is frozen, so a sample's packed taps [len, K*H] are the same every epoch. With the
+cache on, the target stage computes them once (epoch 1), keeps them (RAM, then disk), and in
+later epochs reads them back instead of running the target: the target stage becomes a copy.
+
+Storage: exactly what the drafter consumes, the tapped hidden states in the target's output
+dtype, one entry per sample WITHOUT padding; a hit gives the very bits the target produced.
+- RAM tier: a dict of CPU tensors, up to ``ram_bytes``.
+- disk tier: one append-only scratch file per process, up to ``disk_bytes``, with an
+  {sample id: (offset, length)} index; reads go straight into the destination rows
+  (``os.preadv``), so the page cache serves repeated reads. The file is created unlinked
+  (``tempfile.TemporaryFile``), so nothing is left behind even after ``kill -9``, and a new run
+  always starts empty (the cache is an optimisation; checkpoints never hold it).
+
+Policy: fill until full, never evict. Access is epoch-cyclic (every sample once per epoch, in
+a fresh shuffled order): with LRU, once the working set exceeds the cache every entry is
+evicted before its next use, so the hit rate falls to ~0; keeping the first entries that fit
+gives hit rate = cache size / working set, the best any policy gets on a cyclic scan.
+
+Threading: one thread uses a cache (the trainer's target thread; the main thread when the
+pipeline is sequential). ``stats()`` copies plain counters and may be read from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.metrics import format_bytes
+
+
+@dataclass
+class CacheStats:
+    """Counters since the cache was created (samples, micro-batches, bytes)."""
+
+    hits: int = 0  # samples whose features came from the cache
+    misses: int = 0  # samples the target computed
+    skipped_forwards: int = 0  # micro-batches served entirely from the cache: no target forward
+    partial_forwards: int = 0  # micro-batches where the target ran on the missing samples only
+    entries: int = 0  # samples held
+    ram_bytes: int = 0  # bytes held in RAM
+    disk_bytes: int = 0  # bytes held on disk
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+    def as_metrics(self, prefix: str = "cache/") -> dict[str, float]:
+        return {**{f"{prefix}{k}": v for k, v in asdict(self).items()}, f"{prefix}hit_rate": self.hit_rate}
+
+    def format(self) -> str:
+        return (f"feature cache: {self.hits} hits / {self.misses} misses ({100 * self.hit_rate:.1f}%), "
+                f"{self.skipped_forwards} target forwards skipped, {self.partial_forwards} partial; "
+                f"{self.entries} samples held, {format_bytes(self.ram_bytes)} RAM + {format_bytes(self.disk_bytes)} disk")
+
+
+@dataclass
+class CacheLookup:
+    """The cached part of one micro-batch: ``features`` [B, S, F] on the device with the hit
+    rows filled (zeros elsewhere, padding included), or None when nothing hit."""
+
+    hit_rows: list[int]
+    miss_rows: list[int]
+    features: torch.Tensor | None
+
+
+class FeatureCache:
+    """Per-sample packed target features keyed by the dataset's sample id (see the module doc).
+
+    feature_size: K*H, the last dimension of the target's packed features.
+    dtype: the target's output dtype; entries of another dtype are refused.
+    ram_bytes / disk_bytes: budgets of the two tiers (0 disables a tier); never exceeded.
+    directory: where the disk tier's scratch file lives (needed when disk_bytes > 0).
+    """
+
+    def __init__(self, *, feature_size: int, dtype: torch.dtype, ram_bytes: int, disk_bytes: int = 0,
+                 directory: str | os.PathLike | None = None):
+        if feature_size < 1 or ram_bytes < 0 or disk_bytes < 0:
+            raise ValueError(f"FeatureCache: feature_size={feature_size}, ram_bytes={ram_bytes}, "
+                             f"disk_bytes={disk_bytes} are invalid; use a positive size and budgets >= 0")
+        self.feature_size = feature_size
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.ram_budget = ram_bytes
+        self.disk_budget = disk_bytes
+        self._ram: dict[int, torch.Tensor] = {}
+        self._disk: dict[int, tuple[int, int]] = {}  # sample id -> (byte offset, tokens)
+        self._stats = CacheStats()
+        self._file = None
+        if disk_bytes:
+            if directory is None:
+                raise ValueError("FeatureCache: disk_bytes > 0 needs a directory for the scratch file")
+            try:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                self._file = tempfile.TemporaryFile(dir=directory, prefix="features-", buffering=0)
+            except OSError as exc:
+                raise ValueError(
+                    f"pipeline.feature_cache_dir={directory}: cannot create the disk tier's scratch file ({exc}); "
+                    "point it at a writable local disk, or set pipeline.feature_cache_disk_bytes=0") from None
+
+    # ---- entries ------------------------------------------------------------------------------
+
+    def __contains__(self, sample_id: int) -> bool:
+        return sample_id in self._ram or sample_id in self._disk
+
+    def __len__(self) -> int:
+        return len(self._ram) + len(self._disk)
+
+    def put(self, sample_id: int, features_LF: torch.Tensor) -> bool:
+        """Keep a copy of one sample's features [len, F] (any device); False when no tier has
+        room (nothing is evicted) or the sample is held already."""
+        sample_id = int(sample_id)
+        if features_LF.dim() != 2 or features_LF.shape[1] != self.feature_size or features_LF.dtype != self.dtype:
+            raise ValueError(f"FeatureCache.put: sample {sample_id} has features {tuple(features_LF.shape)} "
+                             f"{features_LF.dtype}; expected [len, {self.feature_size}] {self.dtype}")
+        nbytes = features_LF.numel() * self.itemsize
+        if sample_id in self or not self.has_room(nbytes):
+            return False
+        host = features_LF.to("cpu", copy=True).contiguous()  # a copy: never a view of a batch's buffer
+        if self._stats.ram_bytes + nbytes <= self.ram_budget:
+            self._ram[sample_id] = host
+            self._stats.ram_bytes += nbytes
+        else:
+            offset = self._stats.disk_bytes
+            if not self._write(host, offset):
+                return False
+            self._disk[sample_id] = (offset, host.shape[0])
+            self._stats.disk_bytes += nbytes
+        self._stats.entries += 1
+        return True
+
+    def has_room(self, nbytes: int) -> bool:
+        return (self._stats.ram_bytes + nbytes <= self.ram_budget
+                or (self._file is not None and self._stats.disk_bytes + nbytes <= self.disk_budget))
+
+    def read_into(self, sample_id: int, out_LF: torch.Tensor) -> None:
+        """Copy sample ``sample_id``'s features into ``out_LF`` (a contiguous CPU [len, F] view)."""
+        if sample_id in self._ram:
+            entry = self._ram[sample_id]
+            if entry.shape != out_LF.shape:
+                raise RuntimeError(f"feature cache: sample {sample_id} holds {tuple(entry.shape)}, "
+                                   f"asked for {tuple(out_LF.shape)}")
+            out_LF.copy_(entry)
+            return
+        offset, tokens = self._disk[sample_id]
+        if (tokens, self.feature_size) != tuple(out_LF.shape):
+            raise RuntimeError(f"feature cache: sample {sample_id} holds {tokens} tokens, asked for {out_LF.shape[0]}")
+        view = _bytes_of(out_LF)
+        got = os.preadv(self._file.fileno(), [view], offset)
+        if got != view.nbytes:
+            raise OSError(f"feature cache: short read of sample {sample_id} from the scratch file "
+                          f"({got} of {view.nbytes} bytes at offset {offset})")
+
+    def get(self, sample_id: int) -> torch.Tensor:
+        """A copy of one sample's features [len, F] on the CPU (KeyError when not held)."""
+        if sample_id in self._ram:
+            return self._ram[sample_id].clone()
+        _, tokens = self._disk[sample_id]
+        out = torch.empty(tokens, self.feature_size, dtype=self.dtype)
+        self.read_into(sample_id, out)
+        return out
+
+    def _write(self, host: torch.Tensor, offset: int) -> bool:
+        """Append at ``offset``; on a full disk, stop using the disk tier (False) instead of failing."""
+        data = _bytes_of(host)
+        try:
+            done = 0
+            while done < data.nbytes:
+                done += os.pwrite(self._file.fileno(), data[done:], offset + done)
+        except OSError:  # e.g. ENOSPC: the cache is an optimisation; the run goes on without more entries
+            self.disk_budget = self._stats.disk_bytes
+            return False
+        return True
+
+    # ---- micro-batches --------------------------------------------------------------------------
+
+    def lookup(self, sample_ids: np.ndarray, lengths: torch.Tensor, device: torch.device) -> CacheLookup:
+        """Host-to-device part: the cached rows of a micro-batch, padded [B, S, F] on ``device``
+        (a non_blocking copy from pinned memory on CUDA; on the caller's current stream)."""
+        ids = [int(i) for i in sample_ids]
+        hit_rows = [r for r, i in enumerate(ids) if i in self]
+        miss_rows = [r for r, i in enumerate(ids) if i not in self]
+        self._stats.hits += len(hit_rows)
+        self._stats.misses += len(miss_rows)
+        if not hit_rows:
+            return CacheLookup(hit_rows, miss_rows, None)
+        lengths = lengths.tolist()  # a host tensor: no device sync
+        features = torch.zeros(len(ids), max(lengths), self.feature_size, dtype=self.dtype,
+                               pin_memory=device.type == "cuda")
+        for r in hit_rows:
+            self.read_into(ids[r], features[r, : lengths[r]])
+        return CacheLookup(hit_rows, miss_rows, features.to(device, non_blocking=True))
+
+    def complete(self, found: CacheLookup, target, batch, sample_ids: np.ndarray, lengths: torch.Tensor) -> torch.Tensor:
+        """Target part: the micro-batch's packed features [B, S, F] on the target's device.
+
+        No miss: the cached rows, no target forward. No hit: the target on the whole batch,
+        exactly as without a cache. Otherwise the target runs on the missing rows only
+        (trimmed to their longest). New samples are kept while the budget lasts; on CUDA
+        that copy to the host waits for the forward (a sync in the calling, target, thread).
+        batch: the device Batch; lengths: its host lengths [B]."""
+        if not found.miss_rows:
+            self._stats.skipped_forwards += 1
+            return found.features
+        if not found.hit_rows:
+            features = target.features(batch.input_ids, batch.attention_mask)
+        else:
+            self._stats.partial_forwards += 1
+            rows = torch.tensor(found.miss_rows, device=batch.input_ids.device)
+            s = int(lengths[found.miss_rows].max())
+            features = found.features
+            features[rows, :s] = target.features(batch.input_ids[rows, :s], batch.attention_mask[rows, :s])
+        lengths = lengths.tolist()
+        for r in found.miss_rows:
+            if self.has_room(lengths[r] * self.feature_size * self.itemsize):
+                self.put(int(sample_ids[r]), features[r, : lengths[r]])
+        return features
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        return CacheStats(**asdict(self._stats))
+
+    def close(self) -> None:
+        """Drop every entry and the scratch file (idempotent)."""
+        self._ram.clear()
+        self._disk.clear()
+        if self._file is not None:
+            self._file.close()  # unlinked already: its space is freed now
+            self._file = None
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a contiguous CPU tensor as a writable uint8 array (bf16 has no numpy dtype)."""
+    return t.view(torch.uint8).numpy().reshape(-1)
+
+
+def full_cache_bytes(num_tokens: int, feature_size: int, dtype_bytes: int) -> int:
+    """Bytes a cache of every sample needs: tokens x K*H x bytes per value (no padding kept)."""
+    return num_tokens * feature_size * dtype_bytes

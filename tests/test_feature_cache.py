@@ -1,0 +1,189 @@
+"""The target-feature cache: bit-exact round trips through RAM and disk, budgets, and a trainer
+that skips the target forward in later epochs yet trains the same."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import results, run_ranks
+from flashdraft.config import load_config
+from flashdraft.data.shards import write_token_shard
+from flashdraft.feature_cache import FeatureCache
+from flashdraft.trainer import Trainer
+from test_trainer import overrides, tiny_job  # noqa: F401  (fixture)
+
+F = 24  # feature size of the unit tests
+
+
+def random_features(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(n, F, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ram_and_disk_round_trips_are_bit_exact(tmp_path, dtype):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    lengths = [7, 3, 12, 5, 9, 4]
+    # RAM holds the first two samples (10 tokens); the rest go to disk.
+    cache = FeatureCache(feature_size=F, dtype=dtype, ram_bytes=10 * F * itemsize, disk_bytes=10**6, directory=tmp_path)
+    originals = {100 + k: random_features(n, dtype, k) for k, n in enumerate(lengths)}
+    for sample_id, features in originals.items():
+        assert cache.put(sample_id, features)
+    stats = cache.stats()
+    assert stats.ram_bytes == 10 * F * itemsize and stats.disk_bytes == (sum(lengths) - 10) * F * itemsize
+    assert len(cache) == stats.entries == len(lengths)
+    for sample_id, features in originals.items():
+        got = cache.get(sample_id)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), features.view(torch.uint8))
+    # The scratch file is unlinked from the start: a crash leaves nothing behind.
+    assert list(tmp_path.iterdir()) == []
+    # A micro-batch in a new order, with a sample the cache lacks: padded rows are exact, pads are 0.
+    ids = np.array([104, 101, 7, 102])
+    found = cache.lookup(ids, torch.tensor([9, 3, 5, 12]), torch.device("cpu"))
+    assert found.hit_rows == [0, 1, 3] and found.miss_rows == [2] and found.features.shape == (4, 12, F)
+    for r, sample_id in zip(found.hit_rows, [104, 101, 102]):
+        n = len(originals[sample_id])
+        assert torch.equal(found.features[r, :n], originals[sample_id]) and not found.features[r, n:].any()
+    assert not found.features[2].any()
+    assert cache.stats().hits == 3 and cache.stats().misses == 1
+    cache.close()
+    assert len(cache) == 0
+
+
+def test_ram_only_cache_needs_no_directory_and_refuses_wrong_features():
+    cache = FeatureCache(feature_size=F, dtype=torch.float32, ram_bytes=1 << 20)
+    x = random_features(5, torch.float32, 0)
+    assert cache.put(3, x) and not cache.put(3, x)  # a second put of a held sample is a no-op
+    x.zero_()  # the cache holds a copy, not a view of the caller's buffer
+    assert torch.equal(cache.get(3), random_features(5, torch.float32, 0))
+    with pytest.raises(ValueError, match=r"expected \[len, 24\] torch.float32"):
+        cache.put(4, random_features(5, torch.bfloat16, 0))
+    with pytest.raises(ValueError, match=r"expected \[len, 24\]"):
+        cache.put(4, torch.zeros(5, F + 1))
+    with pytest.raises(ValueError, match="needs a directory"):
+        FeatureCache(feature_size=F, dtype=torch.float32, ram_bytes=0, disk_bytes=100)
+
+
+def test_budgets_are_never_exceeded_and_the_first_samples_that_fit_stay(tmp_path):
+    rng = np.random.default_rng(0)
+    ram, disk = 1000 * F * 4, 3000 * F * 4
+    cache = FeatureCache(feature_size=F, dtype=torch.float32, ram_bytes=ram, disk_bytes=disk, directory=tmp_path)
+    kept, used = [], 0
+    for sample_id, n in enumerate(rng.integers(1, 200, 80).tolist()):
+        fits = cache.has_room(n * F * 4)
+        assert cache.put(sample_id, random_features(n, torch.float32, sample_id)) == fits
+        stats = cache.stats()
+        assert stats.ram_bytes <= ram and stats.disk_bytes <= disk
+        if fits:
+            kept.append(sample_id)
+            used += n * F * 4
+        assert stats.ram_bytes + stats.disk_bytes == used
+    assert len(kept) < 80 and used > 0.9 * (ram + disk)  # it filled up, then refused: nothing evicted
+    assert all(i in cache for i in kept) and len(cache) == len(kept)
+    assert all(torch.equal(cache.get(i), random_features(len(cache.get(i)), torch.float32, i)) for i in kept)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("pipeline.feature_cache_bytes=-1", "pipeline.feature_cache_bytes=-1 is invalid: use 0 .off. or a RAM budget"),
+    ("pipeline.feature_cache_disk_bytes=-5", "pipeline.feature_cache_disk_bytes=-5 is invalid"),
+    ("pipeline.feature_cache_dir=/scratch", "set pipeline.feature_cache_disk_bytes too"),
+])
+def test_config_mistakes_name_the_fix(bad, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides=[bad])
+    assert load_config().pipeline.feature_cache_bytes == 0  # off by default
+
+
+def test_budgets_read_like_people_write_them_and_the_bench_says_whether_they_cover_a_full_cache(tiny_job):  # noqa: F811
+    from flashdraft.benchmarks.pipeline import cache_budget_verdict, feature_cache_estimate
+
+    # YAML 1.1 reads 64e9 as a string; it is an integer byte count.
+    assert load_config(overrides=["pipeline.feature_cache_bytes=64e9"]).pipeline.feature_cache_bytes == 64 * 10**9
+    est = feature_cache_estimate(str(tiny_job / "target"), str(tiny_job / "data"), num_taps=2)
+    assert est["bytes"] == 32 * 40 * 2 * 32 * 2  # 32 samples x 40 tokens x 2 taps x hidden 32 x bf16
+    assert "covers it" in cache_budget_verdict(est["bytes"], est["bytes"] - 10, 10)
+    assert "holds 50% of it" in cache_budget_verdict(est["bytes"], est["bytes"] // 4, est["bytes"] // 4)
+    assert "is off" in cache_budget_verdict(est["bytes"], 0, 0)
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def varied(tiny_job) -> Path:  # noqa: F811
+    """32 samples of 16..40 tokens: padding and batch shapes change from epoch to epoch."""
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 298, n), np.r_[np.zeros(4), np.ones(n - 4)]) for n in rng.integers(16, 41, 32)]
+    write_token_shard(tiny_job / "varied", rows, vocab_size=300)
+    return tiny_job / "varied"
+
+
+def run(job: Path, data: Path, out: Path, **extra) -> tuple[Trainer, list[float], int]:
+    """A 3-epoch run (8 micro-batches per epoch); returns its losses and target forwards."""
+    trainer = Trainer(load_config(overrides=overrides(job, out, data__path=data, train__max_steps=24, **extra)))
+    forwards = []
+    trainer.target.layers[0].register_forward_hook(lambda *_: forwards.append(1))
+    trainer.fit()
+    assert trainer.sampler.batches_per_epoch == 8
+    return trainer, [h["loss"] for h in trainer.history if "loss" in h], len(forwards)
+
+
+@pytest.mark.parametrize("pipelined", ["true", "false"])
+def test_a_cached_run_trains_like_an_uncached_one_and_skips_the_target(tiny_job, varied, tmp_path, pipelined):  # noqa: F811
+    _, plain, plain_forwards = run(tiny_job, varied, tmp_path / "plain", pipeline__enabled=pipelined)
+    cached, losses, forwards = run(tiny_job, varied, tmp_path / "cached", pipeline__enabled=pipelined,
+                                   pipeline__feature_cache_bytes=10**7)
+    warm_up = 1 if pipelined == "true" else 0  # one forward before the target thread starts
+    assert plain_forwards == 24 + warm_up and forwards == 8 + warm_up  # epochs 2 and 3: no target forward
+    stats = cached.feature_cache_stats
+    assert (stats.hits, stats.misses, stats.skipped_forwards, stats.entries) == (64, 32, 16, 32)
+    # Epoch 1 runs the target exactly as without a cache. Later epochs read epoch 1's features,
+    # bit for bit; the uncached run recomputes them in other batches, whose shapes can move
+    # the target's last bits (measured: 1 step of 24 differs, by ~1e-7 relative).
+    assert losses[:8] == plain[:8]
+    assert losses == pytest.approx(plain, rel=1e-5)
+    record = cached.history[-1]
+    assert record["cache/hits"] == 64 and record["cache/hit_rate"] == pytest.approx(64 / 96)
+    assert "feature cache: 64 hits / 32 misses" in cached.pipeline_report.format()
+
+
+def test_a_cache_too_small_for_the_data_still_trains_the_same(tiny_job, varied, tmp_path):  # noqa: F811
+    _, plain, _ = run(tiny_job, varied, tmp_path / "plain")
+    ram = 200 * 2 * 32 * 4  # 200 tokens of 2 taps x hidden 32 in fp32: about 7 of the 32 samples
+    cached, losses, forwards = run(tiny_job, varied, tmp_path / "small", pipeline__feature_cache_bytes=ram)
+    stats = cached.feature_cache_stats
+    assert 0 < stats.ram_bytes <= ram and stats.disk_bytes == 0 and 0 < stats.entries < 32
+    assert stats.hits == 2 * stats.entries  # each held sample hits once per later epoch
+    assert stats.partial_forwards > 0 and forwards > 8  # the target ran on the missing samples
+    assert losses == pytest.approx(plain, rel=1e-5)
+
+
+def test_the_disk_tier_serves_what_ram_cannot_hold(tiny_job, varied, tmp_path):  # noqa: F811
+    _, plain, _ = run(tiny_job, varied, tmp_path / "plain")
+    scratch = tmp_path / "scratch"
+    cached, losses, forwards = run(tiny_job, varied, tmp_path / "disk", pipeline__feature_cache_bytes=200 * 2 * 32 * 4,
+                                   pipeline__feature_cache_disk_bytes=10**7, pipeline__feature_cache_dir=scratch)
+    stats = cached.feature_cache_stats
+    assert stats.disk_bytes > stats.ram_bytes > 0 and stats.entries == 32 and forwards == 9
+    assert losses == pytest.approx(plain, rel=1e-5)
+    assert scratch.is_dir() and os.listdir(scratch) == []  # the scratch file is gone with the run
+
+
+def test_each_of_two_ranks_caches_what_it_sees(tiny_job, tmp_path, forkserver):  # noqa: F811
+    """3 epochs at world size 2 (4 steps per epoch per rank): the counters are summed over
+    ranks at every log, and the ranks stay in lockstep."""
+    two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(
+        tiny_job, tmp_path / "two", train__max_steps=12, pipeline__feature_cache_bytes=10**7)), timeout=240)
+    r0, r1 = results(two)
+    assert all(r0["identical"]) and len(r0["identical"]) == 12 and r0["losses"] == r1["losses"]
+    cache = r0["cache"]
+    assert cache == r1["cache"]
+    assert cache["cache/hits"] + cache["cache/misses"] == 12 * 4 * 2  # steps x samples per micro-batch x ranks
+    # Epoch 1 fills each rank with the 16 samples it saw; later epochs deal each rank a different
+    # half, so only some of its samples are held: hits, but fewer than at world size 1.
+    assert 0 < cache["cache/hits"] < 64 and cache["cache/entries"] >= 32
