@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.speculative import greedy_generate, ngram_generate, speculative_generate
+from flashdraft.speculative import Generation, greedy_generate, ngram_generate, speculative_generate
 from flashdraft.target import TargetModel
 
 
@@ -73,15 +73,20 @@ def evaluate_tau(
     baseline: str | None = None,
     check_lossless: bool = True,
     block_size: int | None = None,
+    references: list[Generation] | None = None,
 ) -> dict:
     """Speculative decoding over ``prompts``; tau is the mean over sequences of per-step means.
 
     ``baseline="ngram"`` drafts by prompt lookup instead of the drafter. With
-    ``check_lossless`` every output is compared with the target's plain greedy output.
+    ``check_lossless`` every output is compared with the target's plain greedy output, and the
+    greedy wall-clock is the speedup's denominator; ``references`` (the ``greedy_generate``
+    outputs of the same prompts and settings) spares re-running greedy for each drafter compared.
     """
+    if references is not None and len(references) != len(prompts):
+        raise ValueError(f"got {len(references)} greedy references for {len(prompts)} prompts")
     bs = block_size or drafter.block_size
     taus, accepted_all, lossless, spec_s, greedy_s, new_tokens = [], [], True, 0.0, 0.0, 0
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         if baseline == "ngram":
             gen = ngram_generate(target, prompt, max_new_tokens, bs, eos_ids)
         else:
@@ -91,7 +96,7 @@ def evaluate_tau(
         spec_s += gen.seconds
         new_tokens += len(gen.tokens)
         if check_lossless:
-            ref = greedy_generate(target, prompt, max_new_tokens, eos_ids)
+            ref = references[i] if references is not None else greedy_generate(target, prompt, max_new_tokens, eos_ids)
             greedy_s += ref.seconds
             lossless &= ref.tokens == gen.tokens
     report = {

@@ -215,6 +215,7 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     from flashdraft.data.regenerate import regenerate
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.evaluate import evaluate_tau, eos_ids_of, write_prompts
+    from flashdraft.speculative import greedy_generate
     from flashdraft.target import TargetModel
     from flashdraft.toy import train_toy_tokenizer
     from flashdraft.trainer import Trainer
@@ -323,12 +324,12 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     drafter = DFlashDrafter.from_pretrained(out / "drafter").eval()  # the serving export, as users load it
     eos = eos_ids_of(target_dir, target.config)
     settings = dict(max_new_tokens=budget.eval_max_new_tokens, eos_ids=eos)
-    trained = evaluate_tau(target, drafter, eval_prompts, **settings)
-    baseline = evaluate_tau(target, None, eval_prompts, baseline="ngram", block_size=budget.block_size, **settings)
+    greedy = [greedy_generate(target, p, budget.eval_max_new_tokens, eos) for p in eval_prompts]  # once, shared
+    trained = evaluate_tau(target, drafter, eval_prompts, references=greedy, **settings)
+    baseline = evaluate_tau(target, None, eval_prompts, baseline="ngram", block_size=budget.block_size,
+                            references=greedy, **settings)
     random_init = evaluate_tau(target, untrained.eval(), eval_prompts, check_lossless=False, **settings)
-    from flashdraft.speculative import greedy_generate
-
-    outputs = [greedy_generate(target, p, budget.eval_max_new_tokens, eos).tokens for p in eval_prompts]
+    outputs = [g.tokens for g in greedy]
     human = [tokenizer(a)["input_ids"][: budget.eval_max_new_tokens] for _, a in heldout_pairs[: len(eval_prompts)]]
     lap("eval")
 

@@ -80,3 +80,18 @@ def test_ngram_baseline_is_lossless_and_copies_the_last_occurrence():
     target = _confident_target()
     for prompt in _prompts():
         assert ngram_generate(target, prompt, 40, 6).tokens == greedy_generate(target, prompt, 40).tokens
+
+
+def test_evaluate_tau_reuses_given_greedy_references_and_still_checks_them():
+    from flashdraft.evaluate import evaluate_tau
+
+    target = _confident_target()
+    prompts = _prompts(3)
+    greedy = [greedy_generate(target, p, 24) for p in prompts]
+    fresh = evaluate_tau(target, None, prompts, max_new_tokens=24, baseline="ngram", block_size=4)
+    shared = evaluate_tau(target, None, prompts, max_new_tokens=24, baseline="ngram", block_size=4, references=greedy)
+    assert shared["lossless"] and fresh["lossless"] and shared["tau"] == fresh["tau"]
+    assert shared["greedy_seconds"] == sum(g.seconds for g in greedy)
+    wrong = [type(g)(g.tokens[:-1] + [(g.tokens[-1] + 1) % VOCAB], seconds=g.seconds) for g in greedy]
+    assert not evaluate_tau(target, None, prompts, max_new_tokens=24, baseline="ngram", block_size=4,
+                            references=wrong)["lossless"]
