@@ -135,7 +135,8 @@ class TrainConfig:
 class PipelineConfig:
     enabled: bool = True  # run data, target forward and drafter step as overlapped stages (false: sequential)
     capacity: int = 2  # items each bounded channel holds (how far a stage may run ahead of the next)
-    placement: str = "colocated"  # colocated (target + drafter on the same GPUs) or disaggregated (not implemented yet)
+    placement: str = "colocated"  # colocated (target + drafter on every rank) or disaggregated (target ranks feed drafter ranks)
+    target_ranks: int = 1  # disaggregated: the last N ranks run data + target; each feeds (world - N) / N drafter ranks
     feature_cache_bytes: int = 0  # byte budget of a cache of target features reused across epochs (0: off; not implemented yet)
     join_timeout_s: float = 5.0  # how long shutdown waits for stage threads before logging the stragglers
 
@@ -143,8 +144,8 @@ class PipelineConfig:
         _check(self.capacity >= 1, "pipeline.capacity", f"{self.capacity}", "use 1 or more (2 is enough to overlap)")
         _check(self.placement in ("colocated", "disaggregated"), "pipeline.placement", self.placement,
                "use colocated or disaggregated")
-        _check(self.placement == "colocated", "pipeline.placement", self.placement,
-               "disaggregated placement is documented (docs/pipeline.md) but not implemented yet; use colocated")
+        _check(self.target_ranks >= 1, "pipeline.target_ranks", f"{self.target_ranks}",
+               "use 1 or more target ranks (with pipeline.placement=disaggregated)")
         _check(self.feature_cache_bytes == 0, "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
                "the feature cache is not implemented yet; use 0 (`flashdraft bench pipeline` prints the size it would need)")
         _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}", "use a positive number of seconds")
