@@ -270,8 +270,7 @@ def serve_features(trainer: Trainer) -> dict:
             for link in links:
                 link.finish(pool)
     except BaseException as exc:
-        for link in links:
-            link.abort(exc)
+        _abort(links, exc)
         raise
     finally:
         trainer.pipeline_report = pipe.report(window=False)
@@ -362,13 +361,23 @@ class _TargetLink:
             self._send_control(END)
 
     def _send_control(self, kind: int, message: str = "") -> None:
-        header, payload = self.header.control(kind, message)
-        device = self.trainer.device
-        for transfer in [distributed.isend(t.to(device), self.peer) for t in (header, *payload)]:
+        for transfer in self.start_control(kind, message):
             transfer.wait()
 
-    def abort(self, exc: BaseException) -> None:
-        """This rank failed: tell the drafter rank why (best effort: a drafter rank that never
-        receives it fails on the closed connection or after the collective timeout)."""
+    def start_control(self, kind: int, message: str = "") -> list:
+        header, payload = self.header.control(kind, message)
+        return [distributed.isend(t.to(self.trainer.device), self.peer) for t in (header, *payload)]
+
+
+def _abort(links: list[_TargetLink], exc: BaseException) -> None:
+    """This rank failed: tell every drafter rank why. Best effort: a drafter rank that never
+    receives it fails on the closed connection or after the collective timeout. All sends start
+    before any is waited for: a drafter rank stuck in a collective with another drafter rank
+    must not hold up that one's message (which is what frees it)."""
+    message, transfers = f"{type(exc).__name__}: {exc}", []
+    for link in links:
         with contextlib.suppress(distributed.CollectiveError, RuntimeError):
-            self._send_control(ABORT, f"{type(exc).__name__}: {exc}")
+            transfers += link.start_control(ABORT, message)
+    for transfer in transfers:
+        with contextlib.suppress(distributed.CollectiveError, RuntimeError):
+            transfer.wait()
