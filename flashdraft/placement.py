@@ -69,7 +69,8 @@ class Header:
         self.grad_accum, self.max_rows = grad_accum, max_batch_size
         self.size = self.FIXED + grad_accum * (2 + 2 * max_batch_size)
 
-    def _micro(self, j: int) -> int:
+    def micro_offset(self, j: int) -> int:
+        """Where micro-batch j's fields start: B, S, lengths[max_rows], sample ids[max_rows]."""
         return self.FIXED + j * (2 + 2 * self.max_rows)
 
     def step(self, item: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -81,7 +82,7 @@ class Header:
         payload = []
         for j, m in enumerate(item.micro):
             rows, seq = m.device_batch.input_ids.shape
-            o = self._micro(j)
+            o = self.micro_offset(j)
             h[o : o + 2] = torch.tensor([rows, seq])
             h[o + 2 : o + 2 + rows] = m.batch.lengths  # host copies: the receiver needs no device sync for them
             h[o + 2 + self.max_rows : o + 2 + self.max_rows + rows] = torch.from_numpy(m.sample_ids)
@@ -172,7 +173,7 @@ class _DrafterLink:
         width, dtype = int(h[2]), FEATURE_DTYPES[int(h[3])]
         micro, transfers = [], []
         for j in range(layout.grad_accum):
-            o = layout._micro(j)
+            o = layout.micro_offset(j)
             rows, seq = int(h[o]), int(h[o + 1])
             fields = {name: torch.empty(rows, seq, dtype=dt, device=device) for name, dt in BATCH_DTYPES.items()}
             features = torch.empty(rows, seq, width, dtype=dtype, device=device)
