@@ -135,7 +135,8 @@ class TrainConfig:
 class PipelineConfig:
     enabled: bool = True  # run data, target forward and drafter step as overlapped stages (false: sequential)
     capacity: int = 2  # items each bounded channel holds (how far a stage may run ahead of the next)
-    placement: str = "colocated"  # colocated (target + drafter on the same GPUs) or disaggregated (not implemented yet)
+    placement: str = "colocated"  # colocated (target + drafter on every rank) or disaggregated (target ranks feed drafter ranks)
+    target_ranks: int = 1  # disaggregated: the last N ranks run data + target; each feeds (world - N) / N drafter ranks
     feature_cache_bytes: int = 0  # RAM budget (bytes, per process) of the target-feature cache reused across epochs (0: no RAM tier)
     feature_cache_disk_bytes: int = 0  # disk budget (bytes, per process) of the cache, used once the RAM tier is full (0: no disk tier)
     feature_cache_dir: str = ""  # directory of the disk tier's scratch files ("": OUTPUT_DIR/feature_cache)
@@ -145,14 +146,17 @@ class PipelineConfig:
         _check(self.capacity >= 1, "pipeline.capacity", f"{self.capacity}", "use 1 or more (2 is enough to overlap)")
         _check(self.placement in ("colocated", "disaggregated"), "pipeline.placement", self.placement,
                "use colocated or disaggregated")
-        _check(self.placement == "colocated", "pipeline.placement", self.placement,
-               "disaggregated placement is documented (docs/pipeline.md) but not implemented yet; use colocated")
+        _check(self.target_ranks >= 1, "pipeline.target_ranks", f"{self.target_ranks}",
+               "use 1 or more target ranks (with pipeline.placement=disaggregated)")
         _check(self.feature_cache_bytes >= 0, "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
                "use 0 (off) or a RAM budget in bytes, e.g. 8e9 (`flashdraft bench pipeline` prints what a full cache needs)")
         _check(self.feature_cache_disk_bytes >= 0, "pipeline.feature_cache_disk_bytes", f"{self.feature_cache_disk_bytes}",
                "use 0 (off) or a disk budget in bytes, e.g. 2e11")
         _check(not self.feature_cache_dir or self.feature_cache_disk_bytes > 0, "pipeline.feature_cache_dir",
                self.feature_cache_dir, "it is only used by the disk tier: set pipeline.feature_cache_disk_bytes too, or drop it")
+        _check(self.placement == "colocated" or not (self.feature_cache_bytes or self.feature_cache_disk_bytes),
+               "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
+               "the feature cache runs in the colocated target stage only; set it to 0 with placement=disaggregated")
         _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}", "use a positive number of seconds")
 
 

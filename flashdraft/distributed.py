@@ -6,6 +6,14 @@ WORLD_SIZE > 1 -- NCCL on CUDA, gloo on CPU. Every helper here (``barrier``, ``a
 ``broadcast_object``, ``gather_object``, ``all_gather_object``) is a no-op or the identity when
 no process group exists, so callers never branch on world size.
 
+Roles (``num_target_ranks > 0``, disaggregated placement, docs/pipeline.md): the first
+``world - num_target_ranks`` ranks are drafter ranks, the last ``num_target_ranks`` target
+ranks. Each role gets its own process group, and every helper above runs in THIS rank's role
+group: drafter ranks see a world of the drafter ranks only (``Dist.rank`` / ``world_size``,
+``get_rank()``, DDP via ``group()``, checkpoints), so the trainer's collectives never wait on
+a target rank. Target ranks feed their drafter ranks with the point-to-point ``isend`` /
+``irecv`` (global ranks, on the default group).
+
 Failure contract: the process group is created with ``timeout_s``. When a peer dies or hangs,
 a collective on a live rank raises :class:`CollectiveError` (naming the operation, the rank
 and the timeout) instead of blocking forever. With gloo the timeout is enforced per
@@ -42,16 +50,21 @@ class Dist:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     timeout_s: float = 600.0
+    role: Literal["both", "drafter", "target"] = "both"  # both: colocated; else disaggregated
+    global_rank: int = 0  # rank in the whole job (rank / world_size are within the role's group)
+    peers: tuple[int, ...] = ()  # global ranks of the other role this rank talks to (disaggregated)
 
     @property
     def is_main(self) -> bool:
-        """True on the rank that writes files and logs (global rank 0)."""
-        return self.rank == 0
+        """True on the rank that writes files and logs (rank 0 of the drafter ranks)."""
+        return self.rank == 0 and self.role != "target"
 
 
 # The process-wide topology. Set by init_distributed, reset by teardown; a default single
 # CPU process until then, so library code may query it without initialising anything.
 _STATE: Dist | None = None
+# This rank's role group (disaggregated placement), which every helper runs in; None: the world.
+_GROUP: Any = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -82,16 +95,38 @@ def _pick_device(device_type: str, local_rank: int) -> torch.device:
     raise ValueError(f"device_type={device_type!r} is invalid: use auto, cuda or cpu")
 
 
-def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dist:
+def role_layout(world_size: int, num_target_ranks: int) -> tuple[list[int], list[int]]:
+    """(drafter ranks, target ranks) of a disaggregated job; target rank ``t`` serves the
+    ``(world - T) / T`` consecutive drafter ranks ``served_by(t)``. ValueError naming the fix."""
+    num_drafter = world_size - num_target_ranks
+    if num_drafter < 1 or num_drafter % num_target_ranks:
+        raise ValueError(
+            f"pipeline.placement=disaggregated with pipeline.target_ranks={num_target_ranks} on WORLD_SIZE={world_size}: "
+            f"the drafter ranks (world - target_ranks = {num_drafter}) must be a positive multiple of target_ranks; "
+            f"launch e.g. torchrun --nproc-per-node={2 * num_target_ranks} (1:1 pairs) or change pipeline.target_ranks"
+        )
+    return list(range(num_drafter)), list(range(num_drafter, world_size))
+
+
+def _peers(rank: int, drafters: list[int], targets: list[int]) -> tuple[int, ...]:
+    per_target = len(drafters) // len(targets)
+    if rank in drafters:
+        return (targets[rank // per_target],)
+    t = targets.index(rank)
+    return tuple(drafters[t * per_target : (t + 1) * per_target])
+
+
+def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_target_ranks: int = 0) -> Dist:
     """Read the torchrun environment, pick the device and (when WORLD_SIZE > 1) join the group.
 
     ``device_type``: "auto" (CUDA when available, else CPU), "cuda" or "cpu". On CUDA this
     process uses ``cuda:LOCAL_RANK`` and calls ``torch.cuda.set_device`` so NCCL and default
     allocations land on it. ``timeout_s`` bounds every collective (see module doc).
     Idempotent: a second call returns the existing topology. Blocks until all WORLD_SIZE
-    ranks have joined the rendezvous (or ``timeout_s`` passes).
+    ranks have joined the rendezvous (or ``timeout_s`` passes). ``num_target_ranks > 0``
+    splits the job into drafter and target roles (module doc); it needs WORLD_SIZE > 1.
     """
-    global _STATE
+    global _STATE, _GROUP
     if _STATE is not None:
         return _STATE
     if timeout_s <= 0:
@@ -116,9 +151,29 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dis
             kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
         tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
                                  timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    _STATE = Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
-                  timeout_s=float(timeout_s))
+    if num_target_ranks == 0:
+        _STATE = Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
+                      timeout_s=float(timeout_s), global_rank=rank)
+        return _STATE
+    if world_size == 1:
+        raise ValueError("pipeline.placement=disaggregated needs separate target and drafter processes: launch with "
+                         "torchrun --nproc-per-node=2 or more (docs/pipeline.md), or use pipeline.placement=colocated")
+    drafters, targets = role_layout(world_size, num_target_ranks)
+    # new_group is collective over the whole world: every rank creates both groups, in this order.
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = {"drafter": tdist.new_group(drafters, timeout=timeout), "target": tdist.new_group(targets, timeout=timeout)}
+    role = "drafter" if rank in drafters else "target"
+    members = drafters if role == "drafter" else targets
+    _GROUP = groups[role]
+    _STATE = Dist(rank=members.index(rank), world_size=len(members), local_rank=local_rank, device=device,
+                  backend=backend, timeout_s=float(timeout_s), role=role, global_rank=rank,
+                  peers=_peers(rank, drafters, targets))
     return _STATE
+
+
+def group() -> Any:
+    """This rank's role group for collectives (DDP's ``process_group``); None: the default group."""
+    return _GROUP
 
 
 def get_dist() -> Dist:
@@ -126,28 +181,31 @@ def get_dist() -> Dist:
     if _STATE is not None:
         return _STATE
     if _active():  # a group created outside init_distributed (e.g. by a test harness)
-        return Dist(rank=tdist.get_rank(), world_size=tdist.get_world_size(), backend=tdist.get_backend())
+        return Dist(rank=tdist.get_rank(), world_size=tdist.get_world_size(), backend=tdist.get_backend(),
+                    global_rank=tdist.get_rank())
     return Dist()
 
 
 def get_rank() -> int:
-    return tdist.get_rank() if _active() else 0
+    """This rank within its role group (the world when colocated)."""
+    return tdist.get_rank(_GROUP) if _active() else 0
 
 
 def get_world_size() -> int:
-    return tdist.get_world_size() if _active() else 1
+    """Ranks in this rank's role group (the world when colocated)."""
+    return tdist.get_world_size(_GROUP) if _active() else 1
 
 
 def teardown() -> None:
     """Leave the process group (if any) and forget the topology. Safe to call twice."""
-    global _STATE
+    global _STATE, _GROUP
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _STATE = None
+    _STATE = _GROUP = None
 
 
 def _active() -> bool:
-    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(_GROUP) > 1
 
 
 def _fail(op: str, exc: BaseException) -> CollectiveError:
@@ -164,9 +222,9 @@ def barrier() -> None:
         return
     try:
         if get_dist().backend == "nccl":
-            tdist.barrier(device_ids=[torch.cuda.current_device()])
+            tdist.barrier(group=_GROUP, device_ids=[torch.cuda.current_device()])
         else:
-            tdist.barrier()
+            tdist.barrier(group=_GROUP)
     except RuntimeError as exc:
         raise _fail("barrier", exc) from exc
 
@@ -206,12 +264,12 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "mean") -> torch.Tensor:
     try:
         if op == "mean":
             if get_dist().backend == "nccl":
-                tdist.all_reduce(tensor, op=tdist.ReduceOp.AVG)
+                tdist.all_reduce(tensor, op=tdist.ReduceOp.AVG, group=_GROUP)
             else:
-                tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
-                tensor.div_(tdist.get_world_size())
+                tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM, group=_GROUP)
+                tensor.div_(get_world_size())
         else:
-            tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, _OPS[op]))
+            tdist.all_reduce(tensor, op=getattr(tdist.ReduceOp, _OPS[op]), group=_GROUP)
     except RuntimeError as exc:
         raise _fail(f"all_reduce({op})", exc) from exc
     return tensor
@@ -222,12 +280,12 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "mean") -> torch.Tensor:
 # all_reduce.
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s ``obj`` on every rank. Host sync. Identity at world size 1."""
+    """Return rank ``src``'s ``obj`` (rank within the role group) on every rank. Host sync. Identity at world size 1."""
     if not _active():
         return obj
     box = [obj]
     try:
-        tdist.broadcast_object_list(box, src=src)
+        tdist.broadcast_object_list(box, group=_GROUP, group_src=src)
     except RuntimeError as exc:
         raise _fail("broadcast_object", exc) from exc
     return box[0]
@@ -237,9 +295,9 @@ def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, indexed by rank, on every rank. Host sync. ``[obj]`` at world 1."""
     if not _active():
         return [obj]
-    out: list[Any] = [None] * tdist.get_world_size()
+    out: list[Any] = [None] * get_world_size()
     try:
-        tdist.all_gather_object(out, obj)
+        tdist.all_gather_object(out, obj, group=_GROUP)
     except RuntimeError as exc:
         raise _fail("all_gather_object", exc) from exc
     return out
@@ -252,10 +310,54 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """
     if not _active():
         return [obj]
-    rank = tdist.get_rank()
-    out: list[Any] | None = [None] * tdist.get_world_size() if rank == dst else None
+    out: list[Any] | None = [None] * get_world_size() if get_rank() == dst else None
     try:
-        tdist.gather_object(obj, out, dst=dst)
+        tdist.gather_object(obj, out, group=_GROUP, group_dst=dst)
     except RuntimeError as exc:
         raise _fail("gather_object", exc) from exc
     return out
+
+
+# ---- point-to-point (disaggregated placement) ------------------------------------------------
+
+
+class Transfer:
+    """A pending ``isend`` / ``irecv``. ``done()`` polls; ``wait()`` blocks until it completed,
+    at most the process group's timeout, and turns a failure (a dead peer closes the
+    connection: noticed at once on gloo) into :class:`CollectiveError`."""
+
+    def __init__(self, work: Any, op: str):
+        self._work, self.op = work, op
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished or self._work.is_completed()
+
+    def wait(self) -> None:
+        """Idempotent (a second wait on a gloo receive would wait for another message)."""
+        if self._finished:
+            return
+        try:
+            # gloo's point-to-point ops ignore the group's timeout unless wait() is given one
+            self._work.wait(datetime.timedelta(seconds=get_dist().timeout_s))
+        except RuntimeError as exc:
+            raise _fail(self.op, exc) from exc
+        self._finished = True
+
+
+def isend(tensor: torch.Tensor, dst: int) -> Transfer:
+    """Start sending ``tensor`` to GLOBAL rank ``dst``; keep it unchanged until ``wait()``.
+    Messages between two ranks arrive in the order they were sent. Needs a process group."""
+    try:
+        return Transfer(tdist.isend(tensor, dst), f"send to rank {dst}")
+    except RuntimeError as exc:
+        raise _fail(f"send to rank {dst}", exc) from exc
+
+
+def irecv(tensor: torch.Tensor, src: int) -> Transfer:
+    """Start receiving into ``tensor`` (its shape and dtype must match the sender's) from
+    GLOBAL rank ``src``. Needs a process group."""
+    try:
+        return Transfer(tdist.irecv(tensor, src), f"receive from rank {src}")
+    except RuntimeError as exc:
+        raise _fail(f"receive from rank {src}", exc) from exc

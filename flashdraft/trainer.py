@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashdraft import distributed
+from flashdraft import distributed, placement
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import Config, save_config
 from flashdraft.data.batching import BatchSampler
@@ -204,7 +204,9 @@ class Trainer:
 
     def __init__(self, config: Config):
         cfg = self.config = config
-        self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
+        disaggregated = cfg.pipeline.placement == "disaggregated"
+        self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
+                                                 num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0)
         self.device = self.dist.device
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -228,11 +230,11 @@ class Trainer:
         self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
         self.model = self.drafter
-        if self.dist.world_size > 1:
+        if self.dist.world_size > 1 and self.dist.role != "target":
             # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
-            # them would add a collective to every forward.
+            # them would add a collective to every forward. process_group: the drafter ranks only.
             self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                             gradient_as_bucket_view=True, broadcast_buffers=False)
+                             gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
 
         min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * bs
         open_kw = dict(vocab_size=self.target.config.vocab_size, max_length=cfg.data.max_length,
@@ -487,6 +489,8 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
 
     def fit(self) -> dict:
+        if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
+            return placement.serve_features(self)
         cfg = self.config
         main = self.dist.is_main
         if main:
@@ -555,7 +559,12 @@ class Trainer:
         target (H2D + frozen forward), and the drafter step = the caller's loop on this thread.
 
         pipeline.enabled=false runs the same stages inline (the sequential baseline). Yields
-        (pipeline, buffer pool); closing joins every thread."""
+        (pipeline, buffer pool); closing joins every thread. On a disaggregated drafter rank the
+        steps come from its target rank instead (``placement.drafter_pipeline``)."""
+        if self.dist.role == "drafter":
+            with placement.drafter_pipeline(self) as pipe_and_pool:
+                yield pipe_and_pool
+            return
         cfg, pcfg = self.config, self.config.pipeline
         threaded = pcfg.enabled
         # One slot per step in flight: data filling + channel + target + channel + drafter.

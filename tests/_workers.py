@@ -209,8 +209,38 @@ def train_rank_fails(overrides_json: str, how: str, at_step: str, mark: str) -> 
     os._exit(0 if err is None else 1)
 
 
+def train_target_raises(overrides_json: str, at_call: str) -> None:
+    """A disaggregated job whose target rank raises inside its ``at_call``-th target forward.
+    Every rank must end with an error (none may hang); each reports it."""
+    from flashdraft.config import load_config
+    from flashdraft.trainer import train
+    import flashdraft.target as target_mod
+
+    real_features = target_mod.TargetModel.features
+    calls = {"n": 0}
+    world, targets = int(os.environ["WORLD_SIZE"]), json.loads(overrides_json)
+    num_targets = int(next(o for o in targets if o.startswith("pipeline.target_ranks=")).split("=")[1])
+    is_target = int(os.environ["RANK"]) >= world - num_targets
+
+    def features(self, *args, **kwargs):
+        calls["n"] += 1
+        if is_target and calls["n"] == int(at_call):
+            raise RuntimeError("injected target failure")
+        return real_features(self, *args, **kwargs)
+
+    target_mod.TargetModel.features = features
+    err = None
+    try:
+        train(load_config(overrides=targets))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        err = f"{type(exc).__name__}: {exc}"
+    result({"rank": int(os.environ["RANK"]), "error": err})
+    os._exit(0 if err is None else 1)
+
+
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
-                                     checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails)}
+                                     checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
+                                     train_target_raises)}
 
 
 def serve(*preload: str) -> None:

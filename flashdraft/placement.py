@@ -1,0 +1,384 @@
+"""Disaggregated placement: target ranks compute the features, drafter ranks train on them.
+
+``pipeline.placement=disaggregated pipeline.target_ranks=T`` on a job of W ranks
+(``distributed.role_layout``): ranks ``[0, D)``, D = W - T, are drafter ranks (DDP, logging,
+eval and checkpoints, exactly as a colocated job of D ranks); ranks ``[D, W)`` are target
+ranks. Target rank t feeds the k = D / T consecutive drafter ranks ``[t*k, (t+1)*k)``: for each
+it runs that drafter rank's batch plan (a ``BatchSampler`` with the drafter's rank and world
+size) through the usual data and target stages, and sends the result. The drafter math does
+not change, only who computes the features, so a disaggregated run equals a colocated run
+with D ranks.
+
+One link per (target rank, drafter rank), point-to-point on global ranks, each side's main
+thread only::
+
+    drafter -> target   HELLO: int64 [start step, total steps, drafter rank, drafter ranks, *cursor]
+    target -> drafter   per step: a fixed-size int64 header (kind, feature width and dtype, the
+                        data cursor after the step, per micro-batch B, S, lengths, sample ids),
+                        then per micro-batch input_ids, loss_mask, attention_mask, features
+                        END (the answer to STOP) or ABORT + its utf-8 message instead of a step
+    drafter -> target   one control int64 [1]: DONE (every step received), STOP (stopped early,
+                        e.g. SIGTERM: it drains the link until END) or ABORT (it failed)
+
+Bounds: a send completes only once the drafter has received it (a rendezvous on gloo), and a
+target rank keeps at most ``pipeline.capacity`` unreceived steps per link; with its own
+data/target read-ahead it runs at most ~3 x capacity steps ahead of the drafter.
+
+Failures never hang (docs/pipeline.md): a failing side sends ABORT where it can; a dead
+peer's closed connection fails the other side's next send/recv at once; a hung peer fails it
+after ``train.collective_timeout_s`` (every wait is bounded by it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from flashdraft import distributed
+from flashdraft.data.batching import BatchSampler
+from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
+from flashdraft.pipeline import BufferPool, Pipeline, Stage
+
+if TYPE_CHECKING:
+    from flashdraft.trainer import StepInput, Trainer
+
+log = logging.getLogger(__name__)
+
+DATA, END, ABORT = 1, 2, 3  # target -> drafter message kinds
+DONE, STOP = 1, 2  # drafter -> target control (ABORT as above)
+
+CURSOR_KEYS = ("epoch", "consumed", "step", "segment_start", "segment_world_size", "seed", "token_budget",
+               "max_batch_size", "num_samples")  # BatchSampler.state_dict(), all ints
+FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+BATCH_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8, "attention_mask": torch.int64}
+
+
+class Header:
+    """The fixed-size int64 header of a step message; both sides derive its size from the
+    config (``grad_accum`` micro-batches of at most ``max_batch_size`` rows), so the receiver
+    can post it before knowing anything else about the step."""
+
+    FIXED = 4 + len(CURSOR_KEYS)  # kind, aux (ABORT: message bytes), feature width, dtype code, cursor
+
+    def __init__(self, grad_accum: int, max_batch_size: int):
+        self.grad_accum, self.max_rows = grad_accum, max_batch_size
+        self.size = self.FIXED + grad_accum * (2 + 2 * max_batch_size)
+
+    def micro_offset(self, j: int) -> int:
+        """Where micro-batch j's fields start: B, S, lengths[max_rows], sample ids[max_rows]."""
+        return self.FIXED + j * (2 + 2 * self.max_rows)
+
+    def step(self, item: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(header, payload tensors in send order) of one step; host header, payload on device."""
+        h = torch.zeros(self.size, dtype=torch.int64)
+        features = item.micro[0].features
+        h[:4] = torch.tensor([DATA, 0, features.shape[-1], FEATURE_DTYPES.index(features.dtype)])
+        h[4 : self.FIXED] = torch.tensor([int(item.sampler_state[k]) for k in CURSOR_KEYS])
+        payload = []
+        for j, m in enumerate(item.micro):
+            rows, seq = m.device_batch.input_ids.shape
+            o = self.micro_offset(j)
+            h[o : o + 2] = torch.tensor([rows, seq])
+            h[o + 2 : o + 2 + rows] = m.batch.lengths  # host copies: the receiver needs no device sync for them
+            h[o + 2 + self.max_rows : o + 2 + self.max_rows + rows] = torch.from_numpy(m.sample_ids)
+            payload += [getattr(m.device_batch, name).contiguous() for name in BATCH_DTYPES] + [m.features.contiguous()]
+        return h, payload
+
+    def control(self, kind: int, message: str = "") -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """An END or ABORT message (ABORT carries ``message``, utf-8)."""
+        text = torch.frombuffer(bytearray(message.encode()[:4000] or b" "), dtype=torch.uint8)
+        h = torch.zeros(self.size, dtype=torch.int64)
+        h[:2] = torch.tensor([kind, len(text)])
+        return h, [text] if kind == ABORT else []
+
+
+@contextlib.contextmanager
+def drafter_pipeline(trainer: Trainer):
+    """Drafter rank: the steps its target rank sends, as a (sequential) Pipeline whose source
+    stage "recv" receives them on this thread. Yields ``(pipeline, buffer pool)`` like
+    ``Trainer._pipeline``. Its busy time is the time spent waiting for and receiving features
+    (``recv-bound``: supply-bound); the main thread's breakdown splits it into
+    ``wait_features`` (the target ranks are still computing) and ``recv_features`` (transfer)."""
+    link = _DrafterLink(trainer)
+    link.hello()
+    pool = BufferPool([[]], trainer.device)  # received tensors are fresh per step: the slot only paces
+    pipe = Pipeline(link.steps(pool), [], capacity=1, threaded=False, source_name="recv", pools=[pool])
+    trainer._pipe = pipe
+    trainer._data_state = trainer.sampler.state_dict()
+    try:
+        yield pipe, pool
+    except BaseException as exc:
+        link.abort(exc)
+        raise
+    else:
+        link.finish()
+    finally:
+        pipe.close()
+        trainer.pipeline_report = pipe.report(window=False)
+        trainer._pipe = None
+
+
+class _DrafterLink:
+    """A drafter rank's end of its link to its target rank (main thread only)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.peer = trainer.dist.peers[0]
+        self.header = Header(trainer.config.train.grad_accum, trainer.config.data.max_batch_size)
+        self.expected = trainer.total_steps - trainer.step
+        self.received = 0
+        self.control_sent = False
+
+    def _device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.trainer.device)
+
+    def hello(self) -> None:
+        """Tell the target rank where to start: this rank's plan and the (resumed) cursor."""
+        t, d = self.trainer, self.trainer.dist
+        cursor = t.sampler.state_dict()
+        msg = torch.tensor([t.step, t.total_steps, d.rank, d.world_size] + [int(cursor[k]) for k in CURSOR_KEYS])
+        distributed.isend(self._device(msg), self.peer).wait()
+
+    def steps(self, pool: BufferPool):
+        """The remaining steps as StepInputs (device tensors, host lengths / sample ids)."""
+        for _ in range(self.expected):
+            slot = pool.acquire()
+            yield self._receive(slot)
+        self._send_control(DONE)  # as soon as the last step is in: the target rank may leave
+
+    def _receive(self, slot) -> StepInput:
+        from flashdraft.trainer import StepInput
+
+        with self.trainer.timer.stage("wait_features"):
+            h = self._receive_header()
+        if int(h[0]) == END:
+            raise RuntimeError(f"target rank {self.peer} ended the stream after {self.received} of {self.expected} "
+                               "steps; check its log")
+        with self.trainer.timer.stage("recv_features"):
+            micro = self._receive_payload(h)
+        self.received += 1
+        return StepInput(micro, slot, {k: int(v) for k, v in zip(CURSOR_KEYS, h[4 : Header.FIXED].tolist())})
+
+    def _receive_payload(self, h: torch.Tensor) -> list:
+        """The micro-batches whose shapes the header ``h`` gives (device tensors; host lengths
+        and sample ids from the header)."""
+        from flashdraft.trainer import Micro
+
+        layout, device = self.header, self.trainer.device
+        width, dtype = int(h[2]), FEATURE_DTYPES[int(h[3])]
+        micro, transfers = [], []
+        for j in range(layout.grad_accum):
+            o = layout.micro_offset(j)
+            rows, seq = int(h[o]), int(h[o + 1])
+            fields = {name: torch.empty(rows, seq, dtype=dt, device=device) for name, dt in BATCH_DTYPES.items()}
+            features = torch.empty(rows, seq, width, dtype=dtype, device=device)
+            transfers += [distributed.irecv(t, self.peer) for t in (*fields.values(), features)]
+            lengths = h[o + 2 : o + 2 + rows].clone()
+            ids = h[o + 2 + layout.max_rows : o + 2 + layout.max_rows + rows].numpy().copy()
+            micro.append(Micro(Batch(**fields, lengths=lengths), ids, device_batch=Batch(**fields, lengths=lengths.to(device)),
+                               device_ids=torch.from_numpy(ids).to(device), features=features))
+        for transfer in transfers:
+            transfer.wait()
+        return micro
+
+    def _receive_header(self) -> torch.Tensor:
+        buf = self._device(torch.empty(self.header.size, dtype=torch.int64))
+        distributed.irecv(buf, self.peer).wait()
+        h = buf.cpu()  # deliberate sync: the shapes of the rest of the message
+        if int(h[0]) == ABORT:
+            text = self._device(torch.empty(int(h[1]), dtype=torch.uint8))
+            distributed.irecv(text, self.peer).wait()
+            raise RuntimeError(f"target rank {self.peer} failed, so drafter rank {self.trainer.dist.rank} stops: "
+                               f"{bytes(text.cpu().tolist()).decode(errors='replace')}")
+        if int(h[0]) not in (DATA, END):
+            raise RuntimeError(f"unexpected message kind {int(h[0])} from target rank {self.peer}: a version mismatch?")
+        return h
+
+    def _send_control(self, kind: int) -> None:
+        self.control_sent = True
+        distributed.isend(self._device(torch.tensor([kind])), self.peer).wait()
+
+    def finish(self) -> None:
+        """After the loop: all received (DONE already sent), or stopped early: STOP, then take
+        (and drop) what the target rank had already sent, up to its END."""
+        if self.control_sent:
+            return
+        self._send_control(STOP)
+        while int((h := self._receive_header())[0]) != END:
+            self._receive_payload(h)
+
+    def abort(self, exc: BaseException) -> None:
+        """This rank failed: tell the target rank (best effort; its wait is bounded anyway)."""
+        if self.control_sent:
+            return
+        with contextlib.suppress(distributed.CollectiveError, RuntimeError):
+            self._send_control(ABORT)
+
+
+# ---- target ranks ------------------------------------------------------------------------------
+
+
+def serve_features(trainer: Trainer) -> dict:
+    """Target rank: run the data and target stages for each served drafter rank and send every
+    step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
+
+    The data and target stages are ``Trainer``'s, in a Pipeline (``pipeline.enabled``) whose
+    consumer, this thread, is the "send" stage: its busy time is time spent waiting for the
+    drafter ranks to take the features (``send-bound``: drafter-bound). A drafter's ABORT, or
+    an exception here (sent on as ABORT), raises. Returns ``{"steps": steps sent per link}``."""
+    from flashdraft.trainer import GracefulStop
+
+    cfg = trainer.config
+    links = [_TargetLink(trainer, d) for d in trainer.dist.peers]
+    for link in links:
+        link.hello()
+    num_steps = links[0].num_steps
+    if any(link.num_steps != num_steps for link in links):
+        raise RuntimeError(f"target rank {trainer.dist.global_rank}: its drafter ranks asked for different step counts "
+                           f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
+    threaded = cfg.pipeline.enabled
+    # One slot per step in flight: data + channel + target + channel + this thread, plus the
+    # steps each link may hold unreceived.
+    num_slots = (2 * cfg.pipeline.capacity + 3 if threaded else 1) + cfg.pipeline.capacity * len(links)
+    pool = BufferPool([[CollateBuffers() for _ in range(cfg.train.grad_accum)] for _ in range(num_slots)],
+                      trainer.device)
+    if threaded and num_steps > 0:
+        trainer._warm_up_target()
+    target = Stage("target", lambda pair: (pair[0], trainer._target_stage(pair[1])), device=trainer.device,
+                   h2d=lambda pair: (pair[0], trainer._h2d_stage(pair[1])))
+    pipe = Pipeline(_step_inputs(trainer, links, pool, num_steps), [target], capacity=cfg.pipeline.capacity,
+                    threaded=threaded, consumer_name="send", pools=[pool], join_timeout_s=cfg.pipeline.join_timeout_s)
+    sent = 0  # steps sent to every link
+    try:
+        # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP):
+        # this rank keeps serving until they do.
+        with GracefulStop(), pipe:
+            for k, item in pipe:
+                if any(link.stopped() for link in links):
+                    break
+                links[k].send(item, pool)
+                if k < len(links) - 1:
+                    continue
+                sent += 1
+                if sent % cfg.train.log_every == 0:
+                    log.info("target rank %d: step %d/%d sent; %s", trainer.dist.global_rank, sent, num_steps,
+                             _busy(pipe.report()))
+            for link in links:
+                link.finish(pool)
+    except BaseException as exc:
+        _abort(links, exc)
+        raise
+    finally:
+        trainer.pipeline_report = pipe.report(window=False)
+    log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", trainer.dist.global_rank, sent,
+             _busy(trainer.pipeline_report))
+    return {"steps": sent}
+
+
+def _busy(report) -> str:
+    """'data 1.2 / target 30.1 / send 5.0 busy ms per item, target-bound' (an item: one drafter rank's step)."""
+    parts = " / ".join(f"{s.name} {s.busy_ms_per_item:.1f}" for s in report.stages)
+    return f"{parts} busy ms per item (one drafter rank's step), {report.bound}"
+
+
+def _step_inputs(trainer: Trainer, links: list[_TargetLink], pool: BufferPool, num_steps: int):
+    """Data stage: each served drafter rank's next step in turn, as ``(link index, StepInput)``."""
+    from flashdraft.trainer import Micro, StepInput
+
+    for _ in range(num_steps):
+        for k, link in enumerate(links):
+            slot = pool.acquire()
+            micro = []
+            for buffers in slot:
+                _, _, idx = next(link.batches)
+                micro.append(Micro(pad_batch(trainer.dataset, idx, buffers=buffers), idx))
+            yield k, StepInput(micro, slot, link.sampler.state_dict())
+
+
+class _TargetLink:
+    """A target rank's end of its link to one drafter rank (main thread only)."""
+
+    def __init__(self, trainer: Trainer, peer: int):
+        self.trainer, self.peer = trainer, peer
+        self.capacity = trainer.config.pipeline.capacity
+        self.header = Header(trainer.config.train.grad_accum, trainer.config.data.max_batch_size)
+        self.pending: deque = deque()  # (transfers, item) sent but not yet received, oldest first
+        self.control = torch.zeros(1, dtype=torch.int64, device=trainer.device)
+        self.control_transfer = None
+        self.ended = False
+
+    def hello(self) -> None:
+        """Receive the drafter rank's start (step, plan, cursor); build its sampler; post the
+        receive of its one control message."""
+        msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64, device=self.trainer.device)
+        distributed.irecv(msg, self.peer).wait()
+        start, total, rank, world_size, *cursor = msg.tolist()
+        data = self.trainer.config.data
+        self.sampler = BatchSampler(self.trainer.dataset.lengths, token_budget=data.token_budget,
+                                    max_batch_size=data.max_batch_size, seed=self.trainer.config.train.seed,
+                                    rank=rank, world_size=world_size)
+        self.sampler.load_state_dict(dict(zip(CURSOR_KEYS, cursor)))
+        self.batches = iter(self.sampler)
+        self.num_steps = total - start
+        self.control_transfer = distributed.irecv(self.control, self.peer)
+
+    def stopped(self) -> bool:
+        """Whether the drafter rank has sent its control message early (STOP, or ABORT: raises)."""
+        if not self.control_transfer.done():
+            return False
+        self.control_transfer.wait()
+        kind = int(self.control)
+        if kind == ABORT:
+            raise RuntimeError(f"drafter rank {self.peer} failed (it sent ABORT); see its log for the error")
+        return kind == STOP
+
+    def send(self, item: StepInput, pool: BufferPool) -> None:
+        """Start sending ``item``; first wait for the oldest step while ``capacity`` are unreceived."""
+        while len(self.pending) >= self.capacity:
+            self._complete_oldest(pool)
+        header, payload = self.header.step(item)
+        device = self.trainer.device
+        transfers = [distributed.isend(t, self.peer) for t in (header.to(device), *payload)]
+        self.pending.append((transfers, item))
+
+    def _complete_oldest(self, pool: BufferPool) -> None:
+        transfers, item = self.pending.popleft()
+        for transfer in transfers:
+            transfer.wait()
+        pool.release(item.slot)
+
+    def finish(self, pool: BufferPool) -> None:
+        """Wait for every pending step to be received and for the drafter rank's control
+        message; answer STOP with END (the drafter rank drains up to it)."""
+        while self.pending:
+            self._complete_oldest(pool)
+        self.control_transfer.wait()
+        if self.stopped():
+            self._send_control(END)
+
+    def _send_control(self, kind: int, message: str = "") -> None:
+        for transfer in self.start_control(kind, message):
+            transfer.wait()
+
+    def start_control(self, kind: int, message: str = "") -> list:
+        header, payload = self.header.control(kind, message)
+        return [distributed.isend(t.to(self.trainer.device), self.peer) for t in (header, *payload)]
+
+
+def _abort(links: list[_TargetLink], exc: BaseException) -> None:
+    """This rank failed: tell every drafter rank why. Best effort: a drafter rank that never
+    receives it fails on the closed connection or after the collective timeout. All sends start
+    before any is waited for: a drafter rank stuck in a collective with another drafter rank
+    must not hold up that one's message (which is what frees it)."""
+    message, transfers = f"{type(exc).__name__}: {exc}", []
+    for link in links:
+        with contextlib.suppress(distributed.CollectiveError, RuntimeError):
+            transfers += link.start_control(ABORT, message)
+    for transfer in transfers:
+        with contextlib.suppress(distributed.CollectiveError, RuntimeError):
+            transfer.wait()

@@ -1,0 +1,91 @@
+"""Disaggregated placement: target ranks feed drafter ranks over real gloo process groups."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import read_log, results, run_ranks
+from flashdraft.config import load_config
+from flashdraft.distributed import role_layout
+from test_trainer import _final_drafter, overrides, tiny_job  # noqa: F401  (tiny_job: a fixture)
+
+
+def disaggregated(job, out, target_ranks: int = 1, **extra) -> list[str]:
+    return overrides(job, out, **{"pipeline__placement": "disaggregated", "pipeline__target_ranks": target_ranks,
+                                  "train__collective_timeout_s": 60, **extra})
+
+
+def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
+    """1 target rank feeding 2 drafter ranks == 2 colocated ranks (same seed, same global batch);
+    its step-4 checkpoint resumed on 2 target ranks x 2 drafter ranks (1:1 pairs) ends the same."""
+    server = trainer_forkserver
+    dis = run_ranks(server, "train_ranks", json.dumps(disaggregated(tiny_job, tmp_path / "dis", train__max_steps=8,
+                                                                    train__save_every=4)), world_size=3, timeout=300)
+    col = run_ranks(server, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "col", train__max_steps=8)),
+                    timeout=300)
+    assert all(server.wait(pid, 0) == 0 for pid, _ in dis + col)  # a clean end on every rank
+    d0, d1, target = results(dis)
+    c0, _ = results(col)
+    assert d0["ddp"] == "DistributedDataParallel" and all(d0["identical"]) and len(d0["identical"]) == 8
+    assert target["losses"] == [] and target["identical"] == []  # the target rank never trains
+    assert d0["losses"] == d1["losses"]
+    np.testing.assert_allclose(d0["losses"], c0["losses"], rtol=1e-5)
+    step, weights = _final_drafter(tmp_path / "dis")
+    assert step == 8
+    for name, value in _final_drafter(tmp_path / "col")[1].items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+    resumed = run_ranks(server, "train_ranks", json.dumps(disaggregated(
+        tiny_job, tmp_path / "resumed", target_ranks=2, train__max_steps=8,
+        train__resume=tmp_path / "dis" / "checkpoints" / "step_00000004")), world_size=4, timeout=300)
+    assert all(server.wait(pid, 0) == 0 for pid, _ in resumed)
+    r0 = results(resumed)[0]
+    np.testing.assert_allclose(r0["losses"], d0["losses"][4:], rtol=1e-6)
+    step, again = _final_drafter(tmp_path / "resumed")
+    assert step == 8
+    for name, value in weights.items():
+        assert torch.equal(again[name], value), name
+
+
+def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path, trainer_forkserver):
+    args = disaggregated(tiny_job, tmp_path / "run", train__max_steps=8, train__collective_timeout_s=30)
+    workers = run_ranks(trainer_forkserver, "train_target_raises", json.dumps(args), "3", world_size=3, timeout=240)
+    logs = "\n".join(read_log(out) for _, out in workers)
+    codes = [trainer_forkserver.wait(pid, 0) for pid, _ in workers]
+    assert codes == [1, 1, 1], logs
+    d0, d1, target = results(workers)
+    assert "injected target failure" in target["error"]
+    assert d0["error"] and d1["error"]
+    # The first drafter rank to get the target rank's ABORT names the cause; the other one may
+    # fail first on its DDP peer's closed connection (a CollectiveError).
+    assert any("target rank 2 failed" in d["error"] and "injected target failure" in d["error"] for d in (d0, d1)), logs
+
+
+@pytest.mark.parametrize(("world", "targets", "match"), [
+    (3, 3, "must be a positive multiple of target_ranks"),
+    (5, 2, "must be a positive multiple of target_ranks"),
+])
+def test_bad_role_layout_names_the_fix(world, targets, match):
+    with pytest.raises(ValueError, match=match):
+        role_layout(world, targets)
+
+
+def test_role_layout_pairs_targets_with_consecutive_drafter_ranks():
+    assert role_layout(4, 2) == ([0, 1], [2, 3])
+    assert role_layout(7, 1) == ([0, 1, 2, 3, 4, 5], [6])
+
+
+def test_disaggregated_needs_several_processes(tiny_job, tmp_path, fresh_dist):
+    from flashdraft.trainer import Trainer
+
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node=2 or more"):
+        Trainer(load_config(overrides=disaggregated(tiny_job, tmp_path / "run")))
+
+
+def test_target_ranks_must_be_positive():
+    with pytest.raises(ValueError, match="pipeline.target_ranks=0 is invalid"):
+        load_config(overrides=["pipeline.target_ranks=0"])
