@@ -88,15 +88,16 @@ def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, b
     return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
 
 
-ATTENTION_IMPLS = ("auto", "dense", "split", "flex")
+ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")
 
 
 def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
     """Pick the concrete training-attention implementation for ``impl`` on ``device``.
 
     "auto": "flex" on CUDA when flex_attention imports (block-sparse, fused, one kernel per
-    layer), else "split" (grouped SDPA, any device). "flex" asked for where it cannot run
-    backward (CPU with grad) falls back to "split": flex_attention has no CPU backward.
+    layer), else "blockwise" (groups of blocks over their context prefix, matmuls). "flex"
+    asked for where it cannot run backward (CPU with grad) falls back to "blockwise":
+    flex_attention has no CPU backward.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
@@ -105,7 +106,7 @@ def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
             return "flex"
         if impl == "flex" and not needs_grad:
             return "flex"  # forward-only flex runs (unfused) on CPU: used by the tests
-        return "split"
+        return "blockwise"
     return impl
 
 
@@ -127,6 +128,9 @@ class BlockAttentionPlan:
       [B * num_groups, H, g*bs queries, S + g*bs keys] where a group's keys are [context | the
       group's own slots] and ``mask`` [B * num_groups, 1, g*bs, S + g*bs] keeps j < anchor and
       the block's own slots. Work per query is S + g*bs instead of S + N*bs; no host sync.
+    blockwise: ``groups``, consecutive blocks (anchors sorted ascending) whose queries attend
+      [context prefix up to the group's last anchor | the group's own slots]: a block's work is
+      ~ its group's last anchor + g*bs keys instead of S + N*bs (see blockwise_attention).
     flex: ``block_mask`` a flex_attention BlockMask over [context | all blocks]; tiles the
       mask excludes are skipped by the kernel.
     """
@@ -137,6 +141,7 @@ class BlockAttentionPlan:
     num_groups: int = 0
     num_blocks: int = 0
     block_mask: object = None
+    groups: list["QueryGroup"] = field(default_factory=list)
 
 
 def split_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int) -> torch.Tensor:
@@ -180,6 +185,114 @@ def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, ena
     )
     out = out.view(b, g, hq, gq, d).transpose(1, 2).reshape(b, hq, g * gq, d)
     return out[:, :, :q_len] if pad else out
+
+
+@dataclass
+class QueryGroup:
+    """Rows ``start:stop`` of the block queries (whole blocks) and what they may attend: keys
+    [context[:context] | block slots start:stop] under ``bias`` [B, 1, 1, rows, context + rows],
+    0 where a key is visible and -inf where it is not (context j >= the row's anchor, another
+    block's slot). An additive bias, not a bool mask: masked_fill_ with a broadcast mask is
+    ~30x slower than add_ on CPU (measured)."""
+
+    start: int
+    stop: int
+    context: int
+    bias: torch.Tensor
+
+
+def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int,
+                 dtype: torch.dtype = torch.float32) -> list[QueryGroup]:
+    """The "blockwise" groups: ``group_blocks`` consecutive blocks each, context cut at the
+    group's largest anchor over the batch (one host sync, for the key lengths). Exact whatever
+    the anchor order; cheapest when anchors are sorted (sample_anchors sorts them)."""
+    b, n = anchors.shape
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)  # padded blocks: no context
+    starts = range(0, n, group_blocks)
+    lengths = F.pad(limit, (0, len(starts) * group_blocks - n)).view(b, len(starts), group_blocks).amax((0, 2)).tolist()
+    groups = []
+    for i, length in zip(starts, lengths):
+        blocks = limit[:, i:i + group_blocks]  # [B, g]
+        rows = blocks.shape[1] * block_size
+        row_limit = blocks.repeat_interleave(block_size, dim=1).unsqueeze(-1)  # [B, rows, 1]
+        sees_ctx = torch.arange(length, device=anchors.device) < row_limit  # [B, rows, L]
+        block_id = torch.arange(rows, device=anchors.device) // block_size
+        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, rows, rows)
+        hidden = ~torch.cat([sees_ctx, same_block], dim=-1).view(b, 1, 1, rows, -1)
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=anchors.device).masked_fill_(hidden, float("-inf"))
+        groups.append(QueryGroup(i * block_size, i * block_size + rows, length, bias))
+    return groups
+
+
+def _group_qkv(q, k_ctx, v_ctx, k_blk, v_blk, g: QueryGroup):
+    """A group's queries [B, Hkv, rep * rows, D] (the rep query heads of a KV head stacked, so
+    GQA needs no repeated K/V) and its keys / values [B, Hkv, context + rows, D]."""
+    b, hq, _, d = q.shape
+    hkv = k_ctx.shape[1]
+    qg = q[:, :, g.start:g.stop].reshape(b, hkv, -1, d)
+    kg = torch.cat([k_ctx[:, :, :g.context], k_blk[:, :, g.start:g.stop]], dim=2)
+    vg = torch.cat([v_ctx[:, :, :g.context], v_blk[:, :, g.start:g.stop]], dim=2)
+    return qg, kg, vg
+
+
+def _group_probs(qg, kg, g: QueryGroup) -> torch.Tensor:
+    """Attention probabilities [B, Hkv, rep * rows, context + rows] of one group (qg pre-scaled)."""
+    s = qg @ kg.transpose(-1, -2)
+    b, hkv, _, keys = s.shape
+    s.view(b, hkv, -1, g.stop - g.start, keys).add_(g.bias)
+    return torch.softmax(s, dim=-1)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Softmax attention of each QueryGroup over its own keys, backward recomputed per group.
+
+    Only q, k, v and the output are saved: no score matrix, no per-group K/V copy outlives its
+    loop iteration, no repeated KV heads. Every query row sees its own slots, so no row is empty.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, groups):
+        b, hq, _, d = q.shape
+        scale = d ** -0.5
+        out, q_scaled = torch.empty_like(q), q * scale
+        for g in groups:
+            qg, kg, vg = _group_qkv(q_scaled, k_ctx, v_ctx, k_blk, v_blk, g)
+            out[:, :, g.start:g.stop] = (_group_probs(qg, kg, g) @ vg).view(b, hq, -1, d)
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out)
+        ctx.groups = groups
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_ctx, v_ctx, k_blk, v_blk, out = ctx.saved_tensors
+        b, hq, _, d = q.shape
+        hkv = k_ctx.shape[1]
+        scale = d ** -0.5
+        dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
+        dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
+        delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_j dp_j, per query row
+        q_scaled = q * scale
+        for g in ctx.groups:
+            qg, kg, vg = _group_qkv(q_scaled, k_ctx, v_ctx, k_blk, v_blk, g)
+            p = _group_probs(qg, kg, g)
+            do = dout[:, :, g.start:g.stop].reshape(b, hkv, -1, d)
+            ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, :, g.start:g.stop].reshape(b, hkv, -1, 1)).mul_(p)
+            dv = p.transpose(-1, -2) @ do
+            dk = ds.transpose(-1, -2) @ qg
+            dq[:, :, g.start:g.stop] = (ds @ kg).mul_(scale).view(b, hq, -1, d)
+            n = g.context
+            dk_ctx[:, :, :n] += dk[:, :, :n]
+            dv_ctx[:, :, :n] += dv[:, :, :n]
+            dk_blk[:, :, g.start:g.stop] = dk[:, :, n:]
+            dv_blk[:, :, g.start:g.stop] = dv[:, :, n:]
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None
+
+
+def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
+    """The "blockwise" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v
+    [B, Hkv, Q, D], context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask
+    attention exactly (one softmax over each row's allowed keys; the keys cut away are masked)."""
+    return _BlockwiseAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, plan.groups)
 
 
 def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
@@ -246,11 +359,15 @@ class DrafterAttention(nn.Module):
         """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
 
         ``mask``: None (inference: every key visible), a bool [B, 1, Q, S + Q] mask, or a
-        BlockAttentionPlan (training: dense / split / flex, all computing the same function).
+        BlockAttentionPlan (training: dense / split / blockwise / flex, all the same function).
         """
         cos, sin = rope
         q = self.queries(x, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
+        plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
+        if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
+            out = blockwise_attention(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan)
+            return self._project(out)
         gqa = self.num_kv_heads != self.num_heads
         if gqa and x.device.type == "cpu":
             # The CPU SDPA kernel's enable_gqa backward is ~7x slower than plain MHA (torch
@@ -259,7 +376,6 @@ class DrafterAttention(nn.Module):
             ctx_kv = tuple(t.repeat_interleave(rep, dim=1) for t in ctx_kv)
             k_blk, v_blk = k_blk.repeat_interleave(rep, dim=1), v_blk.repeat_interleave(rep, dim=1)
             gqa = False
-        plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
         if plan.impl == "split":
             out = split_attention(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan, gqa)
         else:
@@ -269,6 +385,9 @@ class DrafterAttention(nn.Module):
                 out = _flex_attention(q, k, v, plan.block_mask, gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, enable_gqa=gqa)
+        return self._project(out)
+
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -278,6 +397,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """down(silu(gate(x)) * up(x)) saving only x, gate(x) and up(x): the [T, I] silu(gate) and
+    product that autograd would also keep are recomputed in backward (elementwise, cheap)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down):
+        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        return F.linear(F.silu(gate) * up, w_down)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        shape = x.shape
+        x, gate, up, dy = x.flatten(0, -2), gate.flatten(0, -2), up.flatten(0, -2), dy.flatten(0, -2)
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        grad_down = dy.t() @ (act * up)
+        d_prod = dy @ w_down
+        d_up = d_prod * act
+        del act
+        d_gate = d_prod.mul_(up).mul_((1 - sig).mul_(gate).add_(1).mul_(sig))  # silu'(g) = s (1 + g (1 - s))
+        dx = torch.addmm(d_gate @ w_gate, d_up, w_up)
+        return dx.view(shape), d_gate.t() @ x, d_up.t() @ x, grad_down
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -285,10 +430,16 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        self.swiglu = config.hidden_act == "silu"  # Qwen3MLP: bias-free gate / up / down
 
     def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx_kv, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.swiglu and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
+            # training without autocast: the memory-lean MLP (same values)
+            mlp = self.mlp
+            return x + _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        return x + self.mlp(h)
 
 
 @dataclass
@@ -313,7 +464,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: dict, *, attention: str = "auto", group_blocks: int = 0,
                  activation_checkpointing: bool = False):
         """``attention``: training-attention implementation (see resolve_attention);
-        ``group_blocks``: blocks per group for "split" (0: auto, N / 8);
+        ``group_blocks``: blocks per group for "split" (0: auto, N / 8) and "blockwise" (0: auto,
+        128 query rows);
         ``activation_checkpointing``: recompute each layer in backward (training forward only).
         None of these touch the weights or the serving config."""
         super().__init__()
@@ -393,7 +545,7 @@ class DFlashDrafter(nn.Module):
         positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
         x = block_embeds.reshape(b, n * bs, hidden)
         rope = self.rope(positions, x)
-        plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled())
+        plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, kv, plan, use_reentrant=False)
@@ -403,7 +555,7 @@ class DFlashDrafter(nn.Module):
 
     def attention_plan(
         self, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, attention: str | None = None,
-        needs_grad: bool = True,
+        needs_grad: bool = True, dtype: torch.dtype = torch.float32,
     ) -> BlockAttentionPlan:
         """The masks every layer of one training forward shares (see BlockAttentionPlan)."""
         impl = resolve_attention(attention or self.attention, anchors.device, needs_grad)
@@ -413,6 +565,12 @@ class DFlashDrafter(nn.Module):
         if impl == "flex":
             return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs))
         n = anchors.shape[1]
+        if impl == "blockwise":
+            # Default: 128 query rows per group (8 blocks of 16): smaller groups waste fewer
+            # block keys and cut the context closer to each anchor, larger ones make bigger matmuls.
+            group = self.group_blocks if self.group_blocks > 0 else max(1, 128 // bs)
+            groups = query_groups(anchors, valid, seq_len, bs, min(group, n), dtype)
+            return BlockAttentionPlan("blockwise", groups=groups, num_blocks=n)
         # Default: 8 groups. More groups cut the wasted g*bs block keys per query but repeat
         # the context K/V once per group (memory G * S * Hkv * D per layer); 8 measured best here.
         group = self.group_blocks if self.group_blocks > 0 else -(-n // 8)
