@@ -189,102 +189,118 @@ def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, ena
 
 @dataclass
 class QueryGroup:
-    """Rows ``start:stop`` of the block queries (whole blocks) and what they may attend: keys
-    [context[:context] | block slots start:stop] under ``bias`` [B, 1, 1, rows, context + rows],
-    0 where a key is visible and -inf where it is not (context j >= the row's anchor, another
-    block's slot). An additive bias, not a bool mask: masked_fill_ with a broadcast mask is
-    ~30x slower than add_ on CPU (measured)."""
+    """``groups`` groups of whole blocks, together rows ``start:stop`` of the block queries, that
+    attend side by side (one batched matmul): each group its keys [context[:context] | its own
+    slots] under ``bias`` [B, 1, groups, 1, rows, context + rows], 0 where a key is visible and
+    -inf where not (context j >= the row's anchor, another block's slot). An additive bias, not a
+    bool mask: masked_fill_ with a broadcast mask is ~30x slower than add_ on CPU (measured)."""
 
     start: int
     stop: int
     context: int
+    groups: int
     bias: torch.Tensor
 
 
 def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int,
-                 dtype: torch.dtype = torch.float32) -> list[QueryGroup]:
-    """The "blockwise" groups: ``group_blocks`` consecutive blocks each, context cut at the
-    group's largest anchor over the batch (one host sync, for the key lengths). Exact whatever
-    the anchor order; cheapest when anchors are sorted (sample_anchors sorts them)."""
+                 groups_per_call: int = 1, dtype: torch.dtype = torch.float32) -> list[QueryGroup]:
+    """The "blockwise" plan: groups of ``group_blocks`` consecutive blocks, ``groups_per_call`` of
+    them per batched call, context cut at the call's largest anchor over the batch (one host
+    sync, for the key lengths). Exact whatever the anchor order; cheapest with sorted anchors
+    (sample_anchors sorts them). Small groups waste fewer block keys; several per call keep
+    the number of (CPU-thread-synchronising) ops per layer low."""
     b, n = anchors.shape
     limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)  # padded blocks: no context
-    starts = range(0, n, group_blocks)
-    lengths = F.pad(limit, (0, len(starts) * group_blocks - n)).view(b, len(starts), group_blocks).amax((0, 2)).tolist()
-    groups = []
-    for i, length in zip(starts, lengths):
-        blocks = limit[:, i:i + group_blocks]  # [B, g]
-        rows = blocks.shape[1] * block_size
-        row_limit = blocks.repeat_interleave(block_size, dim=1).unsqueeze(-1)  # [B, rows, 1]
-        sees_ctx = torch.arange(length, device=anchors.device) < row_limit  # [B, rows, L]
+    spans, first = [], 0  # (first block, groups, blocks per group)
+    while first < n:
+        k = min(groups_per_call, (n - first) // group_blocks)
+        spans.append((first, k, group_blocks) if k else (first, 1, n - first))
+        first += spans[-1][1] * spans[-1][2]
+    lengths = torch.stack([limit[:, i:i + k * g].amax() for i, k, g in spans]).tolist()
+    calls = []
+    for (i, k, g), length in zip(spans, lengths):
+        rows = g * block_size
+        row_limit = limit[:, i:i + k * g].view(b, k, g).repeat_interleave(block_size, dim=2).unsqueeze(-1)
+        sees_ctx = torch.arange(length, device=anchors.device) < row_limit  # [B, k, rows, L]
         block_id = torch.arange(rows, device=anchors.device) // block_size
-        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, rows, rows)
-        hidden = ~torch.cat([sees_ctx, same_block], dim=-1).view(b, 1, 1, rows, -1)
-        bias = torch.zeros(hidden.shape, dtype=dtype, device=anchors.device).masked_fill_(hidden, float("-inf"))
-        groups.append(QueryGroup(i * block_size, i * block_size + rows, length, bias))
-    return groups
+        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, k, rows, rows)
+        bias = torch.cat([torch.where(sees, 0.0, float("-inf")) for sees in (sees_ctx, same_block)], dim=-1)
+        calls.append(QueryGroup(i * block_size, (i + k * g) * block_size, length, k,
+                                bias.to(dtype).view(b, 1, k, 1, rows, -1)))
+    return calls
 
 
-def _group_qkv(q, k_ctx, v_ctx, k_blk, v_blk, g: QueryGroup):
-    """A group's queries [B, Hkv, rep * rows, D] (the rep query heads of a KV head stacked, so
-    GQA needs no repeated K/V) and its keys / values [B, Hkv, context + rows, D]."""
-    b, hq, _, d = q.shape
-    hkv = k_ctx.shape[1]
-    qg = q[:, :, g.start:g.stop].reshape(b, hkv, -1, d)
-    kg = torch.cat([k_ctx[:, :, :g.context], k_blk[:, :, g.start:g.stop]], dim=2)
-    vg = torch.cat([v_ctx[:, :, :g.context], v_blk[:, :, g.start:g.stop]], dim=2)
-    return qg, kg, vg
+def _to_groups(t: torch.Tensor, g: QueryGroup, kv_heads: int) -> torch.Tensor:
+    """Rows g.start:g.stop of t [B, H, Q, D] -> [B, Hkv, groups, H/Hkv * rows, D]: the query
+    heads that share a KV head stacked as rows, so GQA needs no repeated K/V."""
+    b, h, _, d = t.shape
+    t = t[:, :, g.start:g.stop].reshape(b, kv_heads, h // kv_heads, g.groups, -1, d)
+    return t.transpose(2, 3).reshape(b, kv_heads, g.groups, -1, d)
 
 
-def _group_probs(qg, kg, g: QueryGroup) -> torch.Tensor:
-    """Attention probabilities [B, Hkv, rep * rows, context + rows] of one group (qg pre-scaled)."""
+def _from_groups(x: torch.Tensor, dst: torch.Tensor, g: QueryGroup) -> None:
+    """Write x [B, Hkv, groups, H/Hkv * rows, D] into rows g.start:g.stop of dst [B, H, Q, D]."""
+    b, h, _, d = dst.shape
+    hkv = x.shape[1]
+    x = x.reshape(b, hkv, g.groups, h // hkv, -1, d).transpose(2, 3)
+    dst[:, :, g.start:g.stop].view(b, hkv, h // hkv, g.groups, -1, d).copy_(x)
+
+
+def _group_kv(ctx: torch.Tensor, blk: torch.Tensor, g: QueryGroup) -> torch.Tensor:
+    """Each group's keys (or values) [B, Hkv, groups, context + rows, D]."""
+    b, hkv, _, d = ctx.shape
+    prefix = ctx[:, :, None, :g.context].expand(b, hkv, g.groups, g.context, d)
+    return torch.cat([prefix, _to_groups(blk, g, hkv)], dim=3)
+
+
+def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup) -> torch.Tensor:
+    """Attention probabilities [B, Hkv, groups, rep * rows, context + rows] (qg pre-scaled)."""
     s = qg @ kg.transpose(-1, -2)
-    b, hkv, _, keys = s.shape
-    s.view(b, hkv, -1, g.stop - g.start, keys).add_(g.bias)
+    b, hkv, k, _, keys = s.shape
+    s.view(b, hkv, k, -1, g.bias.shape[-2], keys).add_(g.bias)
     return torch.softmax(s, dim=-1)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
-    """Softmax attention of each QueryGroup over its own keys, backward recomputed per group.
+    """Softmax attention of each group over its own keys, backward recomputed per call.
 
     Only q, k, v and the output are saved: no score matrix, no per-group K/V copy outlives its
     loop iteration, no repeated KV heads. Every query row sees its own slots, so no row is empty.
     """
 
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, groups):
-        b, hq, _, d = q.shape
-        scale = d ** -0.5
-        out, q_scaled = torch.empty_like(q), q * scale
-        for g in groups:
-            qg, kg, vg = _group_qkv(q_scaled, k_ctx, v_ctx, k_blk, v_blk, g)
-            out[:, :, g.start:g.stop] = (_group_probs(qg, kg, g) @ vg).view(b, hq, -1, d)
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls):
+        hkv = k_ctx.shape[1]
+        out, q_scaled = torch.empty_like(q), q * q.shape[-1] ** -0.5
+        for g in calls:
+            p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g)
+            _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out)
-        ctx.groups = groups
+        ctx.calls = calls
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k_ctx, v_ctx, k_blk, v_blk, out = ctx.saved_tensors
-        b, hq, _, d = q.shape
         hkv = k_ctx.shape[1]
-        scale = d ** -0.5
+        scale = q.shape[-1] ** -0.5
         dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
         dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
         delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_j dp_j, per query row
         q_scaled = q * scale
-        for g in ctx.groups:
-            qg, kg, vg = _group_qkv(q_scaled, k_ctx, v_ctx, k_blk, v_blk, g)
+        for g in ctx.calls:
+            qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
             p = _group_probs(qg, kg, g)
-            do = dout[:, :, g.start:g.stop].reshape(b, hkv, -1, d)
-            ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, :, g.start:g.stop].reshape(b, hkv, -1, 1)).mul_(p)
+            do = _to_groups(dout, g, hkv)
+            ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
             dv = p.transpose(-1, -2) @ do
             dk = ds.transpose(-1, -2) @ qg
-            dq[:, :, g.start:g.stop] = (ds @ kg).mul_(scale).view(b, hq, -1, d)
+            _from_groups((ds @ kg).mul_(scale), dq, g)
             n = g.context
-            dk_ctx[:, :, :n] += dk[:, :, :n]
-            dv_ctx[:, :, :n] += dv[:, :, :n]
-            dk_blk[:, :, g.start:g.stop] = dk[:, :, n:]
-            dv_blk[:, :, g.start:g.stop] = dv[:, :, n:]
+            dk_ctx[:, :, :n] += dk[:, :, :, :n].sum(2)
+            dv_ctx[:, :, :n] += dv[:, :, :, :n].sum(2)
+            _from_groups(dk[:, :, :, n:], dk_blk, g)
+            _from_groups(dv[:, :, :, n:], dv_blk, g)
         return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None
 
 
@@ -465,7 +481,7 @@ class DFlashDrafter(nn.Module):
                  activation_checkpointing: bool = False):
         """``attention``: training-attention implementation (see resolve_attention);
         ``group_blocks``: blocks per group for "split" (0: auto, N / 8) and "blockwise" (0: auto,
-        128 query rows);
+        64 query rows);
         ``activation_checkpointing``: recompute each layer in backward (training forward only).
         None of these touch the weights or the serving config."""
         super().__init__()
@@ -566,10 +582,9 @@ class DFlashDrafter(nn.Module):
             return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs))
         n = anchors.shape[1]
         if impl == "blockwise":
-            # Default: 128 query rows per group (8 blocks of 16): smaller groups waste fewer
-            # block keys and cut the context closer to each anchor, larger ones make bigger matmuls.
-            group = self.group_blocks if self.group_blocks > 0 else max(1, 128 // bs)
-            groups = query_groups(anchors, valid, seq_len, bs, min(group, n), dtype)
+            # Default: 64 query rows per group (4 blocks of 16), 4 groups per batched call.
+            group = min(self.group_blocks if self.group_blocks > 0 else max(1, 64 // bs), n)
+            groups = query_groups(anchors, valid, seq_len, bs, group, max(1, 256 // (group * bs)), dtype)
             return BlockAttentionPlan("blockwise", groups=groups, num_blocks=n)
         # Default: 8 groups. More groups cut the wasted g*bs block keys per query but repeat
         # the context K/V once per group (memory G * S * Hkv * D per layer); 8 measured best here.
