@@ -29,7 +29,7 @@ class ModelConfig:
     mask_token_id: int | None = None  # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
     dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
     attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
-    drafter_attention: str = "auto"  # drafter training attention: auto (flex on CUDA, else split), split, flex, dense (oracle, ~2-3x slower)
+    drafter_attention: str = "auto"  # drafter training attention: auto (flex on CUDA, else blockwise), blockwise, split, flex, dense (oracle)
     activation_checkpointing: bool = False  # recompute each drafter layer in backward: less activation memory, ~+30% step time
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
 
@@ -39,8 +39,8 @@ class ModelConfig:
         _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
         _check(self.dtype in ("auto", "bfloat16", "float32", "float16"), "model.dtype", self.dtype,
                "use one of auto, bfloat16, float32, float16")
-        _check(self.drafter_attention in ("auto", "split", "flex", "dense"), "model.drafter_attention",
-               self.drafter_attention, "use one of auto, split, flex, dense")
+        _check(self.drafter_attention in ("auto", "blockwise", "split", "flex", "dense"), "model.drafter_attention",
+               self.drafter_attention, "use one of auto, blockwise, split, flex, dense")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
                "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
         if self.target_layer_ids is not None:

@@ -88,15 +88,16 @@ def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, b
     return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
 
 
-ATTENTION_IMPLS = ("auto", "dense", "split", "flex")
+ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")
 
 
 def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
     """Pick the concrete training-attention implementation for ``impl`` on ``device``.
 
     "auto": "flex" on CUDA when flex_attention imports (block-sparse, fused, one kernel per
-    layer), else "split" (grouped SDPA, any device). "flex" asked for where it cannot run
-    backward (CPU with grad) falls back to "split": flex_attention has no CPU backward.
+    layer), else "blockwise" (groups of blocks over their context prefix, matmuls). "flex"
+    asked for where it cannot run backward (CPU with grad) falls back to "blockwise":
+    flex_attention has no CPU backward.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
@@ -105,7 +106,7 @@ def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
             return "flex"
         if impl == "flex" and not needs_grad:
             return "flex"  # forward-only flex runs (unfused) on CPU: used by the tests
-        return "split"
+        return "blockwise"
     return impl
 
 
@@ -127,6 +128,9 @@ class BlockAttentionPlan:
       [B * num_groups, H, g*bs queries, S + g*bs keys] where a group's keys are [context | the
       group's own slots] and ``mask`` [B * num_groups, 1, g*bs, S + g*bs] keeps j < anchor and
       the block's own slots. Work per query is S + g*bs instead of S + N*bs; no host sync.
+    blockwise: ``groups``, consecutive blocks (anchors sorted ascending) whose queries attend
+      [context prefix up to the group's last anchor | the group's own slots]: a block's work is
+      ~ its group's last anchor + g*bs keys instead of S + N*bs (see blockwise_attention).
     flex: ``block_mask`` a flex_attention BlockMask over [context | all blocks]; tiles the
       mask excludes are skipped by the kernel.
     """
@@ -137,6 +141,7 @@ class BlockAttentionPlan:
     num_groups: int = 0
     num_blocks: int = 0
     block_mask: object = None
+    groups: list["QueryGroup"] = field(default_factory=list)
 
 
 def split_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int) -> torch.Tensor:
@@ -180,6 +185,130 @@ def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, ena
     )
     out = out.view(b, g, hq, gq, d).transpose(1, 2).reshape(b, hq, g * gq, d)
     return out[:, :, :q_len] if pad else out
+
+
+@dataclass
+class QueryGroup:
+    """``groups`` groups of whole blocks, together rows ``start:stop`` of the block queries, that
+    attend side by side (one batched matmul): each group its keys [context[:context] | its own
+    slots] under ``bias`` [B, 1, groups, 1, rows, context + rows], 0 where a key is visible and
+    -inf where not (context j >= the row's anchor, another block's slot). An additive bias, not a
+    bool mask: masked_fill_ with a broadcast mask is ~30x slower than add_ on CPU (measured)."""
+
+    start: int
+    stop: int
+    context: int
+    groups: int
+    bias: torch.Tensor
+
+
+def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int,
+                 groups_per_call: int = 1, dtype: torch.dtype = torch.float32) -> list[QueryGroup]:
+    """The "blockwise" plan: groups of ``group_blocks`` consecutive blocks, ``groups_per_call`` of
+    them per batched call, context cut at the call's largest anchor over the batch (one host
+    sync, for the key lengths). Exact whatever the anchor order; cheapest with sorted anchors
+    (sample_anchors sorts them). Small groups waste fewer block keys; several per call keep
+    the number of (CPU-thread-synchronising) ops per layer low."""
+    b, n = anchors.shape
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)  # padded blocks: no context
+    spans, first = [], 0  # (first block, groups, blocks per group)
+    while first < n:
+        k = min(groups_per_call, (n - first) // group_blocks)
+        spans.append((first, k, group_blocks) if k else (first, 1, n - first))
+        first += spans[-1][1] * spans[-1][2]
+    lengths = torch.stack([limit[:, i:i + k * g].amax() for i, k, g in spans]).tolist()
+    calls = []
+    for (i, k, g), length in zip(spans, lengths):
+        rows = g * block_size
+        row_limit = limit[:, i:i + k * g].view(b, k, g).repeat_interleave(block_size, dim=2).unsqueeze(-1)
+        sees_ctx = torch.arange(length, device=anchors.device) < row_limit  # [B, k, rows, L]
+        block_id = torch.arange(rows, device=anchors.device) // block_size
+        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, k, rows, rows)
+        bias = torch.cat([torch.where(sees, 0.0, float("-inf")) for sees in (sees_ctx, same_block)], dim=-1)
+        calls.append(QueryGroup(i * block_size, (i + k * g) * block_size, length, k,
+                                bias.to(dtype).view(b, 1, k, 1, rows, -1)))
+    return calls
+
+
+def _to_groups(t: torch.Tensor, g: QueryGroup, kv_heads: int) -> torch.Tensor:
+    """Rows g.start:g.stop of t [B, H, Q, D] -> [B, Hkv, groups, H/Hkv * rows, D]: the query
+    heads that share a KV head stacked as rows, so GQA needs no repeated K/V."""
+    b, h, _, d = t.shape
+    t = t[:, :, g.start:g.stop].reshape(b, kv_heads, h // kv_heads, g.groups, -1, d)
+    return t.transpose(2, 3).reshape(b, kv_heads, g.groups, -1, d)
+
+
+def _from_groups(x: torch.Tensor, dst: torch.Tensor, g: QueryGroup) -> None:
+    """Write x [B, Hkv, groups, H/Hkv * rows, D] into rows g.start:g.stop of dst [B, H, Q, D]."""
+    b, h, _, d = dst.shape
+    hkv = x.shape[1]
+    x = x.reshape(b, hkv, g.groups, h // hkv, -1, d).transpose(2, 3)
+    dst[:, :, g.start:g.stop].view(b, hkv, h // hkv, g.groups, -1, d).copy_(x)
+
+
+def _group_kv(ctx: torch.Tensor, blk: torch.Tensor, g: QueryGroup) -> torch.Tensor:
+    """Each group's keys (or values) [B, Hkv, groups, context + rows, D]."""
+    b, hkv, _, d = ctx.shape
+    prefix = ctx[:, :, None, :g.context].expand(b, hkv, g.groups, g.context, d)
+    return torch.cat([prefix, _to_groups(blk, g, hkv)], dim=3)
+
+
+def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup) -> torch.Tensor:
+    """Attention probabilities [B, Hkv, groups, rep * rows, context + rows] (qg pre-scaled)."""
+    s = qg @ kg.transpose(-1, -2)
+    b, hkv, k, _, keys = s.shape
+    s.view(b, hkv, k, -1, g.bias.shape[-2], keys).add_(g.bias)
+    return torch.softmax(s, dim=-1)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Softmax attention of each group over its own keys, backward recomputed per call.
+
+    Only q, k, v and the output are saved: no score matrix, no per-group K/V copy outlives its
+    loop iteration, no repeated KV heads. Every query row sees its own slots, so no row is empty.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls):
+        hkv = k_ctx.shape[1]
+        out, q_scaled = torch.empty_like(q), q * q.shape[-1] ** -0.5
+        for g in calls:
+            p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g)
+            _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out)
+        ctx.calls = calls
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_ctx, v_ctx, k_blk, v_blk, out = ctx.saved_tensors
+        hkv = k_ctx.shape[1]
+        scale = q.shape[-1] ** -0.5
+        dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
+        dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
+        delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_j dp_j, per query row
+        q_scaled = q * scale
+        for g in ctx.calls:
+            qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
+            p = _group_probs(qg, kg, g)
+            do = _to_groups(dout, g, hkv)
+            ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
+            dv = p.transpose(-1, -2) @ do
+            dk = ds.transpose(-1, -2) @ qg
+            _from_groups((ds @ kg).mul_(scale), dq, g)
+            n = g.context
+            dk_ctx[:, :, :n] += dk[:, :, :, :n].sum(2)
+            dv_ctx[:, :, :n] += dv[:, :, :, :n].sum(2)
+            _from_groups(dk[:, :, :, n:], dk_blk, g)
+            _from_groups(dv[:, :, :, n:], dv_blk, g)
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None
+
+
+def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
+    """The "blockwise" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v
+    [B, Hkv, Q, D], context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask
+    attention exactly (one softmax over each row's allowed keys; the keys cut away are masked)."""
+    return _BlockwiseAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, plan.groups)
 
 
 def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
@@ -246,11 +375,15 @@ class DrafterAttention(nn.Module):
         """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
 
         ``mask``: None (inference: every key visible), a bool [B, 1, Q, S + Q] mask, or a
-        BlockAttentionPlan (training: dense / split / flex, all computing the same function).
+        BlockAttentionPlan (training: dense / split / blockwise / flex, all the same function).
         """
         cos, sin = rope
         q = self.queries(x, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
+        plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
+        if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
+            out = blockwise_attention(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan)
+            return self._project(out)
         gqa = self.num_kv_heads != self.num_heads
         if gqa and x.device.type == "cpu":
             # The CPU SDPA kernel's enable_gqa backward is ~7x slower than plain MHA (torch
@@ -259,7 +392,6 @@ class DrafterAttention(nn.Module):
             ctx_kv = tuple(t.repeat_interleave(rep, dim=1) for t in ctx_kv)
             k_blk, v_blk = k_blk.repeat_interleave(rep, dim=1), v_blk.repeat_interleave(rep, dim=1)
             gqa = False
-        plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
         if plan.impl == "split":
             out = split_attention(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan, gqa)
         else:
@@ -269,6 +401,9 @@ class DrafterAttention(nn.Module):
                 out = _flex_attention(q, k, v, plan.block_mask, gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, enable_gqa=gqa)
+        return self._project(out)
+
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -278,6 +413,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """down(silu(gate(x)) * up(x)) saving only x, gate(x) and up(x): the [T, I] silu(gate) and
+    product that autograd would also keep are recomputed in backward (elementwise, cheap)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down):
+        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        return F.linear(F.silu(gate) * up, w_down)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        shape = x.shape
+        x, gate, up, dy = x.flatten(0, -2), gate.flatten(0, -2), up.flatten(0, -2), dy.flatten(0, -2)
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        grad_down = dy.t() @ (act * up)
+        d_prod = dy @ w_down
+        d_up = d_prod * act
+        del act
+        d_gate = d_prod.mul_(up).mul_((1 - sig).mul_(gate).add_(1).mul_(sig))  # silu'(g) = s (1 + g (1 - s))
+        dx = torch.addmm(d_gate @ w_gate, d_up, w_up)
+        return dx.view(shape), d_gate.t() @ x, d_up.t() @ x, grad_down
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -285,10 +446,16 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        self.swiglu = config.hidden_act == "silu"  # Qwen3MLP: bias-free gate / up / down
 
     def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx_kv, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.swiglu and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
+            # training without autocast: the memory-lean MLP (same values)
+            mlp = self.mlp
+            return x + _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        return x + self.mlp(h)
 
 
 @dataclass
@@ -313,7 +480,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: dict, *, attention: str = "auto", group_blocks: int = 0,
                  activation_checkpointing: bool = False):
         """``attention``: training-attention implementation (see resolve_attention);
-        ``group_blocks``: blocks per group for "split" (0: auto, N / 8);
+        ``group_blocks``: blocks per group for "split" (0: auto, N / 8) and "blockwise" (0: auto,
+        64 query rows);
         ``activation_checkpointing``: recompute each layer in backward (training forward only).
         None of these touch the weights or the serving config."""
         super().__init__()
@@ -393,7 +561,7 @@ class DFlashDrafter(nn.Module):
         positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
         x = block_embeds.reshape(b, n * bs, hidden)
         rope = self.rope(positions, x)
-        plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled())
+        plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, kv, plan, use_reentrant=False)
@@ -403,7 +571,7 @@ class DFlashDrafter(nn.Module):
 
     def attention_plan(
         self, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, attention: str | None = None,
-        needs_grad: bool = True,
+        needs_grad: bool = True, dtype: torch.dtype = torch.float32,
     ) -> BlockAttentionPlan:
         """The masks every layer of one training forward shares (see BlockAttentionPlan)."""
         impl = resolve_attention(attention or self.attention, anchors.device, needs_grad)
@@ -413,6 +581,11 @@ class DFlashDrafter(nn.Module):
         if impl == "flex":
             return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs))
         n = anchors.shape[1]
+        if impl == "blockwise":
+            # Default: 64 query rows per group (4 blocks of 16), 4 groups per batched call.
+            group = min(self.group_blocks if self.group_blocks > 0 else max(1, 64 // bs), n)
+            groups = query_groups(anchors, valid, seq_len, bs, group, max(1, 256 // (group * bs)), dtype)
+            return BlockAttentionPlan("blockwise", groups=groups, num_blocks=n)
         # Default: 8 groups. More groups cut the wasted g*bs block keys per query but repeat
         # the context K/V once per group (memory G * S * Hkv * D per layer); 8 measured best here.
         group = self.group_blocks if self.group_blocks > 0 else -(-n // 8)

@@ -146,9 +146,9 @@ def _ce_chunk(hidden, head_weight, labels, weights):
 class _ChunkedHeadCE(torch.autograd.Function):
     """sum_t w_t * CE(h_t @ W^T, y_t) over chunks of rows, gradients computed in the same pass.
 
-    Each chunk's [chunk, V] fp32 logits live only inside the loop: its softmax gives
-    d(sum)/d(logits) = w * (softmax - onehot), which is turned into the chunk's grad_h (and
-    grad_W when the head trains) right away. So nothing is recomputed in backward (unlike
+    Each chunk's [chunk, V] fp32 logits live only inside the loop and are turned in place into
+    d(sum)/d(logits) = w * (softmax - onehot), then into the chunk's grad_h (and grad_W when the
+    head trains) right away: one [chunk, V] buffer, one exp per logit. So nothing is recomputed in backward (unlike
     checkpointing, which runs the head twice) and peak memory is one chunk's logits.
     """
 
@@ -162,13 +162,16 @@ class _ChunkedHeadCE(torch.autograd.Function):
             part = slice(start, start + chunk_size)
             logits = F.linear(h[part], head_weight).float()
             y, w = labels[part], weights[part].float()
-            lse = logits.logsumexp(-1)
-            total += ((lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)) * w).sum()
+            picked = logits.gather(1, y.unsqueeze(1)).squeeze(1)
             correct.append(logits.argmax(-1) == y)
+            top = logits.amax(-1, keepdim=True)
+            p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
+            z = p.sum(-1, keepdim=True)
+            total += ((top + z.log()).squeeze(1) - picked).mul_(w).sum()
             if grad_h is not None or grad_w is not None:
-                g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place: logits are done
-                g[torch.arange(g.shape[0], device=g.device), y] -= 1
-                g = (g * w.unsqueeze(1)).to(h.dtype)
+                g = p.mul_(w.unsqueeze(1) / z)  # w * softmax
+                g[torch.arange(g.shape[0], device=g.device), y] -= w
+                g = g.to(h.dtype)
                 if grad_h is not None:
                     grad_h[part] = g @ head_weight
                 if grad_w is not None:

@@ -1,4 +1,4 @@
-"""The fast drafter step (split / flex attention, chunked LM head + CE, anchor micro-batches,
+"""The fast drafter step (split / blockwise / flex attention, chunked LM head + CE, anchor micro-batches,
 activation checkpointing) equals the dense-mask reference: loss to 1e-5, every parameter
 gradient to 1e-4 (relative, fp32)."""
 
@@ -66,14 +66,24 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["split", "blockwise"])
 @pytest.mark.parametrize("lengths,num_anchors,block,group", CASES)
-def test_split_equals_dense(lengths, num_anchors, block, group):
+def test_fast_attention_equals_dense(lengths, num_anchors, block, group, impl):
     target, drafter = make(block_size=block, group_blocks=group, seed=len(lengths) + num_anchors)
     inputs = batch(target, drafter, lengths, num_anchors, seed=num_anchors)
     ref = grads_of(drafter, target, inputs, attention="dense")
-    assert_same(ref, grads_of(drafter, target, inputs, attention="split"))
+    assert_same(ref, grads_of(drafter, target, inputs, attention=impl))
     # chunked LM head + CE (chunks not dividing N*bs) and anchor micro-batches on top
-    assert_same(ref, grads_of(drafter, target, inputs, attention="split", chunk_size=7, anchors_per_microbatch=3))
+    assert_same(ref, grads_of(drafter, target, inputs, attention=impl, chunk_size=7, anchors_per_microbatch=3))
+
+
+def test_blockwise_unsorted_anchors_and_mha():
+    """blockwise is exact whatever the anchor order (sorting only makes it cheaper); no GQA too."""
+    target, drafter = make(kv_heads=4, block_size=3, group_blocks=2)
+    features, embeds, anchors, valid, labels, weights = batch(target, drafter, [41, 30], 11, seed=7)
+    order = torch.randperm(anchors.shape[1], generator=torch.Generator().manual_seed(1))
+    inputs = (features, embeds[:, order], anchors[:, order], valid[:, order], labels[:, order], weights[:, order])
+    assert_same(grads_of(drafter, target, inputs, attention="dense"), grads_of(drafter, target, inputs, attention="blockwise"))
 
 
 def test_random_shapes_and_knobs():
@@ -99,7 +109,7 @@ def test_dense_reference_matches_per_block_inference():
     target, drafter = make(block_size=4)
     features, embeds, anchors, valid, _, _ = batch(target, drafter, [30, 14], 6, seed=3)
     with torch.no_grad():
-        for impl in ("dense", "split"):
+        for impl in ("dense", "split", "blockwise"):
             hidden = drafter(features, embeds, anchors, valid, attention=impl)
             for bi in range(2):
                 for ni in range(anchors.shape[1]):
@@ -132,8 +142,9 @@ def test_flex_forward_matches_dense_on_cpu():
 
 def test_resolve_attention_falls_back_on_cpu():
     cpu = torch.device("cpu")
-    assert resolve_attention("auto", cpu, needs_grad=True) == "split"
-    assert resolve_attention("flex", cpu, needs_grad=True) == "split"  # no CPU backward
+    assert resolve_attention("auto", cpu, needs_grad=True) == "blockwise"
+    assert resolve_attention("flex", cpu, needs_grad=True) == "blockwise"  # no CPU backward
+    assert resolve_attention("split", cpu, needs_grad=True) == "split"
     assert resolve_attention("dense", cpu, needs_grad=True) == "dense"
     with pytest.raises(ValueError, match="use one of"):
         resolve_attention("paged", cpu, needs_grad=True)
@@ -174,3 +185,19 @@ def test_config_knobs_validate():
         ModelConfig(drafter_attention="paged")
     with pytest.raises(ValueError, match="objective.anchors_per_microbatch"):
         ObjectiveConfig(anchors_per_microbatch=-1)
+
+
+def test_lean_swiglu_equals_autograd_mlp():
+    """The training MLP (recomputes silu(gate) * up in backward) equals Qwen3MLP under autograd."""
+    from flashdraft.drafter import _SwiGLU
+
+    _, drafter = make()
+    mlp = drafter.layers[0].mlp
+    x = torch.randn(2, 7, 64, requires_grad=True)
+    ref = mlp(x)
+    dy = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (x, *mlp.parameters()), dy)
+    out = _SwiGLU.apply(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out, (x, *mlp.parameters()), dy), ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

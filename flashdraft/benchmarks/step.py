@@ -4,17 +4,20 @@ The drafter step is everything after the target forward: fusion, the drafter lay
 N anchored blocks, the target's LM head and the weighted CE, and their backward. Two
 variants run side by side on identical weights and inputs:
 
-- ``fast``: the drafter's per-device attention (``auto``: grouped "split" SDPA on CPU,
-  block-sparse flex_attention on CUDA) and the chunked LM head + CE (``--chunk`` slots).
+- ``fast``: the drafter's per-device attention (``auto``: "blockwise" on CPU, block-sparse
+  flex_attention on CUDA) and the chunked LM head + CE (``--chunk`` slots).
 - ``reference``: one SDPA over keys [context | all N*bs slots] with the dense
   [N*bs, S + N*bs] mask and the unchunked LM head (the tests' oracle).
 
 Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
 stepped alternately (the min is robust to other processes on a shared host). Memory: every
-(point, variant) runs one step in a fresh subprocess. On CPU the peak is the process's
-RSS high-water mark (``ru_maxrss``) minus its RSS just before the first step, i.e. the extra
-memory the step needed at its worst moment (allocator caching included). On CUDA it is
-``torch.cuda.max_memory_allocated`` minus the allocation before the first step.
+(point, variant) runs in a fresh subprocess: one warm-up step, then the peak extra memory of
+the next step. On CPU that is the RSS high-water mark (``VmHWM``, reset through
+/proc/self/clear_refs) minus the RSS just before the step, with glibc's mmap threshold fixed
+at 64 KiB so that freed tensors go back to the OS and RSS follows the live tensors (without
+it glibc keeps freed memory and the figure depends on what an earlier step left behind); the
+warm-up keeps one-off costs (library pages, thread pools) out. On CUDA it is
+``torch.cuda.max_memory_allocated`` minus the allocation before the step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -47,11 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=4096, help="LM-head vocabulary size")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--taps", type=int, default=5, help="tapped target layers (fc input = taps * hidden)")
-    parser.add_argument("--chunk", type=int, default=1024, help="fast path: LM-head + CE chunk (slots)")
+    parser.add_argument("--chunk", type=int, default=256, help="fast path: LM-head + CE chunk (slots)")
     parser.add_argument("--anchors-per-microbatch", type=int, default=0, help="fast path: anchor slice (0: all)")
     parser.add_argument("--checkpointing", action="store_true", help="fast path: activation checkpointing")
     parser.add_argument("--attention", default="auto", help="fast path attention: auto, split, flex")
     parser.add_argument("--variants", default="fast,reference", help="comma list of fast, reference")
+    parser.add_argument("--sweeps", default="seq,anchors,hidden", help="grid mode: comma list of seq, anchors, hidden")
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per point (after 1 warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -124,27 +129,40 @@ def step_fn(point: dict, drafter, head, inputs):
     return step
 
 
-def _rss_bytes() -> int:
-    import psutil
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M).group(1)) * 1024
 
-    return psutil.Process().memory_info().rss
+
+def _reset_rss_peak() -> bool:
+    """Reset VmHWM (Linux >= 4.0); False where /proc/self/clear_refs cannot be written."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def measure(point: dict) -> dict:
-    """Time (median of ``repeat`` steps after one warm-up) and peak extra memory of one point."""
+    """Time (median of ``repeat`` steps) and peak extra memory of one point, after one warm-up step."""
     if point["threads"]:
         torch.set_num_threads(point["threads"])
     cuda = point["device"] == "cuda"
     drafter, head, inputs = build(point)
     step = step_fn(point, drafter, head, inputs)
+    step().loss.item()  # warm-up: lazy initialisation is not the step's memory
+    drafter.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
+    elif _reset_rss_peak():
+        base = _proc_status_bytes("VmRSS")
+    else:  # no resettable high-water mark: the process's, warm-up included
+        base = None
     times = []
-    for i in range(point["repeat"] + 1):
+    for _ in range(max(point["repeat"], 1)):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -153,14 +171,15 @@ def measure(point: dict) -> dict:
             torch.cuda.synchronize()
         else:
             out.loss.item()  # sync point: the step is done
-        if i:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
+    elif base is not None:
+        peak = _proc_status_bytes("VmHWM") - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # Linux: KiB
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     times.sort()
-    return {**point, "ms_per_step": 1e3 * times[len(times) // 2] if times else math.nan, "peak_mib": peak / 2**20,
+    return {**point, "ms_per_step": 1e3 * times[len(times) // 2], "peak_mib": peak / 2**20,
             "loss": float(out.loss), "threads": torch.get_num_threads()}
 
 
@@ -193,7 +212,7 @@ def run_point(point: dict) -> dict:
     """``measure`` in a fresh subprocess (clean RSS high-water); OOM / crash reported, not raised."""
     proc = subprocess.run(
         [sys.executable, "-m", "flashdraft.benchmarks.step", "--worker", json.dumps(point)],
-        capture_output=True, text=True, env={**os.environ},
+        capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
     )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1]
@@ -229,8 +248,16 @@ def useful_flops(p: dict) -> float:
 
 def _fmt(r: dict) -> str:
     if "error" in r:
-        return f"{r['variant']:<9} ms_per_step=nan peak_mib=nan ({r['error']})"
-    return f"{r['variant']:<9} ms_per_step={r['ms_per_step']:.1f} peak_mib={r['peak_mib']:.1f}"
+        return f"{r['variant']} ms_per_step=nan peak_mib=nan ({r['error']})"
+    return f"{r['variant']} ms_per_step={r['ms_per_step']:.1f} peak_mib={r['peak_mib']:.1f}"
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def _slope(xs, ys) -> float:
@@ -249,7 +276,7 @@ def run(args) -> int:
     if single:
         grid = {"point": [(args.seq or 1024, args.anchors or 128, args.hidden or 256)]}
     else:
-        grid = DEFAULT_GRID
+        grid = {name: DEFAULT_GRID[name] for name in args.sweeps.split(",") if name}
     print(f"drafter step (forward + backward): layers={args.layers} block={args.block} vocab={args.vocab} "
           f"batch={args.batch} device={args.device} dtype={args.dtype} threads={args.threads or torch.get_num_threads()} "
           f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
@@ -258,7 +285,7 @@ def run(args) -> int:
         if not single:
             print(f"\n[{sweep} sweep]")
         for seq, anchors, hidden in points:
-            print(f"seq={seq} anchors={anchors} hidden={hidden}", flush=True)
+            print(f"seq={seq} anchors={anchors} hidden={hidden} (load average {_loadavg()})", flush=True)
             row = {}
             for variant in variants:
                 key = (seq, anchors, hidden, variant)
