@@ -315,6 +315,7 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     pipeline_table = trainer.pipeline_report.format() if trainer.pipeline_report else ""
     from flashdraft import distributed
 
+    trainer.release_ddp()
     distributed.teardown()
     shutil.copytree(out / "run" / "drafter", out / "drafter", dirs_exist_ok=True)
     lap("drafter training")

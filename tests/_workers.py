@@ -151,9 +151,11 @@ def train_ranks(overrides_json: str) -> None:
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
     trainer.fit()
     losses = [h["loss"] for h in trainer.history if "loss" in h]
-    cache = {k: v for k, v in trainer.history[-1].items() if k.startswith("cache/")}
+    last = trainer.history[-1] if trainer.history else {}  # a disaggregated target rank logs nothing
+    cache = {k: v for k, v in last.items() if k.startswith("cache/")}
     result({"losses": losses, "identical": Checked.identical, "target_in_ddp": target_in_ddp,
             "ddp": type(trainer.model).__name__, "cache": cache})
+    trainer.release_ddp()
     D.teardown()
 
 

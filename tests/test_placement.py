@@ -27,7 +27,8 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
                                                                     train__save_every=4)), world_size=3, timeout=300)
     col = run_ranks(server, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "col", train__max_steps=8)),
                     timeout=300)
-    assert all(server.wait(pid, 0) == 0 for pid, _ in dis + col)  # a clean end on every rank
+    codes = [server.wait(pid, 0) for pid, _ in dis + col]
+    assert codes == [0] * len(codes), codes  # a clean end on every rank
     d0, d1, target = results(dis)
     c0, _ = results(col)
     assert d0["ddp"] == "DistributedDataParallel" and all(d0["identical"]) and len(d0["identical"]) == 8
