@@ -36,12 +36,10 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from flashdraft import distributed
-from flashdraft.data.batching import BatchSampler
-from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
+from flashdraft.data.collate import Batch
 from flashdraft.pipeline import BufferPool, Pipeline, Stage
 
 if TYPE_CHECKING:
@@ -242,11 +240,7 @@ def serve_features(trainer: Trainer) -> dict:
         raise RuntimeError(f"target rank {trainer.dist.global_rank}: its drafter ranks asked for different step counts "
                            f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
     threaded = cfg.pipeline.enabled
-    # One slot per step in flight: data + channel + target + channel + this thread, plus the
-    # steps each link may hold unreceived.
-    num_slots = (2 * cfg.pipeline.capacity + 3 if threaded else 1) + cfg.pipeline.capacity * len(links)
-    pool = BufferPool([[CollateBuffers() for _ in range(cfg.train.grad_accum)] for _ in range(num_slots)],
-                      trainer.device)
+    pool = trainer.buffer_pool(extra_slots=cfg.pipeline.capacity * len(links))  # + the steps links hold unreceived
     if threaded and num_steps > 0:
         trainer._warm_up_target()
     target = Stage("target", lambda pair: (pair[0], trainer._target_stage(pair[1])), device=trainer.device,
@@ -288,16 +282,9 @@ def _busy(report) -> str:
 
 def _step_inputs(trainer: Trainer, links: list[_TargetLink], pool: BufferPool, num_steps: int):
     """Data stage: each served drafter rank's next step in turn, as ``(link index, StepInput)``."""
-    from flashdraft.trainer import Micro, StepInput
-
     for _ in range(num_steps):
         for k, link in enumerate(links):
-            slot = pool.acquire()
-            micro = []
-            for buffers in slot:
-                _, _, idx = next(link.batches)
-                micro.append(Micro(pad_batch(trainer.dataset, idx, buffers=buffers), idx))
-            yield k, StepInput(micro, slot, link.sampler.state_dict())
+            yield k, trainer.collate_step(link.batches, pool.acquire(), link.sampler)
 
 
 class _TargetLink:
@@ -318,10 +305,7 @@ class _TargetLink:
         msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64, device=self.trainer.device)
         distributed.irecv(msg, self.peer).wait()
         start, total, rank, world_size, *cursor = msg.tolist()
-        data = self.trainer.config.data
-        self.sampler = BatchSampler(self.trainer.dataset.lengths, token_budget=data.token_budget,
-                                    max_batch_size=data.max_batch_size, seed=self.trainer.config.train.seed,
-                                    rank=rank, world_size=world_size)
+        self.sampler = self.trainer.batch_sampler(rank, world_size)
         self.sampler.load_state_dict(dict(zip(CURSOR_KEYS, cursor)))
         self.batches = iter(self.sampler)
         self.num_steps = total - start

@@ -246,10 +246,7 @@ class Trainer:
         if self.eval_dataset is not None:  # found now, not at the first eval hours later
             self._check_lengths(self.eval_dataset)
         self.eval_prompt_ids = self._load_eval_prompts()
-        self.sampler = BatchSampler(
-            self.dataset.lengths, token_budget=cfg.data.token_budget, max_batch_size=cfg.data.max_batch_size,
-            seed=cfg.train.seed, rank=self.dist.rank, world_size=self.dist.world_size,
-        )
+        self.sampler = self.batch_sampler(self.dist.rank, self.dist.world_size)
         steps_per_epoch = max(1, self.sampler.batches_per_epoch // cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
 
@@ -574,12 +571,9 @@ class Trainer:
             with placement.drafter_pipeline(self) as pipe_and_pool:
                 yield pipe_and_pool
             return
-        cfg, pcfg = self.config, self.config.pipeline
+        pcfg = self.config.pipeline
         threaded = pcfg.enabled
-        # One slot per step in flight: data filling + channel + target + channel + drafter.
-        num_slots = 2 * pcfg.capacity + 3 if threaded else 1
-        pool = BufferPool([[CollateBuffers() for _ in range(cfg.train.grad_accum)] for _ in range(num_slots)],
-                          self.device)
+        pool = self.buffer_pool()
         if threaded and self.step < self.total_steps:
             self._warm_up_target()
         self.feature_cache = self._open_feature_cache()
@@ -617,17 +611,39 @@ class Trainer:
                      format_bytes(cache.disk_budget), format_bytes(need), self.dist.world_size)
         return cache
 
+    def batch_sampler(self, rank: int, world_size: int) -> BatchSampler:
+        """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated
+        target rank builds the plan of each drafter rank it feeds)."""
+        data = self.config.data
+        return BatchSampler(self.dataset.lengths, token_budget=data.token_budget, max_batch_size=data.max_batch_size,
+                            seed=self.config.train.seed, rank=rank, world_size=world_size)
+
+    def buffer_pool(self, extra_slots: int = 0) -> BufferPool:
+        """Pooled collate buffers, one slot (``grad_accum`` micro-batches) per step that can be in
+        flight: data filling + channel + target + channel + consumer when pipelined, else one;
+        plus ``extra_slots`` (steps a consumer holds on to, e.g. sent but not yet received)."""
+        capacity = self.config.pipeline.capacity
+        num_slots = (2 * capacity + 3 if self.config.pipeline.enabled else 1) + extra_slots
+        return BufferPool([[CollateBuffers() for _ in range(self.config.train.grad_accum)] for _ in range(num_slots)],
+                          self.device)
+
+    def collate_step(self, batches, slot: list[CollateBuffers], sampler: BatchSampler) -> StepInput:
+        """One step: the next ``grad_accum`` batches of the plan iterator ``batches`` padded into
+        the pooled ``slot``, with ``sampler``'s cursor after them."""
+        micro = []
+        for buffers in slot:
+            _, _, idx = next(batches)
+            micro.append(Micro(pad_batch(self.dataset, idx, buffers=buffers), idx))
+        return StepInput(micro, slot, sampler.state_dict())
+
     def _step_inputs(self, pool: BufferPool, num_steps: int):
         """Stage 1 (data thread): plan + collate ``num_steps`` steps into pooled buffers."""
         batches = iter(self.sampler)
         for _ in range(num_steps):
             slot = pool.acquire()
             with self.timer.stage("data"):
-                micro = []
-                for k in range(self.config.train.grad_accum):
-                    _, _, idx = next(batches)
-                    micro.append(Micro(pad_batch(self.dataset, idx, buffers=slot[k]), idx))
-            yield StepInput(micro, slot, self.sampler.state_dict())
+                item = self.collate_step(batches, slot, self.sampler)
+            yield item
 
     def _h2d_stage(self, item: StepInput) -> StepInput:
         self.stage_h2d(item.micro)
