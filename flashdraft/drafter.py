@@ -343,6 +343,67 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """Qwen3's RMSNorm, w * (x * rsqrt(mean(x^2) + eps)), saving x and the per-row scale only
+    and computing the backward with two full-size temporaries (autograd's graph keeps x^2 and
+    x * r and makes ~6). Same values (fp32 inside, as Qwen3RMSNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, r)
+        return weight * (x.float() * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        xhat = x.float() * r
+        u = dy.float() * xhat
+        dw = u.sum(dim=tuple(range(u.dim() - 1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        u = torch.mul(dy, weight, out=u)  # dL/dxhat
+        mean = torch.linalg.vecdot(u, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
+        dx = xhat.mul_(mean).neg_().add_(u).mul_(r)  # r * (u - xhat * mean(u * xhat))
+        return dx.to(x.dtype), dw, None
+
+
+class RMSNorm(Qwen3RMSNorm):
+    """Qwen3RMSNorm (same weights and values) with a leaner training backward (_RMSNormFn)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+            return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
+        return super().forward(x)
+
+
+class _Rope(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin for x [B, H, T, D] and cos / sin [B, T, D], written into
+    one output (the plain expression allocates five tensors of x's size); cos / sin get no grad."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        ctx.save_for_backward(cos, sin)
+        h = x.shape[-1] // 2
+        out = x * cos
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        h = dy.shape[-1] // 2
+        dx = dy * cos
+        dx[..., :h].addcmul_(dy[..., h:], sin[..., h:])
+        dx[..., h:].addcmul_(dy[..., :h], sin[..., :h], value=-1)
+        return dx, None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, H, T, D] at the positions of cos / sin [B, T, D]."""
+    return _Rope.apply(x, cos, sin)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -355,35 +416,44 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, H] -> k, v [B, Hkv, T, D], k normed and rotated."""
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> k, v [B, Hkv, T, D], k normed and rotated. With ``index`` [T'], x holds
+        distinct rows and row t is x[:, index[t]]: projected and normed once, rotated per row."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        k = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
-        return k, v
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if index is not None:
+            k, v = k[:, index], v[:, index]
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                index: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        return q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
+        if index is not None:
+            q = q[:, index]
+        return apply_rope(q.transpose(1, 2), cos, sin)
 
-    def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
+    def forward(self, x, rope, ctx_kv, mask=None, rows=None, index=None) -> torch.Tensor:
         """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
 
         ``mask``: None (inference: every key visible), a bool [B, 1, Q, S + Q] mask, or a
         BlockAttentionPlan (training: dense / split / blockwise / flex, all the same function).
+        ``rows``: a function of a [B, Q, ...] tensor returning the rows to output (None: all);
+        every row still serves as a key. ``index`` [Q]: x holds the stream's distinct rows and
+        row t is x[:, index[t]] (see keys_values).
         """
         cos, sin = rope
-        q = self.queries(x, cos, sin)
-        k_blk, v_blk = self.keys_values(x, cos, sin)
+        q = self.queries(x, cos, sin, index)
+        k_blk, v_blk = self.keys_values(x, cos, sin, index)
         plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
         if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
             out = blockwise_attention(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan)
-            return self._project(out)
+            return self._project(out, rows)
         gqa = self.num_kv_heads != self.num_heads
         if gqa and x.device.type == "cpu":
             # The CPU SDPA kernel's enable_gqa backward is ~7x slower than plain MHA (torch
@@ -401,27 +471,27 @@ class DrafterAttention(nn.Module):
                 out = _flex_attention(q, k, v, plan.block_mask, gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, enable_gqa=gqa)
-        return self._project(out)
+        return self._project(out, rows)
 
-    def _project(self, out: torch.Tensor) -> torch.Tensor:
+    def _project(self, out: torch.Tensor, rows=None) -> torch.Tensor:
         b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        out = out.transpose(1, 2)
+        if rows is not None:
+            out = rows(out)
+        return self.o_proj(out.reshape(b, -1, self.num_heads * self.head_dim))
 
 
 class _SwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) saving only x, gate(x) and up(x): the [T, I] silu(gate) and
-    product that autograd would also keep are recomputed in backward (elementwise, cheap)."""
+    product that autograd would also keep are recomputed in backward (elementwise, cheap).
+    Both directions reuse their [T, I] temporaries in place: on CPU every fresh multi-MB tensor
+    costs page faults (measured: ~10% of the step before this)."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down):
         gate, up = F.linear(x, w_gate), F.linear(x, w_up)
         ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
-        return F.linear(F.silu(gate) * up, w_down)
+        return F.linear(F.silu(gate).mul_(up), w_down)
 
     @staticmethod
     def backward(ctx, dy):
@@ -429,12 +499,14 @@ class _SwiGLU(torch.autograd.Function):
         shape = x.shape
         x, gate, up, dy = x.flatten(0, -2), gate.flatten(0, -2), up.flatten(0, -2), dy.flatten(0, -2)
         sig = torch.sigmoid(gate)
-        act = gate * sig
-        grad_down = dy.t() @ (act * up)
+        act = gate * sig  # silu(gate)
+        tmp = act * up
+        grad_down = dy.t() @ tmp
         d_prod = dy @ w_down
-        d_up = d_prod * act
-        del act
-        d_gate = d_prod.mul_(up).mul_((1 - sig).mul_(gate).add_(1).mul_(sig))  # silu'(g) = s (1 + g (1 - s))
+        d_up = torch.mul(d_prod, act, out=tmp)
+        # silu'(g) = s (1 + g (1 - s)) = s (1 + g - silu(g)), written over act
+        d_gate = d_prod.mul_(up).mul_(act.neg_().add_(gate).add_(1).mul_(sig))
+        del act, sig
         dx = torch.addmm(d_gate @ w_gate, d_up, w_up)
         return dx.view(shape), d_gate.t() @ x, d_up.t() @ x, grad_down
 
@@ -442,14 +514,21 @@ class _SwiGLU(torch.autograd.Function):
 class DrafterLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DrafterAttention(config)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
         self.swiglu = config.hidden_act == "silu"  # Qwen3MLP: bias-free gate / up / down
 
-    def forward(self, x, rope, ctx_kv, mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_kv, mask)
+    def forward(self, x, rope, ctx_kv, mask=None, rows=None, distinct=None) -> torch.Tensor:
+        """``rows``: output only these rows of the block stream (DrafterAttention.forward).
+        ``distinct``: (x's distinct rows [B, U, H], index [Q]) with x = distinct rows[:, index]:
+        the input norm and the q / k / v projections run on the U distinct rows only."""
+        if distinct is None:
+            attn = self.self_attn(self.input_layernorm(x), rope, ctx_kv, mask, rows)
+        else:
+            attn = self.self_attn(self.input_layernorm(distinct[0]), rope, ctx_kv, mask, rows, distinct[1])
+        x = (x if rows is None else rows(x)) + attn
         h = self.post_attention_layernorm(x)
         if self.swiglu and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
             # training without autocast: the memory-lean MLP (same values)
@@ -497,9 +576,9 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(self.config["dflash_config"]["target_layer_ids"])
         hidden = qcfg.hidden_size
         self.layers = nn.ModuleList(DrafterLayer(qcfg) for _ in range(qcfg.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(hidden, eps=qcfg.rms_norm_eps)
+        self.norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(hidden, eps=qcfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qcfg)  # non-persistent buffers: never saved
 
     @classmethod
@@ -541,6 +620,8 @@ class DFlashDrafter(nn.Module):
         anchors: torch.Tensor,
         valid: torch.Tensor,
         attention: str | None = None,
+        scored_only: bool = False,
+        mask_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Training forward over many anchored blocks of each sequence in one pass.
 
@@ -551,23 +632,48 @@ class DFlashDrafter(nn.Module):
         ready for the target's LM head. Equals, block by block, ``forward_block`` with
         context = features[:, :anchor] (tested), whatever the implementation.
 
+        ``scored_only``: return slots 1..bs-1 only, [B, N, bs - 1, H]. Slot 0 (the anchor) is
+        never scored, so the last layer skips its output projection, MLP and final norm (slot 0
+        still serves as a key to the others): ~1/bs of the last layer and of the LM head saved.
+
+        ``mask_embed`` [H]: the blocks are DFlash's [anchor token, MASK, ..., MASK]; then
+        block_embeds is [B, N, H], the anchor tokens' embeddings only. Layer 0's input norm and
+        q / k / v projections run on the N + 1 distinct rows (every MASK row is the same vector
+        before RoPE) instead of N * bs: same result, ~(bs - 1) / bs of that work saved.
+
         Each layer's context K/V is computed once per sequence; a valid block anchored at a
         attends context j < a and its own bs slots, a padded block only its own slots.
         """
         b, s, _ = features.shape
-        _, n, bs, hidden = block_embeds.shape
+        distinct = None
+        if mask_embed is None:
+            _, n, bs, hidden = block_embeds.shape
+            x = block_embeds.reshape(b, n * bs, hidden)
+        else:
+            (_, n, hidden), bs = block_embeds.shape, self.block_size
+            rows = torch.cat([block_embeds, mask_embed.view(1, 1, hidden).expand(b, 1, hidden)], dim=1)
+            index = torch.full((n, bs), n, device=anchors.device)  # row n: the MASK embedding
+            index[:, 0] = torch.arange(n, device=anchors.device)
+            index = index.flatten()
+            distinct, x = (rows, index), rows[:, index]
         ctx = self.fuse(features)
         ctx_kv = self.context_kv(ctx, torch.arange(s, device=features.device).expand(b, s))
         positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
-        x = block_embeds.reshape(b, n * bs, hidden)
         rope = self.rope(positions, x)
         plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
-        for layer, kv in zip(self.layers, ctx_kv):
+        last = len(self.layers) - 1
+
+        def scored_rows(t: torch.Tensor) -> torch.Tensor:  # rows [B, N*bs, ...] -> slots 1.. [B, N*(bs-1), ...]
+            return t.unflatten(1, (n, bs))[:, :, 1:].flatten(1, 2)
+
+        for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
+            rows = scored_rows if scored_only and i == last else None
+            args = (x, rope, kv, plan, rows, distinct if i == 0 else None)
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, kv, plan, use_reentrant=False)
+                x = checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(x, rope, kv, plan)
-        return self.norm(x).view(b, n, bs, hidden)
+                x = layer(*args)
+        return self.norm(x).view(b, n, bs - int(scored_only), hidden)
 
     def attention_plan(
         self, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, attention: str | None = None,

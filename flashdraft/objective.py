@@ -121,7 +121,7 @@ def block_labels_and_weights(
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, differentiable
-    correct: torch.Tensor  # [B, N, bs] bool: argmax == label
+    correct: torch.Tensor  # [B, N, bs] bool: the label's logit is the maximum (argmax == label)
     scored: torch.Tensor  # [B, N, bs] bool: weight > 0
     weight_sum: torch.Tensor  # scalar: sum of this micro-batch's weights
     total: torch.Tensor  # scalar, detached: sum(w * CE) of this micro-batch
@@ -140,7 +140,13 @@ class LossOutput:
 def _ce_chunk(hidden, head_weight, labels, weights):
     logits = F.linear(hidden, head_weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum(), logits.argmax(-1) == labels
+    return (ce * weights).sum(), _is_top(logits, labels)
+
+
+def _is_top(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the label's logit is its row's maximum, i.e. greedy decoding picks it (an exact
+    tie counts as a hit; argmax == label would pick one side of it)."""
+    return logits.gather(1, labels.unsqueeze(1)).squeeze(1) >= logits.amax(-1)
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -158,22 +164,26 @@ class _ChunkedHeadCE(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(head_weight, dtype=torch.float32) if want_grads and ctx.needs_input_grad[1] else None
         correct = []
+        # One [chunk, V] logits buffer for every chunk (a fresh multi-MB tensor per chunk costs
+        # page faults on CPU); the head's matmul writes straight into it.
+        buffer = torch.empty(min(chunk_size, h.shape[0]), head_weight.shape[0], dtype=h.dtype, device=h.device)
         for start in range(0, h.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
-            logits = F.linear(h[part], head_weight).float()
+            rows = min(chunk_size, h.shape[0] - start)
+            logits = torch.mm(h[part], head_weight.t(), out=buffer[:rows]).float()
             y, w = labels[part], weights[part].float()
-            picked = logits.gather(1, y.unsqueeze(1)).squeeze(1)
-            correct.append(logits.argmax(-1) == y)
+            picked = logits.gather(1, y.unsqueeze(1))
             top = logits.amax(-1, keepdim=True)
+            correct.append((picked >= top).squeeze(1))  # as _is_top, reusing the max
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
-            total += ((top + z.log()).squeeze(1) - picked).mul_(w).sum()
+            total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
             if grad_h is not None or grad_w is not None:
                 g = p.mul_(w.unsqueeze(1) / z)  # w * softmax
                 g[torch.arange(g.shape[0], device=g.device), y] -= w
                 g = g.to(h.dtype)
                 if grad_h is not None:
-                    grad_h[part] = g @ head_weight
+                    torch.mm(g, head_weight, out=grad_h[part])
                 if grad_w is not None:
                     grad_w += (g.t() @ h[part]).float()
         ctx.head_dtype = head_weight.dtype
@@ -199,8 +209,10 @@ def dflash_loss(
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
 
-    hidden [B, N, bs, H] (drafter output after its final norm); head_weight [V, H] the
-    target's frozen LM head; labels/weights [B, N, bs]. ``normalizer`` defaults to sum(w);
+    hidden [B, N, bs, H] (drafter output after its final norm), or [B, N, bs - 1, H] for
+    slots 1..bs-1 only (``drafter(..., scored_only=True)``: slot 0's weight is always 0, so
+    the loss is the same); head_weight [V, H] the target's frozen LM head; labels/weights
+    [B, N, bs]; ``correct`` is [B, N, bs] either way (False at an unscored slot 0). ``normalizer`` defaults to sum(w);
     the trainer passes the GLOBAL sum over ranks, micro-batches and anchor slices so that any
     split of a batch gives the same gradient. With ``chunk_size`` > 0 the head and CE run over
     chunks of that many slots, each chunk's gradient computed on the spot (_ChunkedHeadCE), so
@@ -208,19 +220,25 @@ def dflash_loss(
     gradients equal the unchunked ones (tested), at no extra FLOPs.
     """
     shape = labels.shape
+    skip = shape[2] - hidden.shape[2]  # 1: slot 0 was not computed
+    if skip not in (0, 1):
+        raise ValueError(f"hidden has {hidden.shape[2]} slots per block for {shape[2]} labels: expected bs or bs - 1")
     h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    w = weights.reshape(-1)
+    y = labels[:, :, skip:].reshape(-1)
+    w = weights[:, :, skip:].reshape(-1)
     if chunk_size <= 0 or chunk_size >= h.shape[0]:
         total, correct = _ce_chunk(h, head_weight, y, w)
     else:
         total, correct = _ChunkedHeadCE.apply(h, head_weight, y, w, chunk_size, torch.is_grad_enabled())
-    weight_sum = w.sum()
+    correct = correct.view(*shape[:2], -1)
+    if skip:
+        correct = F.pad(correct, (1, 0), value=False)
+    weight_sum = weights.sum()
     if normalizer is None:
         normalizer = weight_sum
     return LossOutput(
         loss=total / normalizer.clamp(min=1e-6),
-        correct=correct.view(shape),
+        correct=correct,
         scored=(weights > 0),
         weight_sum=weight_sum,
         total=total.detach(),
@@ -269,13 +287,19 @@ def make_blocks(
     return Blocks(anchors, valid, block_input_ids(input_ids, anchors, block_size, mask_token_id), labels, weights)
 
 
+def mask_token_id(drafter) -> int:
+    """The MASK id of a drafter, DDP-wrapped or not."""
+    return getattr(drafter, "module", drafter).mask_token_id
+
+
 def block_loss(
     drafter, target, features: torch.Tensor, blocks: Blocks, *, chunk_size: int = 0,
     normalizer: torch.Tensor | None = None,
 ) -> LossOutput:
     """The drafter's forward on ``blocks`` conditioned on target ``features`` [B, S, K*H], and its loss."""
-    embeds = target.embed(blocks.input_ids).to(features.dtype)
-    hidden = drafter(features, embeds, blocks.anchors, blocks.valid)
+    anchor_embeds = target.embed(blocks.input_ids[:, :, 0]).to(features.dtype)  # the other slots are MASK
+    mask_embed = target.embed(blocks.input_ids.new_tensor(mask_token_id(drafter))).to(features.dtype)
+    hidden = drafter(features, anchor_embeds, blocks.anchors, blocks.valid, scored_only=True, mask_embed=mask_embed)
     return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer)
 
 
@@ -292,8 +316,13 @@ def drafter_step(
     chunk_size: int = 0,
     anchors_per_microbatch: int = 0,
     attention: str | None = None,
+    scored_only: bool = True,
+    mask_embed: torch.Tensor | None = None,
 ) -> LossOutput:
     """Forward AND backward of a single-process drafter step; gradients accumulate into .grad.
+    ``scored_only``: the drafter computes slots 1..bs-1 only (False: every slot, the oracle's way).
+    ``mask_embed`` [H]: block_embeds is [B, N, H], the anchor tokens' embeddings, every other
+    slot being MASK (see DFlashDrafter.forward).
 
     Shapes as in ``drafter.forward`` / ``dflash_loss``. With ``anchors_per_microbatch`` = m > 0
     the N anchors run in slices of m (forward + backward each, so only one slice's activations
@@ -307,7 +336,8 @@ def drafter_step(
     outs = []
     for start in range(0, n, m):
         part = slice(start, start + m)
-        hidden = drafter(features, block_embeds[:, part], anchors[:, part], valid[:, part], attention=attention)
+        hidden = drafter(features, block_embeds[:, part], anchors[:, part], valid[:, part], attention=attention,
+                         scored_only=scored_only, mask_embed=mask_embed)
         out = dflash_loss(hidden, head_weight, labels[:, part], weights[:, part], chunk_size, normalizer)
         out.loss.backward()
         outs.append(out)

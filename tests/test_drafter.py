@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import Qwen3Config
 
 from flashdraft.drafter import DFlashDrafter, dense_block_mask
 from flashdraft.objective import block_input_ids, sample_anchors
@@ -149,3 +150,48 @@ def test_save_load_gives_identical_logits(tmp_path, target):
 def test_mask_token_outside_the_vocabulary_is_refused(target):
     with pytest.raises(ValueError, match="outside the target's embedding table"):
         DFlashDrafter.for_target(target, num_layers=1, block_size=8, mask_token_id=VOCAB)
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 32), (2, 9, 4, 16)])
+def test_lean_rmsnorm_equals_qwen3_rmsnorm_values_and_grads(shape):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from flashdraft.drafter import RMSNorm
+
+    ours, theirs = RMSNorm(shape[-1], eps=1e-6), Qwen3RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(*shape, dtype=torch.float64).float()
+    dy = torch.randn(*shape)
+    grads = []
+    for norm in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        y = norm(xi)
+        y.backward(dy)
+        grads.append((y.detach(), xi.grad, norm.weight.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    xb = x.bfloat16().requires_grad_()  # the lean path in bf16: Qwen3's rounding exactly
+    assert torch.equal(ours.bfloat16()(xb), theirs.bfloat16()(xb))
+
+
+def test_rope_equals_transformers_apply_rotary_pos_emb_values_and_grads():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    from flashdraft.drafter import apply_rope
+
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    positions = torch.tensor([[0, 3, 4, 9, 10], [7, 8, 9, 10, 11]])
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    cos, sin = Qwen3RotaryEmbedding(cfg)(q, positions)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    results = []
+    for fn in (lambda a, b: (apply_rope(a, cos, sin), apply_rope(b, cos, sin)),
+               lambda a, b: apply_rotary_pos_emb(a, b, cos, sin)):
+        qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
+        qo, ko = fn(qi, ki)
+        (qo * dq).sum().add((ko * dk).sum()).backward()
+        results.append((qo.detach(), ko.detach(), qi.grad, ki.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

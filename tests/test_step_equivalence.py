@@ -42,6 +42,15 @@ def batch(target, drafter, lengths, num_anchors, seed=0, full_mask=False):
 
 
 def grads_of(drafter, target, inputs, **kw):
+    """The step's output and gradients. The dense oracle computes every slot (slot 0 too) of
+    blocks embedded in full; the fast paths skip slot 0 in the last layer and get the anchors'
+    embeddings plus the MASK embedding (layer 0 projects the distinct rows only)."""
+    fast = kw.get("attention") != "dense"
+    kw.setdefault("scored_only", fast)
+    if kw.pop("distinct_rows", fast):
+        features, embeds, *rest = inputs
+        inputs = (features, embeds[:, :, 0], *rest)
+        kw["mask_embed"] = target.embed(torch.tensor(MASK))
     drafter.zero_grad(set_to_none=True)
     out = drafter_step(drafter, target.lm_head.weight, *inputs, **kw)
     return out, {n: p.grad.clone() for n, p in drafter.named_parameters()}
@@ -50,7 +59,7 @@ def grads_of(drafter, target, inputs, **kw):
 def assert_same(ref, fast):
     (out_r, g_r), (out_f, g_f) = ref, fast
     torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=1e-6)
-    assert torch.equal(out_f.correct, out_r.correct)
+    assert torch.equal(out_f.correct[..., 1:], out_r.correct[..., 1:])  # slot 0 is never scored
     for name, gr in g_r.items():
         err = (g_f[name] - gr).norm() / gr.norm().clamp(min=1e-12)
         assert err < 1e-4, f"{name}: relative grad error {err:.2e}"
@@ -102,6 +111,28 @@ def test_random_shapes_and_knobs():
         fast = grads_of(drafter, target, inputs, attention="auto", chunk_size=int(torch.randint(1, 50, (1,), generator=rng)),
                         anchors_per_microbatch=int(torch.randint(0, n + 1, (1,), generator=rng)))
         assert_same(ref, fast)
+
+
+@pytest.mark.parametrize("impl", ["dense", "split", "blockwise", "flex"])
+def test_scored_only_forward_is_the_full_forward_without_slot_0(impl):
+    """The last layer's slot-0 rows are skipped, not the keys they give the other slots; the
+    distinct-rows input (anchor embeddings + the MASK embedding) is the same blocks."""
+    target, drafter = make(block_size=5, layers=2)
+    features, embeds, anchors, valid, labels, weights = batch(target, drafter, [33, 21], 7, seed=5)
+    mask_embed = target.embed(torch.tensor(MASK))
+    assert torch.equal(embeds[:, :, 1:], mask_embed.expand_as(embeds[:, :, 1:]))  # what makes it exact
+    with torch.no_grad():
+        full = drafter(features, embeds, anchors, valid, attention=impl)
+        scored = drafter(features, embeds, anchors, valid, attention=impl, scored_only=True)
+        distinct = drafter(features, embeds[:, :, 0], anchors, valid, attention=impl, mask_embed=mask_embed)
+    assert scored.shape == (2, 7, 4, 64)
+    torch.testing.assert_close(scored, full[:, :, 1:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(distinct, full, rtol=1e-5, atol=1e-6)
+    loss_full = dflash_loss(full, target.lm_head.weight, labels, weights)
+    loss_scored = dflash_loss(scored, target.lm_head.weight, labels, weights, chunk_size=6)
+    torch.testing.assert_close(loss_scored.loss, loss_full.loss, rtol=1e-5, atol=1e-6)
+    assert not loss_scored.correct[..., 0].any() and loss_scored.correct.shape == labels.shape
+    assert torch.equal(loss_scored.correct[..., 1:], loss_full.correct[..., 1:])
 
 
 def test_dense_reference_matches_per_block_inference():

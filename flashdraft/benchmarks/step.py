@@ -109,8 +109,11 @@ def build(point: dict):
     labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, default_gamma(bs))
     block_ids = torch.full((b, n, bs), vocab - 1, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
-    embeds = embed[block_ids]
-    return drafter, head, (features, embeds, anchors, valid, labels, weights)
+    if fast:  # DFlash blocks are [anchor, MASK, ...]: the fast path embeds the anchors and MASK once
+        embeds, mask_embed = embed[block_ids[:, :, 0]], embed[vocab - 1]
+    else:
+        embeds, mask_embed = embed[block_ids], None
+    return drafter, head, (features, embeds, anchors, valid, labels, weights, mask_embed)
 
 
 def step_fn(point: dict, drafter, head, inputs):
@@ -118,12 +121,15 @@ def step_fn(point: dict, drafter, head, inputs):
 
     fast = point["variant"] == "fast"
 
+    *tensors, mask_embed = inputs
+
     def step():
         drafter.zero_grad(set_to_none=True)
         return drafter_step(
-            drafter, head, *inputs,
+            drafter, head, *tensors, mask_embed=mask_embed,
             chunk_size=point["chunk"] if fast else 0,
             anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0,
+            scored_only=fast,  # the reference computes every slot, the never-scored slot 0 too
         )
 
     return step
