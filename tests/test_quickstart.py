@@ -33,6 +33,16 @@ def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_quickstart_reuses_target_features_from_the_second_epoch(smoke_run):
+    """Its drafter sees every sample more than once: the feature cache holds them all and serves
+    the later epochs (the summary says so)."""
+    out, report = smoke_run
+    cache = report["feature_cache"]
+    assert cache["misses"] == cache["entries"] > 0  # every sample computed once, and kept
+    assert cache["hits"] > 0 and cache["skipped_forwards"] > 0
+    assert "feature cache:" in (out / "summary.md").read_text()
+
+
 def test_flashdraft_eval_reproduces_the_report_on_the_output_triple(smoke_run, tmp_path):
     out, report = smoke_run
     code = main(["eval", "--target", str(out / "target"), "--drafter", str(out / "drafter"),
