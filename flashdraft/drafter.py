@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 # Target config fields copied into the drafter's config.json (faithfully: a RoPE mismatch
 # silently destroys acceptance at serving time).
@@ -367,10 +367,13 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 class RMSNorm(Qwen3RMSNorm):
-    """Qwen3RMSNorm (same weights and values) with a leaner training backward (_RMSNormFn)."""
+    """Qwen3RMSNorm (same weights and values) with a leaner training backward (_RMSNormFn);
+    ``lean = False``: Qwen3RMSNorm's own forward always (the oracle's way)."""
+
+    lean = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+        if self.lean and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
             return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
         return super().forward(x)
 
@@ -399,12 +402,17 @@ class _Rope(torch.autograd.Function):
         return dx, None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, H, T, D] at the positions of cos / sin [B, T, D]."""
-    return _Rope.apply(x, cos, sin)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lean: bool = True) -> torch.Tensor:
+    """Rotary embedding of x [B, H, T, D] at the positions of cos / sin [B, T, D] (``lean``:
+    one output tensor; else transformers' expression)."""
+    if lean:
+        return _Rope.apply(x, cos, sin)
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
 class DrafterAttention(nn.Module):
+    lean = True  # RoPE written into one tensor (apply_rope); False: transformers' expression
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -428,7 +436,7 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if index is not None:
             k, v = k[:, index], v[:, index]
-        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        return apply_rope(k.transpose(1, 2), cos, sin, self.lean), v.transpose(1, 2)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 index: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,7 +444,7 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
         if index is not None:
             q = q[:, index]
-        return apply_rope(q.transpose(1, 2), cos, sin)
+        return apply_rope(q.transpose(1, 2), cos, sin, self.lean)
 
     def forward(self, x, rope, ctx_kv, mask=None, rows=None, index=None) -> torch.Tensor:
         """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
@@ -512,6 +520,8 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class DrafterLayer(nn.Module):
+    lean = True  # training MLP through _SwiGLU; False: Qwen3MLP under autograd
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -530,7 +540,7 @@ class DrafterLayer(nn.Module):
             attn = self.self_attn(self.input_layernorm(distinct[0]), rope, ctx_kv, mask, rows, distinct[1])
         x = (x if rows is None else rows(x)) + attn
         h = self.post_attention_layernorm(x)
-        if self.swiglu and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
+        if self.lean and self.swiglu and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
             # training without autocast: the memory-lean MLP (same values)
             mlp = self.mlp
             return x + _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
@@ -557,11 +567,13 @@ class DFlashDrafter(nn.Module):
     """The DFlash drafter. ``config`` is the serving config.json dict."""
 
     def __init__(self, config: dict, *, attention: str = "auto", group_blocks: int = 0,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, lean: bool = True):
         """``attention``: training-attention implementation (see resolve_attention);
         ``group_blocks``: blocks per group for "split" (0: auto, N / 8) and "blockwise" (0: auto,
         64 query rows);
-        ``activation_checkpointing``: recompute each layer in backward (training forward only).
+        ``activation_checkpointing``: recompute each layer in backward (training forward only);
+        ``lean``: the custom-backward RMSNorm / RoPE / SwiGLU in training (False: transformers'
+        stock modules under autograd, same values: the oracle's way; see set_lean).
         None of these touch the weights or the serving config."""
         super().__init__()
         if attention not in ATTENTION_IMPLS:
@@ -580,6 +592,14 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qcfg)  # non-persistent buffers: never saved
+        self.set_lean(lean)
+
+    def set_lean(self, lean: bool) -> None:
+        """Switch the training-time RMSNorm / RoPE / SwiGLU between the lean custom-backward
+        versions and transformers' stock modules (same values; tests/test_step_equivalence.py)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DrafterAttention, DrafterLayer)):
+                module.lean = bool(lean)
 
     @classmethod
     def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int, **kwargs) -> "DFlashDrafter":

@@ -43,8 +43,9 @@ def batch(target, drafter, lengths, num_anchors, seed=0, full_mask=False):
 
 def grads_of(drafter, target, inputs, **kw):
     """The step's output and gradients. The dense oracle computes every slot (slot 0 too) of
-    blocks embedded in full; the fast paths skip slot 0 in the last layer and get the anchors'
-    embeddings plus the MASK embedding (layer 0 projects the distinct rows only)."""
+    blocks embedded in full, with transformers' stock modules; the fast paths skip slot 0 in the
+    last layer, get the anchors' embeddings plus the MASK embedding (layer 0 projects the
+    distinct rows only) and use the lean custom-backward RMSNorm / RoPE / SwiGLU."""
     fast = kw.get("attention") != "dense"
     kw.setdefault("scored_only", fast)
     if kw.pop("distinct_rows", fast):
@@ -52,7 +53,11 @@ def grads_of(drafter, target, inputs, **kw):
         inputs = (features, embeds[:, :, 0], *rest)
         kw["mask_embed"] = target.embed(torch.tensor(MASK))
     drafter.zero_grad(set_to_none=True)
-    out = drafter_step(drafter, target.lm_head.weight, *inputs, **kw)
+    drafter.set_lean(fast)  # the oracle runs transformers' stock RMSNorm / RoPE / MLP
+    try:
+        out = drafter_step(drafter, target.lm_head.weight, *inputs, **kw)
+    finally:
+        drafter.set_lean(True)
     return out, {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
 

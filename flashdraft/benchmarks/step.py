@@ -5,9 +5,13 @@ N anchored blocks, the target's LM head and the weighted CE, and their backward.
 variants run side by side on identical weights and inputs:
 
 - ``fast``: the drafter's per-device attention (``auto``: "blockwise" on CPU, block-sparse
-  flex_attention on CUDA) and the chunked LM head + CE (``--chunk`` slots).
-- ``reference``: one SDPA over keys [context | all N*bs slots] with the dense
-  [N*bs, S + N*bs] mask and the unchunked LM head (the tests' oracle).
+  flex_attention on CUDA), the chunked LM head + CE (``--chunk`` slots), slot 0 skipped in
+  the last layer and the head, layer 0 on the distinct rows (anchors + MASK), and the lean
+  custom-backward RMSNorm / RoPE / SwiGLU.
+- ``reference``: the straightforward step, the tests' oracle: one SDPA over keys
+  [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
+  computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
+  RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``).
 
 Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
 stepped alternately (the min is robust to other processes on a shared host). Memory: every
@@ -93,7 +97,7 @@ def build(point: dict):
     gen = torch.Generator().manual_seed(0)
     drafter = DFlashDrafter(
         cfg, attention=point["attention"] if fast else "dense",
-        activation_checkpointing=fast and point["checkpointing"],
+        activation_checkpointing=fast and point["checkpointing"], lean=fast,
     )
     drafter.reset_parameters(generator=gen)
     drafter.to(device=device, dtype=dtype)
