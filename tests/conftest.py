@@ -149,11 +149,12 @@ def forkserver(tmp_path_factory):
 
 
 def run_ranks(server: ForkServer, scenario: str, *args: str, world_size: int = 2, timeout: float = 60,
-              expect_exit: bool = True) -> list[tuple[int, Path]]:
-    """Start ``world_size`` workers with torchrun's environment; wait for all unless told not to."""
+              expect_exit: bool = True, env: dict[str, str] | None = None) -> list[tuple[int, Path]]:
+    """Start ``world_size`` workers with torchrun's environment (plus ``env``); wait for all
+    unless told not to."""
     port = str(free_port())
     workers = [server.spawn(scenario, *args, env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
-                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})})
                for r in range(world_size)]
     if expect_exit:
         deadline = time.monotonic() + timeout

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import read_log, results, run_ranks
+from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.distributed import role_layout
 from test_trainer import _final_drafter, overrides, tiny_job  # noqa: F401  (tiny_job: a fixture)
@@ -64,6 +68,47 @@ def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path,
     # The first drafter rank to get the target rank's ABORT names the cause; the other one may
     # fail first on its DDP peer's closed connection (a CollectiveError).
     assert any("target rank 2 failed" in d["error"] and "injected target failure" in d["error"] for d in (d0, d1)), logs
+
+
+def test_sigterm_to_every_rank_checkpoints_exits_0_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
+    """Preemption as torchrun delivers it (SIGTERM to every worker) in the middle of a
+    disaggregated job: target and drafter ranks agree on a stop step, the checkpoint is
+    written, every rank exits 0, and the restarted job ends exactly where an uninterrupted one
+    does."""
+    server = trainer_forkserver
+    straight = run_ranks(server, "cli", "train", *disaggregated(tiny_job, tmp_path / "straight", train__max_steps=8),
+                         world_size=3, timeout=300)
+    assert [server.wait(pid, 0) for pid, _ in straight] == [0, 0, 0]
+    out = tmp_path / "run"
+    args = disaggregated(tiny_job, out, train__max_steps=8)
+    workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,
+                        env={"FLASHDRAFT_DEBUG_STEP_SLEEP": "0.3"})
+    deadline = time.monotonic() + 120
+    while _logged_steps(out) < 3:
+        if time.monotonic() > deadline:
+            pytest.fail("no step 3:\n" + "\n".join(read_log(o) for _, o in workers))
+        time.sleep(0.05)
+    for pid, _ in workers:
+        os.kill(pid, signal.SIGTERM)
+    codes = [server.wait(pid, 60) for pid, _ in workers]
+    logs = "\n".join(read_log(o) for _, o in workers)
+    assert codes == [0, 0, 0], logs
+    stopped = CheckpointManager(out / "checkpoints").load_latest().step
+    assert 3 <= stopped < 8, logs
+    assert f"stopped by signal at step {stopped}; checkpoint saved" in logs
+    resumed = run_ranks(server, "cli", "train", *args, world_size=3, timeout=300)
+    assert [server.wait(pid, 0) for pid, _ in resumed] == [0, 0, 0]
+    step, weights = _final_drafter(out)
+    ref_step, reference = _final_drafter(tmp_path / "straight")
+    assert step == ref_step == 8
+    for name, value in reference.items():
+        assert torch.equal(weights[name], value), name
+
+
+def _logged_steps(out) -> int:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(ln).get("step", 0) for ln in lines if ln.endswith("}")), default=0)
 
 
 @pytest.mark.parametrize(("world", "targets", "match"), [
