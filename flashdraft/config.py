@@ -71,7 +71,7 @@ class DataConfig:
 class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
-    loss_chunk_size: int = 4096  # block slots per LM-head + CE chunk (0: all at once)
+    loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all at once); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per forward+backward slice (0: all); same loss, less memory, context K/V recomputed per slice
 
     def __post_init__(self):
