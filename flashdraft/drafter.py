@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -307,7 +307,15 @@ class _BlockwiseAttention(torch.autograd.Function):
 def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
     """The "blockwise" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v
     [B, Hkv, Q, D], context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask
-    attention exactly (one softmax over each row's allowed keys; the keys cut away are masked)."""
+    attention exactly (one softmax over each row's allowed keys; the keys cut away are masked).
+    Under autocast its inputs are cast to the autocast dtype and it runs with autocast off (its
+    backward runs outside autocast, so mixed dtypes would meet there)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            tensors = (t.to(dtype) for t in (q, k_ctx, v_ctx, k_blk, v_blk))
+            return _BlockwiseAttention.apply(*tensors, [replace(g, bias=g.bias.to(dtype)) for g in plan.groups])
     return _BlockwiseAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, plan.groups)
 
 
@@ -345,8 +353,9 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
 
 class _RMSNormFn(torch.autograd.Function):
     """Qwen3's RMSNorm, w * (x * rsqrt(mean(x^2) + eps)), saving x and the per-row scale only
-    and computing the backward with two full-size temporaries (autograd's graph keeps x^2 and
-    x * r and makes ~6). Same values (fp32 inside, as Qwen3RMSNorm)."""
+    and computing the backward with two full-size fp32 temporaries for fp32 x (autograd's
+    graph keeps x^2 and x * r and makes ~6; lower-precision x adds its fp32 copies). Same
+    values (fp32 inside, as Qwen3RMSNorm)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -360,6 +369,8 @@ class _RMSNormFn(torch.autograd.Function):
         xhat = x.float() * r
         u = dy.float() * xhat
         dw = u.sum(dim=tuple(range(u.dim() - 1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dw, None
         u = torch.mul(dy, weight, out=u)  # dL/dxhat
         mean = torch.linalg.vecdot(u, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
         dx = xhat.mul_(mean).neg_().add_(u).mul_(r)  # r * (u - xhat * mean(u * xhat))
@@ -411,7 +422,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lean: bool
 
 
 class DrafterAttention(nn.Module):
-    lean = True  # RoPE written into one tensor (apply_rope); False: transformers' expression
+    lean = True  # training RoPE written into one tensor (apply_rope); False: transformers' expression
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -427,6 +438,9 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def _lean_rope(self, x: torch.Tensor) -> bool:
+        return self.lean and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> k, v [B, Hkv, T, D], k normed and rotated. With ``index`` [T'], x holds
@@ -436,7 +450,7 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if index is not None:
             k, v = k[:, index], v[:, index]
-        return apply_rope(k.transpose(1, 2), cos, sin, self.lean), v.transpose(1, 2)
+        return apply_rope(k.transpose(1, 2), cos, sin, self._lean_rope(x)), v.transpose(1, 2)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 index: torch.Tensor | None = None) -> torch.Tensor:
@@ -444,7 +458,7 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
         if index is not None:
             q = q[:, index]
-        return apply_rope(q.transpose(1, 2), cos, sin, self.lean)
+        return apply_rope(q.transpose(1, 2), cos, sin, self._lean_rope(x))
 
     def forward(self, x, rope, ctx_kv, mask=None, rows=None, index=None) -> torch.Tensor:
         """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
@@ -572,8 +586,9 @@ class DFlashDrafter(nn.Module):
         ``group_blocks``: blocks per group for "split" (0: auto, N / 8) and "blockwise" (0: auto,
         64 query rows);
         ``activation_checkpointing``: recompute each layer in backward (training forward only);
-        ``lean``: the custom-backward RMSNorm / RoPE / SwiGLU in training (False: transformers'
-        stock modules under autograd, same values: the oracle's way; see set_lean).
+        ``lean``: the custom-backward RMSNorm / RoPE / SwiGLU in training without autocast (False:
+        transformers' stock modules under autograd, same values: the oracle's way; see
+        set_lean). Inference and autocast always run the stock modules.
         None of these touch the weights or the serving config."""
         super().__init__()
         if attention not in ATTENTION_IMPLS:
@@ -670,12 +685,15 @@ class DFlashDrafter(nn.Module):
             _, n, bs, hidden = block_embeds.shape
             x = block_embeds.reshape(b, n * bs, hidden)
         else:
+            if block_embeds.dim() != 3:
+                raise ValueError(f"with mask_embed, block_embeds holds the anchors' embeddings [B, N, H], not "
+                                 f"{tuple(block_embeds.shape)}")
             (_, n, hidden), bs = block_embeds.shape, self.block_size
-            rows = torch.cat([block_embeds, mask_embed.view(1, 1, hidden).expand(b, 1, hidden)], dim=1)
+            distinct_rows = torch.cat([block_embeds, mask_embed.view(1, 1, hidden).expand(b, 1, hidden)], dim=1)
             index = torch.full((n, bs), n, device=anchors.device)  # row n: the MASK embedding
             index[:, 0] = torch.arange(n, device=anchors.device)
             index = index.flatten()
-            distinct, x = (rows, index), rows[:, index]
+            distinct, x = (distinct_rows, index), distinct_rows[:, index]
         ctx = self.fuse(features)
         ctx_kv = self.context_kv(ctx, torch.arange(s, device=features.device).expand(b, s))
         positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
@@ -687,8 +705,8 @@ class DFlashDrafter(nn.Module):
             return t.unflatten(1, (n, bs))[:, :, 1:].flatten(1, 2)
 
         for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
-            rows = scored_rows if scored_only and i == last else None
-            args = (x, rope, kv, plan, rows, distinct if i == 0 else None)
+            select = scored_rows if scored_only and i == last else None
+            args = (x, rope, kv, plan, select, distinct if i == 0 else None)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:

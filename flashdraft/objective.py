@@ -121,7 +121,7 @@ def block_labels_and_weights(
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, differentiable
-    correct: torch.Tensor  # [B, N, bs] bool: the label's logit is the maximum (argmax == label)
+    correct: torch.Tensor  # [B, N, bs] bool: argmax == label (greedy would propose it)
     scored: torch.Tensor  # [B, N, bs] bool: weight > 0
     weight_sum: torch.Tensor  # scalar: sum of this micro-batch's weights
     total: torch.Tensor  # scalar, detached: sum(w * CE) of this micro-batch
@@ -144,9 +144,8 @@ def _ce_chunk(hidden, head_weight, labels, weights):
 
 
 def _is_top(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[T] bool: the label's logit is its row's maximum, i.e. greedy decoding picks it (an exact
-    tie counts as a hit; argmax == label would pick one side of it)."""
-    return logits.gather(1, labels.unsqueeze(1)).squeeze(1) >= logits.amax(-1)
+    """[T] bool: greedy decoding proposes the label (argmax == label; on a tie, the first index)."""
+    return logits.argmax(-1) == labels
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -173,8 +172,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
             logits = torch.mm(h[part], head_weight.t(), out=buffer[:rows]).float()
             y, w = labels[part], weights[part].float()
             picked = logits.gather(1, y.unsqueeze(1))
-            top = logits.amax(-1, keepdim=True)
-            correct.append((picked >= top).squeeze(1))  # as _is_top, reusing the max
+            top, best = logits.max(-1, keepdim=True)  # the max and its first index in one pass
+            correct.append(best.squeeze(1) == y)  # as _is_top
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
             total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
@@ -229,11 +228,20 @@ def dflash_loss(
     if chunk_size <= 0 or chunk_size >= h.shape[0]:
         total, correct = _ce_chunk(h, head_weight, y, w)
     else:
-        total, correct = _ChunkedHeadCE.apply(h, head_weight, y, w, chunk_size, torch.is_grad_enabled())
+        device = h.device.type
+        if torch.is_autocast_enabled(device):
+            # _ChunkedHeadCE writes its matmuls into buffers (out=), which autocast skips: cast
+            # to the autocast dtype here (what F.linear would do), then run it without autocast.
+            dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                total, correct = _ChunkedHeadCE.apply(h.to(dtype), head_weight.to(dtype), y, w, chunk_size,
+                                                      torch.is_grad_enabled())
+        else:
+            total, correct = _ChunkedHeadCE.apply(h, head_weight, y, w, chunk_size, torch.is_grad_enabled())
     correct = correct.view(*shape[:2], -1)
     if skip:
         correct = F.pad(correct, (1, 0), value=False)
-    weight_sum = weights.sum()
+    weight_sum = w.sum()  # of the slots scored here (slot 0's weight is 0 by convention)
     if normalizer is None:
         normalizer = weight_sum
     return LossOutput(
