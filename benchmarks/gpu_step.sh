@@ -4,7 +4,8 @@
 # Prints ms_per_step, peak memory and the achieved TFLOP/s of needed work with its share of
 # peak (H100/H200 SXM dense bf16: 989 TFLOP/s; pass another PEAK for other parts).
 # The fast path uses flex_attention (compiled) on CUDA; the reference (dense mask) is run too
-# and may run out of memory -- then it is reported as such, not raised.
+# and may run out of memory -- then it is reported as such, not raised. Pass --autocast to run
+# as the trainer does (fp32 drafter under bf16 autocast; the lean RMSNorm / RoPE / SwiGLU step aside).
 set -euo pipefail
 PEAK=${PEAK:-989}
 cd "$(dirname "$0")/.."

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--autocast", action="store_true",
+                        help="as the trainer runs on CUDA: the drafter in fp32, the step under autocast to --dtype "
+                             "(the target's features, embeddings and LM head in --dtype)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head dim (Qwen3-8B: 128)")
     parser.add_argument("--intermediate", type=int, default=0, help="MLP size (0: 3 * hidden, as Qwen3-8B)")
     parser.add_argument("--peak-tflops", type=float, default=0.0,
@@ -100,7 +103,7 @@ def build(point: dict):
         activation_checkpointing=fast and point["checkpointing"], lean=fast,
     )
     drafter.reset_parameters(generator=gen)
-    drafter.to(device=device, dtype=dtype)
+    drafter.to(device=device, dtype=torch.float32 if point.get("autocast") else dtype)
     head = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(device=device, dtype=dtype)
     embed = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(device=device, dtype=dtype)
     features = torch.randn(b, seq, point["taps"] * hidden, generator=gen).to(device=device, dtype=dtype)
@@ -127,14 +130,17 @@ def step_fn(point: dict, drafter, head, inputs):
 
     *tensors, mask_embed = inputs
 
+    autocast = torch.autocast(point["device"], dtype=getattr(torch, point["dtype"]), enabled=bool(point.get("autocast")))
+
     def step():
         drafter.zero_grad(set_to_none=True)
-        return drafter_step(
-            drafter, head, *tensors, mask_embed=mask_embed,
-            chunk_size=point["chunk"] if fast else 0,
-            anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0,
-            scored_only=fast,  # the reference computes every slot, the never-scored slot 0 too
-        )
+        with autocast:
+            return drafter_step(
+                drafter, head, *tensors, mask_embed=mask_embed,
+                chunk_size=point["chunk"] if fast else 0,
+                anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0,
+                scored_only=fast,  # the reference computes every slot, the never-scored slot 0 too
+            )
 
     return step
 
@@ -235,7 +241,7 @@ def _point(args, seq, anchors, hidden, variant) -> dict:
         seq=seq, anchors=anchors, hidden=hidden, layers=args.layers, block=args.block, vocab=args.vocab,
         batch=args.batch, taps=args.taps, chunk=args.chunk, anchors_per_microbatch=args.anchors_per_microbatch,
         checkpointing=args.checkpointing, attention=args.attention, variant=variant, repeat=args.repeat,
-        threads=args.threads, device=args.device, dtype=args.dtype, head_dim=args.head_dim,
+        threads=args.threads, device=args.device, dtype=args.dtype, autocast=args.autocast, head_dim=args.head_dim,
         intermediate=args.intermediate or 3 * hidden,
     )
 
@@ -288,7 +294,7 @@ def run(args) -> int:
     else:
         grid = {name: DEFAULT_GRID[name] for name in args.sweeps.split(",") if name}
     print(f"drafter step (forward + backward): layers={args.layers} block={args.block} vocab={args.vocab} "
-          f"batch={args.batch} device={args.device} dtype={args.dtype} threads={args.threads or torch.get_num_threads()} "
+          f"batch={args.batch} device={args.device} dtype={args.dtype}{' (autocast)' if args.autocast else ''} threads={args.threads or torch.get_num_threads()} "
           f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
     results, seen = [], {}
     for sweep, points in grid.items():
