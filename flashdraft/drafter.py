@@ -10,6 +10,7 @@ drafter owns no embedding and no LM head: callers embed block tokens with the ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -310,13 +311,12 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan)
     attention exactly (one softmax over each row's allowed keys; the keys cut away are masked).
     Under autocast its inputs are cast to the autocast dtype and it runs with autocast off (its
     backward runs outside autocast, so mixed dtypes would meet there)."""
-    device = q.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
-            tensors = (t.to(dtype) for t in (q, k_ctx, v_ctx, k_blk, v_blk))
-            return _BlockwiseAttention.apply(*tensors, [replace(g, bias=g.bias.to(dtype)) for g in plan.groups])
-    return _BlockwiseAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, plan.groups)
+    tensors, calls = (q, k_ctx, v_ctx, k_blk, v_blk), plan.groups
+    with autocast_suspended(q.device.type) as dtype:
+        if dtype is not None:
+            tensors = [t.to(dtype) for t in tensors]
+            calls = [replace(g, bias=g.bias.to(dtype)) for g in calls]
+        return _BlockwiseAttention.apply(*tensors, calls)
 
 
 def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
@@ -351,6 +351,26 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
+def _use_lean(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``module`` (RMSNorm, DrafterAttention, DrafterLayer) takes its lean custom-backward
+    path for input ``x``: switched on (``lean``), training, and no autocast (the custom backwards
+    assume one dtype; autocast gets transformers' stock modules)."""
+    return module.lean and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+
+
+@contextlib.contextmanager
+def autocast_suspended(device_type: str):
+    """Yields the autocast dtype (None when autocast is off) and turns autocast off inside: for
+    custom autograd Functions, whose backward runs outside autocast and whose ``out=`` matmuls
+    autocast skips. The caller casts the inputs to the yielded dtype, as autocast would have."""
+    if not torch.is_autocast_enabled(device_type):
+        yield None
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False):
+        yield dtype
+
+
 class _RMSNormFn(torch.autograd.Function):
     """Qwen3's RMSNorm, w * (x * rsqrt(mean(x^2) + eps)), saving x and the per-row scale only
     and computing the backward with two full-size fp32 temporaries for fp32 x (autograd's
@@ -359,9 +379,10 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).add_(eps))
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, r)
-        return weight * (x.float() * r).to(x.dtype)
+        return weight * (xf * r).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -384,7 +405,7 @@ class RMSNorm(Qwen3RMSNorm):
     lean = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lean and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+        if _use_lean(self, x):
             return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
         return super().forward(x)
 
@@ -438,9 +459,6 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _lean_rope(self, x: torch.Tensor) -> bool:
-        return self.lean and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
-
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> k, v [B, Hkv, T, D], k normed and rotated. With ``index`` [T'], x holds
@@ -450,7 +468,7 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if index is not None:
             k, v = k[:, index], v[:, index]
-        return apply_rope(k.transpose(1, 2), cos, sin, self._lean_rope(x)), v.transpose(1, 2)
+        return apply_rope(k.transpose(1, 2), cos, sin, _use_lean(self, x)), v.transpose(1, 2)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 index: torch.Tensor | None = None) -> torch.Tensor:
@@ -458,7 +476,7 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
         if index is not None:
             q = q[:, index]
-        return apply_rope(q.transpose(1, 2), cos, sin, self._lean_rope(x))
+        return apply_rope(q.transpose(1, 2), cos, sin, _use_lean(self, x))
 
     def forward(self, x, rope, ctx_kv, mask=None, rows=None, index=None) -> torch.Tensor:
         """x [B, Q, H] block stream; ctx_kv: context k, v [B, Hkv, S, D].
@@ -496,7 +514,7 @@ class DrafterAttention(nn.Module):
         return self._project(out, rows)
 
     def _project(self, out: torch.Tensor, rows=None) -> torch.Tensor:
-        b, _, t, _ = out.shape
+        b = out.shape[0]
         out = out.transpose(1, 2)
         if rows is not None:
             out = rows(out)
@@ -554,8 +572,7 @@ class DrafterLayer(nn.Module):
             attn = self.self_attn(self.input_layernorm(distinct[0]), rope, ctx_kv, mask, rows, distinct[1])
         x = (x if rows is None else rows(x)) + attn
         h = self.post_attention_layernorm(x)
-        if self.lean and self.swiglu and torch.is_grad_enabled() and not torch.is_autocast_enabled(h.device.type):
-            # training without autocast: the memory-lean MLP (same values)
+        if self.swiglu and _use_lean(self, h):  # the memory-lean MLP (same values)
             mlp = self.mlp
             return x + _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         return x + self.mlp(h)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashdraft.drafter import autocast_suspended
+
 
 def default_gamma(block_size: int) -> float:
     """The published decay: 7 for bs 16, 5 for 10, 4 for 8 (~ interpolated elsewhere)."""
@@ -140,12 +142,7 @@ class LossOutput:
 def _ce_chunk(hidden, head_weight, labels, weights):
     logits = F.linear(hidden, head_weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum(), _is_top(logits, labels)
-
-
-def _is_top(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[T] bool: greedy decoding proposes the label (argmax == label; on a tie, the first index)."""
-    return logits.argmax(-1) == labels
+    return (ce * weights).sum(), logits.argmax(-1) == labels
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -173,7 +170,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
             y, w = labels[part], weights[part].float()
             picked = logits.gather(1, y.unsqueeze(1))
             top, best = logits.max(-1, keepdim=True)  # the max and its first index in one pass
-            correct.append(best.squeeze(1) == y)  # as _is_top
+            correct.append(best.squeeze(1) == y)  # argmax == label, as _ce_chunk
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
             total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
@@ -228,16 +225,11 @@ def dflash_loss(
     if chunk_size <= 0 or chunk_size >= h.shape[0]:
         total, correct = _ce_chunk(h, head_weight, y, w)
     else:
-        device = h.device.type
-        if torch.is_autocast_enabled(device):
-            # _ChunkedHeadCE writes its matmuls into buffers (out=), which autocast skips: cast
-            # to the autocast dtype here (what F.linear would do), then run it without autocast.
-            dtype = torch.get_autocast_dtype(device)
-            with torch.autocast(device, enabled=False):
-                total, correct = _ChunkedHeadCE.apply(h.to(dtype), head_weight.to(dtype), y, w, chunk_size,
-                                                      torch.is_grad_enabled())
-        else:
-            total, correct = _ChunkedHeadCE.apply(h, head_weight, y, w, chunk_size, torch.is_grad_enabled())
+        head = head_weight
+        with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
+            if dtype is not None:
+                h, head = h.to(dtype), head.to(dtype)
+            total, correct = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled())
     correct = correct.view(*shape[:2], -1)
     if skip:
         correct = F.pad(correct, (1, 0), value=False)

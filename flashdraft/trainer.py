@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau, prompts_from_dataset, read_prompts
-from flashdraft.feature_cache import CacheLookup, FeatureCache, full_cache_bytes
+from flashdraft.feature_cache import CacheLookup, CacheStats, FeatureCache, full_cache_bytes
 from flashdraft.metrics import (Progress, StageTimer, Throughput, format_bytes, format_line, open_metrics,
                                 peak_memory_bytes)
 from flashdraft.objective import block_loss, default_gamma, make_blocks
@@ -687,13 +687,10 @@ class Trainer:
         the same steps, so the all-reduce lines up). Empty when the cache is off."""
         if self.feature_cache is None:
             return {}
-        mine = self.feature_cache.stats().as_metrics()
-        keys = [k for k in mine if k != "cache/hit_rate"]
-        total = distributed.all_reduce(torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64,
-                                                    device=self.device), "sum").tolist()  # deliberate sync: log time
-        out = {k: int(v) for k, v in zip(keys, total)}
-        out["cache/hit_rate"] = out["cache/hits"] / max(1, out["cache/hits"] + out["cache/misses"])
-        return out
+        mine = asdict(self.feature_cache.stats())
+        total = distributed.all_reduce(torch.tensor(list(mine.values()), dtype=torch.float64, device=self.device),
+                                       "sum").tolist()  # deliberate sync: log time
+        return CacheStats(**{k: int(v) for k, v in zip(mine, total)}).as_metrics()
 
     @torch.no_grad()
     def _eval(self, metrics, progress) -> dict:
