@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 
@@ -64,6 +65,16 @@ def _final_norm(model: nn.Module) -> nn.Module:
     return base.norm
 
 
+def _model_dir(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path}: no config.json; model.target must be a local Hugging Face model directory "
+            "(download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+        )
+    return path
+
+
 class TargetModel(nn.Module):
     """A frozen causal LM with tapped layers.
 
@@ -107,12 +118,7 @@ class TargetModel(nn.Module):
         trust_remote_code: bool = False,
     ) -> "TargetModel":
         """Load a local Hugging Face causal LM directory, frozen, in eval mode."""
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{path}: no config.json; model.target must be a local Hugging Face model directory "
-                "(download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
-            )
+        path = _model_dir(path)
         device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -121,6 +127,54 @@ class TargetModel(nn.Module):
             trust_remote_code=trust_remote_code,
         ).to(device)
         return cls(model, target_layer_ids, num_taps)
+
+    @classmethod
+    def heads_from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        target_layer_ids: list[int] | None = None,
+        num_taps: int = 5,
+        device: str | torch.device = "cpu",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> "TargetModel":
+        """The target's input embedding and LM head only, for a rank that never runs its forward
+        (a drafter rank of a disaggregated job: it embeds block tokens and scores with the head;
+        the features come from a target rank). Every decoder layer stays on the meta device
+        (no memory); only those two tensors are read from the safetensors files (tied heads
+        share the embedding). ``features`` then raises. None for a checkpoint without
+        safetensors files (the caller loads the whole model instead)."""
+        path = _model_dir(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            return None
+        device = torch.device(device)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device),
+                                                     trust_remote_code=trust_remote_code)
+        names = {module: name for name, module in model.named_modules()}
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        wanted = {f"{names[embed]}.weight": embed}
+        tied = head is not None and head.weight is embed.weight
+        if head is not None and not tied:
+            wanted[f"{names[head]}.weight"] = head
+        for file in files:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in wanted.keys() & set(f.keys()):
+                    module = wanted.pop(key)
+                    module.load_state_dict({"weight": f.get_tensor(key).to(embed.weight.dtype)}, assign=True)
+        if wanted:
+            raise ValueError(f"{path}: no tensor {sorted(wanted)} in its safetensors files: is it a complete "
+                             "Hugging Face checkpoint of a causal LM?")
+        if tied:
+            model.tie_weights()
+        target = cls(model, target_layer_ids, num_taps)
+        target.heads_only = True
+        return target
+
+    heads_only = False  # True: only embed / lm_head hold weights (heads_from_pretrained)
 
     @property
     def device(self) -> torch.device:
@@ -140,6 +194,9 @@ class TargetModel(nn.Module):
 
         Exactly ``cat([hidden_states[i + 1] for i in layer_ids], -1)`` of a full forward.
         """
+        if self.heads_only:
+            raise RuntimeError("this TargetModel holds only the target's embedding and LM head (heads_from_pretrained): "
+                               "its forward runs on the target ranks")
         taps: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 

@@ -239,11 +239,16 @@ class Trainer:
         if not cfg.data.path:
             raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
         self.output = Path(cfg.train.output_dir)
-        self.target = TargetModel.from_pretrained(
-            cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
-            device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
+        load = dict(target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps, device=self.device,
+                    dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+        self.target = None
+        if self.dist.role == "drafter" and not self.dist.is_main:
+            # Its features come from a target rank and it runs no eval: the embedding and the LM
+            # head are all it needs of the target (the main drafter rank keeps it all, for eval).
+            self.target = TargetModel.heads_from_pretrained(cfg.model.target, **load)
+        if self.target is None:
+            self.target = TargetModel.from_pretrained(cfg.model.target, **load,
+                                                      attn_implementation=cfg.model.attn_implementation)
         bs = cfg.model.block_size
         self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
         self.drafter = DFlashDrafter.for_target(

@@ -149,12 +149,13 @@ def train_ranks(overrides_json: str) -> None:
 
     trainer = Checked(load_config(overrides=json.loads(overrides_json)))
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
+    layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
     trainer.fit()
     losses = [h["loss"] for h in trainer.history if "loss" in h]
     last = trainer.history[-1] if trainer.history else {}  # a disaggregated target rank logs nothing
     cache = {k: v for k, v in last.items() if k.startswith("cache/")}
     result({"losses": losses, "identical": Checked.identical, "target_in_ddp": target_in_ddp,
-            "ddp": type(trainer.model).__name__, "cache": cache})
+            "ddp": type(trainer.model).__name__, "cache": cache, "target_layers_loaded": layers_loaded})
     trainer.release_ddp()
     D.teardown()
 

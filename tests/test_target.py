@@ -67,6 +67,31 @@ def test_from_pretrained_loads_a_local_directory(tmp_path):
     torch.testing.assert_close(target.features(ids), TargetModel(model, [1, 3]).features(ids))
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_heads_only_load_reads_just_the_embedding_and_lm_head(tmp_path, tied):
+    """A disaggregated drafter rank's target: embedding and head equal the full load's, tied
+    heads stay tied, every decoder layer stays on the meta device, and the forward refuses."""
+    tiny_qwen3(tie_word_embeddings=tied).save_pretrained(tmp_path / "target")
+    full = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
+    heads = TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
+    assert torch.equal(heads.embed.weight, full.embed.weight) and torch.equal(heads.lm_head.weight, full.lm_head.weight)
+    assert (heads.lm_head.weight is heads.embed.weight) == tied
+    assert all(p.is_meta for p in heads.layers.parameters())
+    assert (heads.device, heads.dtype, heads.feature_size) == (full.device, full.dtype, full.feature_size)
+    assert all(not p.requires_grad for p in heads.parameters())
+    with pytest.raises(RuntimeError, match="target ranks"):
+        heads.features(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_heads_only_load_defers_to_a_full_load_without_safetensors(tmp_path):
+    model = tiny_qwen3()
+    model.save_pretrained(tmp_path / "target")
+    for file in (tmp_path / "target").glob("*.safetensors"):  # an old-style .bin checkpoint instead
+        file.unlink()
+    torch.save(model.state_dict(), tmp_path / "target" / "pytorch_model.bin")
+    assert TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3]) is None
+
+
 def test_from_pretrained_names_the_fix_for_a_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="local Hugging Face model directory"):
         TargetModel.from_pretrained(tmp_path / "nope")
