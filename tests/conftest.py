@@ -13,11 +13,15 @@ import time
 from pathlib import Path
 
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from flashdraft.checkpoint import CheckpointManager
+from flashdraft.data.shards import write_token_shard
 from flashdraft.drafter import DFlashDrafter
+from flashdraft.evaluate import write_prompts
 from flashdraft.target import TargetModel
 
 VOCAB = 300
@@ -204,3 +208,42 @@ def fresh_dist(monkeypatch):
     distributed.teardown()
     yield distributed
     distributed.teardown()
+
+
+# ---- the tiny training job shared by the trainer / pipeline / placement / fault tests ----------
+
+
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory) -> Path:
+    """A saved tiny target and a dataset of its own greedy continuations (like regenerated data)."""
+    root = tmp_path_factory.mktemp("job")
+    model = tiny_qwen3(num_layers=4, hidden=32, seed=1)
+    with torch.no_grad():  # a confident head: random init gives near-uniform logits no drafter could match
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(root / "target")
+    prompts = torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False)
+    mask = np.r_[np.zeros(6), np.ones(34)]
+    write_token_shard(root / "data", [(row.numpy(), mask) for row in out[:32]], vocab_size=300)
+    write_token_shard(root / "heldout", [(row.numpy(), mask) for row in out[32:]], vocab_size=300)
+    write_prompts(root / "prompts.jsonl", prompts[32:].tolist())
+    return root
+
+
+def overrides(job: Path, out: Path, **extra) -> list[str]:
+    base = {
+        "model.target": job / "target", "model.mask_token_id": 299, "model.num_draft_layers": 1,
+        "model.block_size": 4, "model.target_layer_ids": "[1,2]", "data.path": job / "data",
+        "data.token_budget": 160, "data.max_batch_size": 4, "objective.num_anchors": 8, "optim.lr": "2e-3",
+        "train.max_steps": 6, "train.log_every": 1, "train.save_every": 0, "train.output_dir": out,
+        "train.device": "cpu", "train.deterministic": "true",
+    }
+    base.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def final_drafter(out: Path) -> tuple[int, dict]:
+    """(step, drafter state) of the newest checkpoint of the run in ``out``."""
+    loaded = CheckpointManager(out / "checkpoints").load_latest()
+    return loaded.step, loaded.parts["drafter"]

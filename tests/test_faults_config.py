@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_qwen3
+from conftest import overrides, tiny_qwen3
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
 from flashdraft.trainer import Trainer
-from test_trainer import overrides, tiny_job  # noqa: F401  (tiny_job is a fixture)
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
 

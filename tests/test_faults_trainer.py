@@ -22,12 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_log, results, run_ranks
+from conftest import overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager, verify_checkpoint
 from flashdraft.config import load_config
 from flashdraft.data.shards import read_token_shard, write_token_shard
 from flashdraft.trainer import Trainer, train
-from test_trainer import overrides, tiny_job  # noqa: F401  (tiny_job is a fixture)
 
 STEPS = 8
 GRACE_S = 30.0  # a typical preemption grace period (Kubernetes' default)

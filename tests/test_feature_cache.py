@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import results, run_ranks
+from conftest import overrides, results, run_ranks
 from flashdraft.config import load_config
 from flashdraft.data.shards import write_token_shard
 from flashdraft.feature_cache import FeatureCache
 from flashdraft.trainer import Trainer
-from test_trainer import overrides, tiny_job  # noqa: F401  (fixture)
 
 F = 24  # feature size of the unit tests
 

@@ -12,11 +12,11 @@ import traceback
 import pytest
 import torch
 
+from conftest import overrides
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage
 from flashdraft.trainer import Trainer
-from test_trainer import overrides, tiny_job  # noqa: F401  (fixture)
 
 
 def pipeline_threads() -> list[str]:

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_log, results, run_ranks
+from conftest import final_drafter, overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.distributed import role_layout
-from test_trainer import _final_drafter, overrides, tiny_job  # noqa: F401  (tiny_job: a fixture)
 
 
 def disaggregated(job, out, target_ranks: int = 1, **extra) -> list[str]:
@@ -42,9 +41,9 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
     # Drafter rank 1 loaded only the target's embedding and LM head (its layers stay on the
     # meta device); the main drafter rank keeps the whole target for eval; the target rank runs it.
     assert [d0["target_layers_loaded"], d1["target_layers_loaded"], target["target_layers_loaded"]] == [True, False, True]
-    step, weights = _final_drafter(tmp_path / "dis")
+    step, weights = final_drafter(tmp_path / "dis")
     assert step == 8
-    for name, value in _final_drafter(tmp_path / "col")[1].items():
+    for name, value in final_drafter(tmp_path / "col")[1].items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
 
     resumed = run_ranks(server, "train_ranks", json.dumps(disaggregated(
@@ -53,7 +52,7 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
     assert all(server.wait(pid, 0) == 0 for pid, _ in resumed)
     r0 = results(resumed)[0]
     np.testing.assert_allclose(r0["losses"], d0["losses"][4:], rtol=1e-6)
-    step, again = _final_drafter(tmp_path / "resumed")
+    step, again = final_drafter(tmp_path / "resumed")
     assert step == 8
     for name, value in weights.items():
         assert torch.equal(again[name], value), name
@@ -101,8 +100,8 @@ def test_sigterm_to_every_rank_checkpoints_exits_0_and_resumes_exactly(tiny_job,
     assert f"stopped by signal at step {stopped}; checkpoint saved" in logs
     resumed = run_ranks(server, "cli", "train", *args, world_size=3, timeout=300)
     assert [server.wait(pid, 0) for pid, _ in resumed] == [0, 0, 0]
-    step, weights = _final_drafter(out)
-    ref_step, reference = _final_drafter(tmp_path / "straight")
+    step, weights = final_drafter(out)
+    ref_step, reference = final_drafter(tmp_path / "straight")
     assert step == ref_step == 8
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name

@@ -11,45 +11,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
-from conftest import REPO, read_log, results, run_ranks, tiny_qwen3
-from flashdraft.checkpoint import CheckpointManager
+from conftest import REPO, final_drafter, overrides, results, run_ranks
 from flashdraft.config import load_config
-from flashdraft.data.shards import write_token_shard
-from flashdraft.evaluate import write_prompts
 from flashdraft.trainer import Trainer, train
-
-
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory) -> Path:
-    """A saved tiny target and a dataset of its own greedy continuations (like regenerated data)."""
-    root = tmp_path_factory.mktemp("job")
-    model = tiny_qwen3(num_layers=4, hidden=32, seed=1)
-    with torch.no_grad():  # a confident head: random init gives near-uniform logits no drafter could match
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(root / "target")
-    prompts = torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False)
-    mask = np.r_[np.zeros(6), np.ones(34)]
-    write_token_shard(root / "data", [(row.numpy(), mask) for row in out[:32]], vocab_size=300)
-    write_token_shard(root / "heldout", [(row.numpy(), mask) for row in out[32:]], vocab_size=300)
-    write_prompts(root / "prompts.jsonl", prompts[32:].tolist())
-    return root
-
-
-def overrides(job: Path, out: Path, **extra) -> list[str]:
-    base = {
-        "model.target": job / "target", "model.mask_token_id": 299, "model.num_draft_layers": 1,
-        "model.block_size": 4, "model.target_layer_ids": "[1,2]", "data.path": job / "data",
-        "data.token_budget": 160, "data.max_batch_size": 4, "objective.num_anchors": 8, "optim.lr": "2e-3",
-        "train.max_steps": 6, "train.log_every": 1, "train.save_every": 0, "train.output_dir": out,
-        "train.device": "cpu", "train.deterministic": "true",
-    }
-    base.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in base.items()]
 
 
 def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
@@ -90,11 +56,6 @@ def test_two_ranks_equal_one_rank_with_the_same_samples_per_step(tiny_job, tmp_p
     np.testing.assert_allclose(r0["losses"], single["losses"], rtol=1e-5)
 
 
-def _final_drafter(out: Path) -> dict:
-    loaded = CheckpointManager(out / "checkpoints").load_latest()
-    return loaded.step, loaded.parts["drafter"]
-
-
 def _losses(out: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -103,7 +64,7 @@ def _losses(out: Path) -> dict[int, float]:
 def test_resume_after_sigkill_is_exact(tiny_job, tmp_path):
     straight = tmp_path / "straight"
     train(load_config(overrides=overrides(tiny_job, straight, train__max_steps=8, train__save_every=4)))
-    step, reference = _final_drafter(straight)
+    step, reference = final_drafter(straight)
     assert step == 8
 
     resumed = tmp_path / "resumed"
@@ -119,7 +80,7 @@ def test_resume_after_sigkill_is_exact(tiny_job, tmp_path):
     proc.wait()
     assert latest.read_text().strip().endswith("step_00000004"), proc.stderr.read().decode()[-2000:]
     train(load_config(overrides=args))
-    step, weights = _final_drafter(resumed)
+    step, weights = final_drafter(resumed)
     assert step == 8
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name
