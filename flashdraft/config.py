@@ -117,6 +117,7 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a dead or hung rank fails the others after this long
     max_nonfinite_steps: int = 20  # skipped non-finite steps tolerated before the run stops
     deterministic: bool = False  # torch deterministic algorithms (exact resume tests)
+    keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse, no page faults each step (false: glibc's default)
 
     def __post_init__(self):
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")

@@ -9,6 +9,8 @@ tap therefore equals ``hidden_states[i + 1]`` exactly.
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from torch import nn
 
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+log = logging.getLogger(__name__)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -142,13 +146,12 @@ class TargetModel(nn.Module):
         """The target's input embedding and LM head only, for a rank that never runs its forward
         (a drafter rank of a disaggregated job: it embeds block tokens and scores with the head;
         the features come from a target rank). Every decoder layer stays on the meta device
-        (no memory); only those two tensors are read from the safetensors files (tied heads
-        share the embedding). ``features`` then raises. None for a checkpoint without
-        safetensors files (the caller loads the whole model instead)."""
+        (no memory); only those two tensors are read, from the files Hugging Face itself loads
+        (``model.safetensors``, or the shards ``model.safetensors.index.json`` names); tied heads
+        share the embedding. ``features`` then raises. None where that cannot be done exactly
+        (no safetensors checkpoint, or tensor names that differ from the module names, which
+        transformers may rename while loading): the caller loads the whole model instead."""
         path = _model_dir(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            return None
         device = torch.device(device)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
@@ -156,18 +159,25 @@ class TargetModel(nn.Module):
                                                      trust_remote_code=trust_remote_code)
         names = {module: name for name, module in model.named_modules()}
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        wanted = {f"{names[embed]}.weight": embed}
         tied = head is not None and head.weight is embed.weight
+        wanted = {f"{names[embed]}.weight": embed}
         if head is not None and not tied:
             wanted[f"{names[head]}.weight"] = head
-        for file in files:
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for key in wanted.keys() & set(f.keys()):
-                    module = wanted.pop(key)
-                    module.load_state_dict({"weight": f.get_tensor(key).to(embed.weight.dtype)}, assign=True)
-        if wanted:
-            raise ValueError(f"{path}: no tensor {sorted(wanted)} in its safetensors files: is it a complete "
-                             "Hugging Face checkpoint of a causal LM?")
+        if (path / "model.safetensors.index.json").is_file():
+            weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+            files = {key: path / weight_map[key] for key in wanted if key in weight_map}
+        elif (path / "model.safetensors").is_file():
+            with safe_open(path / "model.safetensors", framework="pt") as f:
+                files = {key: path / "model.safetensors" for key in wanted.keys() & set(f.keys())}
+        else:
+            return None
+        if files.keys() != wanted.keys():
+            log.warning("%s: tensors %s not found under these names; loading the whole target instead",
+                        path, sorted(wanted.keys() - files.keys()))
+            return None
+        for key, module in wanted.items():
+            with safe_open(files[key], framework="pt", device=str(device)) as f:
+                module.load_state_dict({"weight": f.get_tensor(key).to(embed.weight.dtype)}, assign=True)
         if tied:
             model.tie_weights()
         target = cls(model, target_layer_ids, num_taps)

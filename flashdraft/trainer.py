@@ -206,19 +206,24 @@ def keep_freed_host_memory() -> bool:
 
     A training step frees and re-allocates the same multi-MB activations every step. By default
     glibc unmaps large freed blocks at once and trims the heap's top, so the next step
-    page-faults them back in: 3-18 thousand faults per drafter step of the bench point, ~10 %
-    of the CPU trainer's steps/s (docs/benchmarks.md). The host-side counterpart of CUDA's
-    caching allocator, for CPU training; resident memory stays at its peak instead of shrinking
-    between steps. Skipped where the user set these tunables (MALLOC_MMAP_THRESHOLD_,
-    MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES) and off glibc. Returns whether it took effect."""
-    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"} & set(os.environ):
+    page-faults them back in: 3-18 thousand faults per drafter step of the bench point, ~8 %
+    of the CPU trainer's steps/s (docs/benchmarks.md). This is the host-side counterpart of
+    CUDA's caching allocator, for CPU training (``train.keep_freed_host_memory``). It is
+    process-wide and stays for the process's life: resident memory stays at its peak instead
+    of shrinking between steps. Blocks up to 1 GiB are kept (glibc <= 2.34 accepts at most
+    32 MiB; then that). Skipped where the user set glibc's own malloc tunables
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc.* in GLIBC_TUNABLES), and off
+    glibc. Returns whether it took effect."""
+    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ) or \
+            "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl)
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    kept = mallopt(m_trim_threshold, 2**31 - 1)
+    return bool(kept and (mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20)))
 
 
 class Trainer:
@@ -230,7 +235,7 @@ class Trainer:
         self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
                                                  num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0)
         self.device = self.dist.device
-        if self.device.type == "cpu" and keep_freed_host_memory():
+        if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
             log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -242,9 +247,10 @@ class Trainer:
         load = dict(target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps, device=self.device,
                     dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
         self.target = None
-        if self.dist.role == "drafter" and not self.dist.is_main:
-            # Its features come from a target rank and it runs no eval: the embedding and the LM
-            # head are all it needs of the target (the main drafter rank keeps it all, for eval).
+        evaluates = self.dist.is_main and bool(cfg.data.eval_path or cfg.data.eval_prompts)
+        if self.dist.role == "drafter" and not evaluates:
+            # Its features come from a target rank: the embedding and the LM head are all the
+            # loss needs of the target (the rank that runs the evals keeps all of it).
             self.target = TargetModel.heads_from_pretrained(cfg.model.target, **load)
         if self.target is None:
             self.target = TargetModel.from_pretrained(cfg.model.target, **load,

@@ -67,11 +67,12 @@ def test_from_pretrained_loads_a_local_directory(tmp_path):
     torch.testing.assert_close(target.features(ids), TargetModel(model, [1, 3]).features(ids))
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_heads_only_load_reads_just_the_embedding_and_lm_head(tmp_path, tied):
+@pytest.mark.parametrize("tied,shard", [(False, ""), (True, ""), (False, "40KB")], ids=["untied", "tied", "sharded"])
+def test_heads_only_load_reads_just_the_embedding_and_lm_head(tmp_path, tied, shard):
     """A disaggregated drafter rank's target: embedding and head equal the full load's, tied
     heads stay tied, every decoder layer stays on the meta device, and the forward refuses."""
-    tiny_qwen3(tie_word_embeddings=tied).save_pretrained(tmp_path / "target")
+    tiny_qwen3(tie_word_embeddings=tied).save_pretrained(tmp_path / "target", **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "target" / "model.safetensors.index.json").is_file() == bool(shard)
     full = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
     heads = TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
     assert torch.equal(heads.embed.weight, full.embed.weight) and torch.equal(heads.lm_head.weight, full.lm_head.weight)
@@ -89,6 +90,19 @@ def test_heads_only_load_defers_to_a_full_load_without_safetensors(tmp_path):
     for file in (tmp_path / "target").glob("*.safetensors"):  # an old-style .bin checkpoint instead
         file.unlink()
     torch.save(model.state_dict(), tmp_path / "target" / "pytorch_model.bin")
+    assert TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3]) is None
+
+
+def test_heads_only_load_defers_when_names_differ(tmp_path):
+    """A checkpoint whose tensor names are not the module names (transformers may rename on
+    load): no guessing, the whole target is loaded instead."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_qwen3().save_pretrained(tmp_path / "target")
+    file = tmp_path / "target" / "model.safetensors"
+    tensors = load_file(file)
+    tensors["output.weight"] = tensors.pop("lm_head.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
     assert TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3]) is None
 
 

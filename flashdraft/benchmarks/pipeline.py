@@ -142,7 +142,7 @@ def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 6
 
 
 def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int,
-             feature_cache_bytes: int = 0) -> dict:
+             feature_cache_bytes: int = 0, keep_freed_host_memory: bool = True) -> dict:
     from flashdraft.config import load_config
     from flashdraft.trainer import Trainer
 
@@ -162,6 +162,7 @@ def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, c
         "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
         "pipeline.capacity": capacity, "train.resume": "never", "pipeline.feature_cache_bytes": feature_cache_bytes,
+        "train.keep_freed_host_memory": str(keep_freed_host_memory).lower(),
     }
     trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
     trainer.fit()
