@@ -144,3 +144,20 @@ def test_chunked_loss_equals_unchunked_with_gradients():
     torch.testing.assert_close(chunked.loss, full.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_chunked, grad_full, rtol=1e-5, atol=1e-6)
     assert torch.equal(chunked.correct, full.correct)
+
+
+@pytest.mark.parametrize("vocab", [4096, 4104, 300, 1000])
+def test_row_max_is_max_and_first_argmax_ties_included(vocab):
+    """row_max (the chunked CE's tiled max) == x.max(-1): values and the FIRST index of the max."""
+    from flashdraft.objective import row_max
+
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(64, vocab, generator=gen)
+    x[1] = 0.0  # every column ties: index 0
+    x[2, [7, vocab - 3]] = x[2].max() + 1  # a tie in different tiles: the first wins
+    x[3, [9, 10]] = x[3].max() + 1  # a tie inside one tile
+    x[4] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties
+    top, index = row_max(x)
+    expected = x.max(-1)
+    assert torch.equal(top.squeeze(1), expected.values) and torch.equal(index, expected.indices)
+    assert index[1] == 0 and index[2] == 7 and index[3] == 9
