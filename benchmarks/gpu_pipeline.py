@@ -7,6 +7,9 @@ timing and the pipeline's busy / starved / blocked split with its bound; and whe
 modes gave the same losses. Writes JSON to $OUT/gpu_pipeline.json (or ./gpu_pipeline.json).
 
     PYTHONPATH=. python benchmarks/gpu_pipeline.py [--steps 40] [--layers 28]
+
+``--smoke`` runs the same script on CPU at toy sizes in seconds (tests/test_gpu_scripts.py),
+so the one GPU run a session may get is not spent on a broken script.
 """
 
 from __future__ import annotations
@@ -36,23 +39,24 @@ def gpu_sampler(stop: threading.Event, samples: list[float]) -> None:
         stop.wait(0.1)
 
 
-def make_job(root: Path, layers: int, samples: int, length: int) -> None:
+def make_job(root: Path, layers: int, samples: int, length: int, vocab: int = 151936, hidden: int = 1024) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from flashdraft.data.shards import write_token_shard
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=128,
+                      max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16")
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "target")
     rng = np.random.default_rng(0)
     mask = np.r_[np.zeros(length // 4), np.ones(length - length // 4)]
-    write_token_shard(root / "data", [(rng.integers(0, 150000, length), mask) for _ in range(samples)],
-                      vocab_size=151936)
+    write_token_shard(root / "data", [(rng.integers(0, vocab - 2, length), mask) for _ in range(samples)],
+                      vocab_size=vocab)
 
 
-def run_mode(root: Path, enabled: bool, steps: int, layers: int) -> dict:
+def run_mode(root: Path, enabled: bool, steps: int, layers: int, vocab: int = 151936, device: str = "cuda",
+             budget: int = 16384, anchors: int = 512) -> dict:
     from flashdraft.config import load_config
     from flashdraft.trainer import Trainer
 
@@ -66,11 +70,11 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int) -> dict:
 
     taps = [round(1 + i * (layers - 4) / 4) for i in range(5)]
     overrides = {
-        "model.target": root / "target", "model.mask_token_id": 151669, "model.num_draft_layers": 5,
+        "model.target": root / "target", "model.mask_token_id": vocab - 1, "model.num_draft_layers": 5,
         "model.block_size": 16, "model.target_layer_ids": json.dumps(taps), "data.path": root / "data",
-        "data.token_budget": 16384, "data.max_batch_size": 8, "objective.num_anchors": 512,
-        "train.max_steps": steps, "train.log_every": 10, "train.save_every": 0,
-        "train.output_dir": root / f"run_{enabled}", "train.resume": "never", "train.device": "cuda",
+        "data.token_budget": budget, "data.max_batch_size": 8, "objective.num_anchors": anchors,
+        "train.max_steps": steps, "train.log_every": min(10, max(1, steps // 3)), "train.save_every": 0,
+        "train.output_dir": root / f"run_{enabled}", "train.resume": "never", "train.device": device,
         "pipeline.enabled": str(enabled).lower(),
     }
     trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
@@ -81,7 +85,7 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int) -> dict:
     trainer.fit()
     stop.set()
     sampler.join(2)
-    skip = 5  # warm-up: allocator, cuBLAS handles, first-call overheads
+    skip = min(5, steps // 3)  # warm-up: allocator, cuBLAS handles, first-call overheads
     rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
     tokens_per_step = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch
     report = trainer.pipeline_report
@@ -91,7 +95,7 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int) -> dict:
         "losses": [h["loss"] for h in trainer.history if "loss" in h],
         "stage_timing_last_log": {k: v for k, v in trainer.history[-1].items() if k.startswith("time/")},
         "pipeline": {"bound": report.bound, "table": report.format(), **report.as_metrics()},
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
     }
 
 
@@ -101,16 +105,25 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="target layers (Qwen3-0.6B: 28)")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes: check the script itself in seconds")
     args = parser.parse_args()
-    assert torch.cuda.is_available(), "this check needs a GPU"
+    if args.smoke:
+        args.steps, args.layers, args.samples, args.length = 6, 8, 8, 128
+        sizes = dict(vocab=512, hidden=128)
+        mode = dict(vocab=512, device="cpu", budget=256, anchors=8)
+    else:
+        assert torch.cuda.is_available(), "this check needs a GPU"
+        sizes, mode = {}, {}
     out = Path(os.environ.get("OUT", "."))
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(args)}
+    device_name = torch.cuda.get_device_name(0) if not args.smoke else "cpu (smoke)"
+    results = {"device": device_name, "torch": torch.__version__, "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_job(root, args.layers, args.samples, args.length)
+        make_job(root, args.layers, args.samples, args.length, **sizes)
         for enabled in (False, True):
-            torch.cuda.reset_peak_memory_stats()
-            results["pipelined" if enabled else "sequential"] = r = run_mode(root, enabled, args.steps, args.layers)
+            if not args.smoke:
+                torch.cuda.reset_peak_memory_stats()
+            results["pipelined" if enabled else "sequential"] = r = run_mode(root, enabled, args.steps, args.layers, **mode)
             print(f"{'pipelined' if enabled else 'sequential'}: {r['steps_per_s']:.3f} steps/s, "
                   f"{r['tokens_per_s']:.0f} tok/s, GPU busy {r['gpu_busy_share']}, {r['pipeline']['bound']}\n"
                   f"{r['pipeline']['table']}", flush=True)
