@@ -11,7 +11,6 @@ Everything here is vectorised and stays on the device: no host syncs.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch

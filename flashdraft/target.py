@@ -142,7 +142,7 @@ class TargetModel(nn.Module):
         device: str | torch.device = "cpu",
         dtype: str = "auto",
         trust_remote_code: bool = False,
-    ) -> "TargetModel":
+    ) -> "TargetModel | None":
         """The target's input embedding and LM head only, for a rank that never runs its forward
         (a drafter rank of a disaggregated job: it embeds block tokens and scores with the head;
         the features come from a target rank). Every decoder layer stays on the meta device
