@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="target layers (Qwen3-0.6B: 28)")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes: check the script itself in seconds")
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes (overrides --steps, --layers, --samples, --length): check the script itself in seconds")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.layers, args.samples, args.length = 6, 8, 8, 128

@@ -151,7 +151,7 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x [R, V]. ``x.max(-1)`` gives both, but on CPU its index-tracking reduction is ~4x slower
     than two plain ones: the max of each tile of up to 64 columns, then the first tile holding
     the row max and the first such column in it (4096 columns: 1.34 -> 0.34 ms per 256 rows;
-    docs/benchmarks.md). Exact, ties included."""
+    docs/benchmarks.md). Exact, ties and NaN included."""
     r, v = x.shape
     tile = math.gcd(v, 64)
     if tile < 8 or x.device.type != "cpu":  # odd vocabulary sizes; GPUs reduce with indices at full speed
@@ -160,9 +160,13 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tiles = x.view(r, v // tile, tile)
     tile_max = tiles.amax(-1)
     top = tile_max.amax(-1, keepdim=True)
-    first_tile = (tile_max == top).to(torch.uint8).argmax(-1, keepdim=True)  # argmax: the first of equal maxima
+
+    def first_hit(t: torch.Tensor) -> torch.Tensor:  # argmax of a uint8 mask: its first 1
+        return ((t == top) | t.isnan()).to(torch.uint8).argmax(-1)  # a NaN is the max, as in max(-1)
+
+    first_tile = first_hit(tile_max).unsqueeze(-1)
     within = tiles.gather(1, first_tile.unsqueeze(-1).expand(r, 1, tile)).squeeze(1)
-    return top, first_tile.squeeze(1) * tile + (within == top).to(torch.uint8).argmax(-1)
+    return top, first_tile.squeeze(1) * tile + first_hit(within)
 
 
 class _ChunkedHeadCE(torch.autograd.Function):

@@ -157,7 +157,10 @@ def test_row_max_is_max_and_first_argmax_ties_included(vocab):
     x[2, [7, vocab - 3]] = x[2].max() + 1  # a tie in different tiles: the first wins
     x[3, [9, 10]] = x[3].max() + 1  # a tie inside one tile
     x[4] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties
+    x[5, [11, vocab - 2]] = float("nan")  # max(-1) reports the first NaN
+    x[6] = float("-inf")
     top, index = row_max(x)
     expected = x.max(-1)
-    assert torch.equal(top.squeeze(1), expected.values) and torch.equal(index, expected.indices)
+    torch.testing.assert_close(top.squeeze(1), expected.values, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(index, expected.indices)
     assert index[1] == 0 and index[2] == 7 and index[3] == 9

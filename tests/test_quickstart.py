@@ -55,11 +55,11 @@ def test_flashdraft_eval_reproduces_the_report_on_the_output_triple(smoke_run, t
 
 
 def test_periodic_eval_tau_matches_flashdraft_eval_on_the_export(smoke_run, tmp_path):
-    """The trainer's last eval (4 prompts, 32 new tokens) measured the weights it exported."""
+    """The trainer's last eval (every held-out prompt, 32 new tokens) measured the weights it exported."""
     out, _ = smoke_run
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     last_eval = [r for r in records if "eval_tau" in r][-1]
-    write_prompts(tmp_path / "p.jsonl", read_prompts(out / "eval" / "prompts.jsonl")[:4])
+    write_prompts(tmp_path / "p.jsonl", read_prompts(out / "eval" / "prompts.jsonl")[:SMOKE.num_eval_prompts])
     main(["eval", "--target", str(out / "target"), "--drafter", str(out / "drafter"), "--prompts",
           str(tmp_path / "p.jsonl"), "--max-new-tokens", "32", "--output", str(tmp_path / "r.json")])
     assert json.loads((tmp_path / "r.json").read_text())["tau"] == last_eval["eval_tau"]
