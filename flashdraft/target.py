@@ -79,6 +79,41 @@ def _model_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def _heads_only_model(path: Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module | None:
+    """The causal LM of ``path`` with every decoder layer on the meta device (no memory) and only
+    its input embedding and LM head loaded, read from the files Hugging Face itself loads
+    (``model.safetensors``, or the shards ``model.safetensors.index.json`` names); tied heads
+    share the embedding. None where that cannot be done exactly: no safetensors checkpoint, or
+    tensor names that differ from the module names (transformers may rename while loading)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    names = {module: name for name, module in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    wanted = {f"{names[embed]}.weight": embed}
+    if head is not None and not tied:
+        wanted[f"{names[head]}.weight"] = head
+    if (path / "model.safetensors.index.json").is_file():
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        files = {key: path / weight_map[key] for key in wanted if key in weight_map}
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            files = {key: path / "model.safetensors" for key in wanted.keys() & set(f.keys())}
+    else:
+        return None
+    if files.keys() != wanted.keys():
+        log.warning("%s: tensors %s not found under these names; loading the whole target instead",
+                    path, sorted(wanted.keys() - files.keys()))
+        return None
+    for key, module in wanted.items():
+        with safe_open(files[key], framework="pt", device=str(device)) as f:
+            module.load_state_dict({"weight": f.get_tensor(key).to(embed.weight.dtype)}, assign=True)
+    if tied:
+        model.tie_weights()
+    return model
+
+
 class TargetModel(nn.Module):
     """A frozen causal LM with tapped layers.
 
@@ -120,71 +155,31 @@ class TargetModel(nn.Module):
         dtype: str = "auto",
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
+        heads_only: bool = False,
     ) -> "TargetModel":
-        """Load a local Hugging Face causal LM directory, frozen, in eval mode."""
+        """Load a local Hugging Face causal LM directory, frozen, in eval mode.
+
+        ``heads_only``: only the input embedding and the LM head, for a rank that never runs the
+        target's forward (a drafter rank of a disaggregated job: it embeds block tokens and
+        scores with the head; the features come from a target rank). See _heads_only_model; where
+        that cannot be done exactly, the whole model is loaded instead."""
         path = _model_dir(path)
         device = torch.device(device)
+        torch_dtype = resolve_dtype(dtype, device)
+        model = _heads_only_model(path, device, torch_dtype, trust_remote_code) if heads_only else None
+        if model is not None:
+            target = cls(model, target_layer_ids, num_taps)
+            target.heads_only = True
+            return target
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=resolve_dtype(dtype, device),
+            dtype=torch_dtype,
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         ).to(device)
         return cls(model, target_layer_ids, num_taps)
 
-    @classmethod
-    def heads_from_pretrained(
-        cls,
-        path: str | os.PathLike,
-        *,
-        target_layer_ids: list[int] | None = None,
-        num_taps: int = 5,
-        device: str | torch.device = "cpu",
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
-    ) -> "TargetModel | None":
-        """The target's input embedding and LM head only, for a rank that never runs its forward
-        (a drafter rank of a disaggregated job: it embeds block tokens and scores with the head;
-        the features come from a target rank). Every decoder layer stays on the meta device
-        (no memory); only those two tensors are read, from the files Hugging Face itself loads
-        (``model.safetensors``, or the shards ``model.safetensors.index.json`` names); tied heads
-        share the embedding. ``features`` then raises. None where that cannot be done exactly
-        (no safetensors checkpoint, or tensor names that differ from the module names, which
-        transformers may rename while loading): the caller loads the whole model instead."""
-        path = _model_dir(path)
-        device = torch.device(device)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device),
-                                                     trust_remote_code=trust_remote_code)
-        names = {module: name for name, module in model.named_modules()}
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        tied = head is not None and head.weight is embed.weight
-        wanted = {f"{names[embed]}.weight": embed}
-        if head is not None and not tied:
-            wanted[f"{names[head]}.weight"] = head
-        if (path / "model.safetensors.index.json").is_file():
-            weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-            files = {key: path / weight_map[key] for key in wanted if key in weight_map}
-        elif (path / "model.safetensors").is_file():
-            with safe_open(path / "model.safetensors", framework="pt") as f:
-                files = {key: path / "model.safetensors" for key in wanted.keys() & set(f.keys())}
-        else:
-            return None
-        if files.keys() != wanted.keys():
-            log.warning("%s: tensors %s not found under these names; loading the whole target instead",
-                        path, sorted(wanted.keys() - files.keys()))
-            return None
-        for key, module in wanted.items():
-            with safe_open(files[key], framework="pt", device=str(device)) as f:
-                module.load_state_dict({"weight": f.get_tensor(key).to(embed.weight.dtype)}, assign=True)
-        if tied:
-            model.tie_weights()
-        target = cls(model, target_layer_ids, num_taps)
-        target.heads_only = True
-        return target
-
-    heads_only = False  # True: only embed / lm_head hold weights (heads_from_pretrained)
+    heads_only = False  # True: only embed / lm_head hold weights (from_pretrained(heads_only=True))
 
     @property
     def device(self) -> torch.device:
@@ -205,7 +200,7 @@ class TargetModel(nn.Module):
         Exactly ``cat([hidden_states[i + 1] for i in layer_ids], -1)`` of a full forward.
         """
         if self.heads_only:
-            raise RuntimeError("this TargetModel holds only the target's embedding and LM head (heads_from_pretrained): "
+            raise RuntimeError("this TargetModel holds only the target's embedding and LM head (heads_only): "
                                "its forward runs on the target ranks")
         taps: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)

@@ -244,17 +244,14 @@ class Trainer:
         if not cfg.data.path:
             raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
         self.output = Path(cfg.train.output_dir)
-        load = dict(target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps, device=self.device,
-                    dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-        self.target = None
+        # A drafter rank of a disaggregated job gets its features from a target rank: the embedding
+        # and the LM head are all the loss needs of the target (the rank that runs evals loads it all).
         evaluates = self.dist.is_main and bool(cfg.data.eval_path or cfg.data.eval_prompts)
-        if self.dist.role == "drafter" and not evaluates:
-            # Its features come from a target rank: the embedding and the LM head are all the
-            # loss needs of the target (the rank that runs the evals keeps all of it).
-            self.target = TargetModel.heads_from_pretrained(cfg.model.target, **load)
-        if self.target is None:
-            self.target = TargetModel.from_pretrained(cfg.model.target, **load,
-                                                      attn_implementation=cfg.model.attn_implementation)
+        self.target = TargetModel.from_pretrained(
+            cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
+            device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code, heads_only=self.dist.role == "drafter" and not evaluates,
+        )
         bs = cfg.model.block_size
         self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
         self.drafter = DFlashDrafter.for_target(

@@ -74,7 +74,7 @@ def test_heads_only_load_reads_just_the_embedding_and_lm_head(tmp_path, tied, sh
     tiny_qwen3(tie_word_embeddings=tied).save_pretrained(tmp_path / "target", **({"max_shard_size": shard} if shard else {}))
     assert (tmp_path / "target" / "model.safetensors.index.json").is_file() == bool(shard)
     full = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
-    heads = TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
+    heads = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3], heads_only=True)
     assert torch.equal(heads.embed.weight, full.embed.weight) and torch.equal(heads.lm_head.weight, full.lm_head.weight)
     assert (heads.lm_head.weight is heads.embed.weight) == tied
     assert all(p.is_meta for p in heads.layers.parameters())
@@ -90,7 +90,8 @@ def test_heads_only_load_defers_to_a_full_load_without_safetensors(tmp_path):
     for file in (tmp_path / "target").glob("*.safetensors"):  # an old-style .bin checkpoint instead
         file.unlink()
     torch.save(model.state_dict(), tmp_path / "target" / "pytorch_model.bin")
-    assert TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3]) is None
+    target = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3], heads_only=True)
+    assert not target.heads_only and not any(p.is_meta for p in target.parameters())
 
 
 def test_heads_only_load_defers_when_names_differ(tmp_path):
@@ -103,7 +104,8 @@ def test_heads_only_load_defers_when_names_differ(tmp_path):
     tensors = load_file(file)
     tensors["output.weight"] = tensors.pop("lm_head.weight")
     save_file(tensors, file, metadata={"format": "pt"})
-    assert TargetModel.heads_from_pretrained(tmp_path / "target", target_layer_ids=[1, 3]) is None
+    target = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3], heads_only=True)
+    assert not target.heads_only and not any(p.is_meta for p in target.parameters())
 
 
 def test_from_pretrained_names_the_fix_for_a_missing_directory(tmp_path):
