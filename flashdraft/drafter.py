@@ -134,9 +134,14 @@ class BlockAttentionPlan:
       ~ its group's last anchor + g*bs keys instead of S + N*bs (see blockwise_attention).
     flex: ``block_mask`` a flex_attention BlockMask over [context | all blocks]; tiles the
       mask excludes are skipped by the kernel.
+
+    ``keep_probs`` (blockwise): save each group's softmax probabilities for the backward
+    instead of recomputing them from q and k (one score matmul and one softmax fewer; memory:
+    ~ heads * Q * (mean context + group rows) floats, until the backward).
     """
 
     impl: str
+    keep_probs: bool = False
     mask: torch.Tensor | None = None
     group_blocks: int = 0
     num_groups: int = 0
@@ -270,28 +275,31 @@ class _BlockwiseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls):
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls, keep_probs):
         hkv = k_ctx.shape[1]
         out, q_scaled = torch.empty_like(q), q * q.shape[-1] ** -0.5
+        probs = []
         for g in calls:
             p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g)
             _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
-        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out)
+            if keep_probs:
+                probs.append(p)
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *probs)
         ctx.calls = calls
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_ctx, v_ctx, k_blk, v_blk, out = ctx.saved_tensors
+        q, k_ctx, v_ctx, k_blk, v_blk, out, *probs = ctx.saved_tensors
         hkv = k_ctx.shape[1]
         scale = q.shape[-1] ** -0.5
         dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
         dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
         delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_j dp_j, per query row
         q_scaled = q * scale
-        for g in ctx.calls:
+        for i, g in enumerate(ctx.calls):
             qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
-            p = _group_probs(qg, kg, g)
+            p = probs[i] if probs else _group_probs(qg, kg, g)
             do = _to_groups(dout, g, hkv)
             ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
             dv = p.transpose(-1, -2) @ do
@@ -302,7 +310,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             dv_ctx[:, :, :n] += dv[:, :, :, :n].sum(2)
             _from_groups(dk[:, :, :, n:], dk_blk, g)
             _from_groups(dv[:, :, :, n:], dv_blk, g)
-        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None
 
 
 def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
@@ -316,7 +324,7 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan)
         if dtype is not None:
             tensors = [t.to(dtype) for t in tensors]
             calls = [replace(g, bias=g.bias.to(dtype)) for g in calls]
-        return _BlockwiseAttention.apply(*tensors, calls)
+        return _BlockwiseAttention.apply(*tensors, calls, plan.keep_probs)
 
 
 def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
@@ -721,9 +729,13 @@ class DFlashDrafter(nn.Module):
         def scored_rows(t: torch.Tensor) -> torch.Tensor:  # rows [B, N*bs, ...] -> slots 1.. [B, N*(bs-1), ...]
             return t.unflatten(1, (n, bs))[:, :, 1:].flatten(1, 2)
 
+        # The last layer keeps its attention probabilities (blockwise): its backward comes first,
+        # right after the head. The peak is at the start of the backward, so keeping them in
+        # every layer would add every layer's probabilities to it, for the same saving per layer.
+        last_plan = replace(plan, keep_probs=True)
         for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
             select = scored_rows if scored_only and i == last else None
-            args = (x, rope, kv, plan, select, distinct if i == 0 else None)
+            args = (x, rope, kv, last_plan if i == last else plan, select, distinct if i == 0 else None)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:

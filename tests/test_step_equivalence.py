@@ -279,3 +279,28 @@ def test_correct_means_greedy_proposes_the_label_ties_go_to_the_first_index(chun
     out = dflash_loss(hidden, head, labels, torch.ones(1, 1, 4), chunk_size=chunk)
     assert out.correct[0, 0, 1:].tolist() == [True, False, True]
     assert bool(out.correct[0, 0, 0]) == (int(best[0]) == 0)
+
+
+def test_blockwise_kept_probabilities_give_the_recomputed_gradients():
+    """keep_probs (the drafter's last layer) saves the softmax for the backward instead of
+    recomputing it: same output and the same gradients of q, k and v, bit for bit."""
+    from dataclasses import replace
+
+    from flashdraft.drafter import BlockAttentionPlan, blockwise_attention, query_groups
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, s, n, bs, d = 2, 4, 2, 40, 6, 4, 16
+    anchors = torch.stack([torch.randperm(s - 1, generator=g)[:n].sort().values for _ in range(b)])
+    valid = torch.rand(b, n, generator=g) < 0.8
+    plan = BlockAttentionPlan("blockwise", groups=query_groups(anchors, valid, s, bs, 2), num_blocks=n)
+    assert len(plan.groups) == 3  # one call per group of 2 blocks: each call keeps its own probabilities
+    q = torch.randn(b, hq, n * bs, d, generator=g)
+    kv = [torch.randn(b, hkv, t, d, generator=g) for t in (n * bs, n * bs, s, s)]
+    results = []
+    for keep in (False, True):
+        inputs = [t.clone().requires_grad_() for t in (q, *kv)]
+        out = blockwise_attention(*inputs, replace(plan, keep_probs=keep))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        results.append([out, *(t.grad for t in inputs)])
+    for recomputed, kept in zip(*results):
+        assert torch.equal(recomputed, kept)

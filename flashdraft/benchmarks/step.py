@@ -6,8 +6,9 @@ variants run side by side on identical weights and inputs:
 
 - ``fast``: the drafter's per-device attention (``auto``: "blockwise" on CPU, block-sparse
   flex_attention on CUDA), the chunked LM head + CE (``--chunk`` slots), slot 0 skipped in
-  the last layer and the head, layer 0 on the distinct rows (anchors + MASK), and the lean
-  custom-backward RMSNorm / RoPE / SwiGLU.
+  the last layer and the head, layer 0 on the distinct rows (anchors + MASK), the last
+  layer's attention probabilities kept for its backward, and the lean custom-backward
+  RMSNorm / RoPE / SwiGLU.
 - ``reference``: the straightforward step, the tests' oracle: one SDPA over keys
   [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
   computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
