@@ -55,8 +55,10 @@ def make_job(root: Path, layers: int, samples: int, length: int, vocab: int = 15
                       vocab_size=vocab)
 
 
-def run_mode(root: Path, enabled: bool, steps: int, layers: int, vocab: int = 151936, device: str = "cuda",
-             budget: int = 16384, anchors: int = 512) -> dict:
+def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "cuda", budget: int = 16384,
+             anchors: int = 512) -> dict:
+    from transformers import AutoConfig
+
     from flashdraft.config import load_config
     from flashdraft.trainer import Trainer
 
@@ -69,6 +71,7 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, vocab: int = 15
             return norm
 
     taps = [round(1 + i * (layers - 4) / 4) for i in range(5)]
+    vocab = AutoConfig.from_pretrained(root / "target").vocab_size  # the last id is the MASK token
     overrides = {
         "model.target": root / "target", "model.mask_token_id": vocab - 1, "model.num_draft_layers": 5,
         "model.block_size": 16, "model.target_layer_ids": json.dumps(taps), "data.path": root / "data",
@@ -110,7 +113,7 @@ def main() -> None:
     if args.smoke:
         args.steps, args.layers, args.samples, args.length = 6, 8, 8, 128
         sizes = dict(vocab=512, hidden=128)
-        mode = dict(vocab=512, device="cpu", budget=256, anchors=8)
+        mode = dict(device="cpu", budget=256, anchors=8)
     else:
         assert torch.cuda.is_available(), "this check needs a GPU"
         sizes, mode = {}, {}

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=2, help="channel capacity")
     parser.add_argument("--real-steps", type=int, default=30, help="trainer steps per real run (0: skip the real part)")
     parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts for the real part")
+    parser.add_argument("--target-layers", type=int, default=8,
+                        help="real part: the tiny target's depth (8: target-bound, ~2x the drafter step; 4: balanced)")
     parser.add_argument("--config", default="", help="a flashdraft train config: its target, data, taps and feature-cache "
                         "budgets, for the feature-cache size estimate (the options below override it)")
     parser.add_argument("--target", default="", help="a HF target dir, for the feature-cache size estimate")
@@ -142,7 +144,7 @@ def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 6
 
 
 def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int,
-             feature_cache_bytes: int = 0, keep_freed_host_memory: bool = True) -> dict:
+             feature_cache_bytes: int = 0, keep_freed_host_memory: bool = True, taps=(1, 3, 5, 7)) -> dict:
     from flashdraft.config import load_config
     from flashdraft.trainer import Trainer
 
@@ -157,7 +159,7 @@ def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, c
 
     overrides = {
         "model.target": job / "target", "model.mask_token_id": 1023, "model.num_draft_layers": 1,
-        "model.block_size": 8, "model.target_layer_ids": "[1,3,5,7]", "data.path": job / "data",
+        "model.block_size": 8, "model.target_layer_ids": json.dumps(list(taps)), "data.path": job / "data",
         "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
         "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
@@ -180,20 +182,29 @@ def run_real(args) -> list[dict]:
     rows = []
     logging.getLogger("flashdraft").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        job = tiny_job(Path(tmp))
-        print(f"\nreal trainer on CPU: tiny Qwen3 target (8 layers, hidden 256, 4 taps), 1-layer drafter, "
-              f"8 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats}")
+        layers = args.target_layers
+        if layers < 4:
+            raise SystemExit("--target-layers needs 4 or more (the drafter taps 4 of them)")
+        job = tiny_job(Path(tmp), layers=layers)
+        k = layers // 4
+        taps = [k - 1 + k * i for i in range(4)]  # 8 layers: [1, 3, 5, 7]; 4: [0, 1, 2, 3]
+        print(f"\nreal trainer on CPU: tiny Qwen3 target ({layers} layers, hidden 256, taps {taps}), 1-layer drafter, "
+              f"8 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats} (sequential and "
+              "pipelined runs alternate)")
         for threads in [int(t) for t in args.threads.split(",")]:
-            results = {}
-            for enabled in (False, True):
-                runs = [real_run(job, Path(tmp) / f"run{enabled}{threads}{r}", steps=args.real_steps,
-                                 enabled=enabled, threads=threads, capacity=args.capacity) for r in range(args.repeats)]
-                results[enabled] = runs
+            results = {False: [], True: []}
+            for r in range(args.repeats):  # alternating, so that drift in the machine's load hits both alike
+                for enabled in (False, True):
+                    results[enabled].append(real_run(job, Path(tmp) / f"run{enabled}{threads}{r}", steps=args.real_steps,
+                                                     enabled=enabled, threads=threads, capacity=args.capacity,
+                                                     taps=taps))
             row = {"threads": threads,
                    "sequential_steps_per_s": statistics.median(r["steps_per_s"] for r in results[False]),
                    "pipelined_steps_per_s": statistics.median(r["steps_per_s"] for r in results[True]),
                    "sequential_runs": [round(r["steps_per_s"], 3) for r in results[False]],
-                   "pipelined_runs": [round(r["steps_per_s"], 3) for r in results[True]]}
+                   "pipelined_runs": [round(r["steps_per_s"], 3) for r in results[True]],
+                   "pair_speedups": [round(p["steps_per_s"] / q["steps_per_s"], 3)
+                                     for q, p in zip(results[False], results[True])]}
             seq_report, pipe_report = results[False][-1]["report"], results[True][-1]["report"]
             row["bound"] = pipe_report.bound
             row["ideal_steps_per_s"] = seq_report.ideal_items_per_s  # 1 / slowest stage, measured without overlap
@@ -203,7 +214,7 @@ def run_real(args) -> list[dict]:
             rows.append(row)
             print(f"\n  torch threads {threads}: sequential {row['sequential_steps_per_s']:.3f} steps/s "
                   f"{row['sequential_runs']}, pipelined {row['pipelined_steps_per_s']:.3f} steps/s "
-                  f"{row['pipelined_runs']}, speedup {row['speedup']:.2f}x")
+                  f"{row['pipelined_runs']}, speedup {row['speedup']:.2f}x (each pair: {row['pair_speedups']})")
             print(f"  ideal (1/slowest stage, from the sequential split) {row['ideal_steps_per_s']:.3f} steps/s, "
                   f"{row['bound']}, efficiency {row['efficiency']:.2f}")
             print("  sequential stage split (last run):")
