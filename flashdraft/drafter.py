@@ -450,6 +450,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lean: bool
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+class RotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3's rotary embedding whose frequencies stay fp32 when the module is cast (``.to(bf16)``,
+    ``.half()``): a cast would round them, and by position 1000 a bf16-rounded frequency is ~1
+    radian off, so a drafter cast for inference would rotate q / k unlike training and serving.
+    Hugging Face's ``from_pretrained(dtype=...)`` keeps them fp32 the same way (no cast)."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            self._buffers[name] = buf.to(device=self._buffers[name].device)  # the new device, the old dtype
+        return self
+
+
 class DrafterAttention(nn.Module):
     lean = True  # training RoPE written into one tensor (apply_rope); False: transformers' expression
 
@@ -631,7 +645,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(qcfg)  # non-persistent buffers: never saved
+        self.rotary_emb = RotaryEmbedding(qcfg)  # non-persistent fp32 buffers: never saved, never cast
         self.set_lean(lean)
 
     def set_lean(self, lean: bool) -> None:

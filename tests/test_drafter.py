@@ -138,6 +138,22 @@ def test_rope_scaling_is_copied_and_used():
     torch.testing.assert_close(inv, 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16)) / 4.0)
 
 
+def test_rope_frequencies_stay_fp32_when_the_drafter_is_cast(tmp_path, target):
+    """A bf16 drafter (``from_pretrained(dtype=bf16)``, as `flashdraft eval` loads it on GPU) rotates
+    with the fp32 frequencies: cos / sin equal the fp32 drafter's to bf16 rounding of the result,
+    where rounded frequencies would be ~1 radian off by position 1000."""
+    drafter = make_drafter(target)
+    drafter.save_pretrained(tmp_path / "d")
+    positions = torch.arange(0, 4000, 97).view(1, -1)
+    cos32, sin32 = drafter.rope(positions, torch.zeros(1, dtype=torch.float32))
+    for cast in (DFlashDrafter.from_pretrained(tmp_path / "d", dtype=torch.bfloat16), make_drafter(target).half()):
+        assert cast.rotary_emb.inv_freq.dtype == torch.float32
+        assert cast.rotary_emb.original_inv_freq.dtype == torch.float32
+        cos, sin = cast.rope(positions, torch.zeros(1, dtype=next(cast.parameters()).dtype))
+        torch.testing.assert_close(cos.float(), cos32, atol=8e-3, rtol=0)
+        torch.testing.assert_close(sin.float(), sin32, atol=8e-3, rtol=0)
+
+
 def test_save_load_gives_identical_logits(tmp_path, target):
     drafter = make_drafter(target)
     drafter.save_pretrained(tmp_path / "d", dtype=torch.float32)
