@@ -1,7 +1,8 @@
 """GPU check of the pipeline (one prepared run, <= 8 minutes on one H200; NOT run yet).
 
-Trains a DFlash drafter against a random-weight Qwen3-0.6B-shaped target in bf16, sequential
-(pipeline.enabled=false) then pipelined, same seed and steps, and records per mode: steps/s,
+Trains a DFlash drafter against a random-weight Qwen3-0.6B-shaped target in bf16: 3 discarded
+warm-up steps (flex_attention compiles), then sequential (pipeline.enabled=false) and
+pipelined, same seed and steps, and records per mode: steps/s,
 tokens/s, GPU busy share (nvidia-smi utilization sampled every 100 ms), the trainer's stage
 timing and the pipeline's busy / starved / blocked split with its bound; and whether the two
 modes gave the same losses. Writes JSON to $OUT/gpu_pipeline.json (or ./gpu_pipeline.json).
@@ -15,6 +16,7 @@ so the one GPU run a session may get is not spent on a broken script.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -27,13 +29,13 @@ import numpy as np
 import torch
 
 
-def gpu_sampler(stop: threading.Event, samples: list[float]) -> None:
-    """GPU utilization % every 100 ms (nvidia-smi: no extra Python dependency)."""
+def gpu_sampler(stop: threading.Event, samples: list[tuple[float, float]]) -> None:
+    """(time, GPU utilization %) every 100 ms (nvidia-smi: no extra Python dependency)."""
     while not stop.is_set():
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
                                  capture_output=True, text=True, timeout=5).stdout
-            samples.append(float(out.strip().splitlines()[0]))
+            samples.append((time.perf_counter(), float(out.strip().splitlines()[0])))
         except Exception:  # noqa: BLE001 - utilization is best effort
             return
         stop.wait(0.1)
@@ -56,7 +58,7 @@ def make_job(root: Path, layers: int, samples: int, length: int, vocab: int = 15
 
 
 def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "cuda", budget: int = 16384,
-             anchors: int = 512) -> dict:
+             anchors: int = 512, name: str = "") -> dict:
     from transformers import AutoConfig
 
     from flashdraft.config import load_config
@@ -77,11 +79,11 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
         "model.block_size": 16, "model.target_layer_ids": json.dumps(taps), "data.path": root / "data",
         "data.token_budget": budget, "data.max_batch_size": 8, "objective.num_anchors": anchors,
         "train.max_steps": steps, "train.log_every": min(10, max(1, steps // 3)), "train.save_every": 0,
-        "train.output_dir": root / f"run_{enabled}", "train.resume": "never", "train.device": device,
+        "train.output_dir": root / (name or f"run_{enabled}"), "train.resume": "never", "train.device": device,
         "pipeline.enabled": str(enabled).lower(),
     }
     trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
-    util: list[float] = []
+    util: list[tuple[float, float]] = []
     stop = threading.Event()
     sampler = threading.Thread(target=gpu_sampler, args=(stop, util), daemon=True)
     sampler.start()
@@ -90,6 +92,7 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
     sampler.join(2)
     skip = min(5, steps // 3)  # warm-up: allocator, cuBLAS handles, first-call overheads
     rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
+    util = [u for t, u in util if stamps[skip] <= t <= stamps[-1]]  # the timed steps only
     tokens_per_step = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch
     report = trainer.pipeline_report
     return {
@@ -123,8 +126,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_job(root, args.layers, args.samples, args.length, **sizes)
+        # A few discarded steps first: flex_attention's compile (forward and backward, ~1 min)
+        # and cuBLAS / allocator warm-up would otherwise land in the first mode's stage split.
+        run_mode(root, True, 3, args.layers, name="warm_up", **mode)
         for enabled in (False, True):
             if not args.smoke:
+                gc.collect()  # the previous mode's trainer
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             results["pipelined" if enabled else "sequential"] = r = run_mode(root, enabled, args.steps, args.layers, **mode)
             print(f"{'pipelined' if enabled else 'sequential'}: {r['steps_per_s']:.3f} steps/s, "

@@ -346,6 +346,22 @@ def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, bl
 
 _compiled_flex = None
 
+# Compiles of flex_attention allowed per process (dynamo's default is 8). A batch of size 1 and
+# grad / no-grad (training / eval) are compiled apart even with dynamic shapes; past the limit
+# dynamo would run flex eagerly, which materialises the whole score matrix (OOM at 8B sizes).
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def compile_flex(backend: str = "inductor"):
+    """flex_attention compiled with dynamic shapes. The trainer's batches change B and S from
+    step to step; a static compile (``dynamic=False``) recompiles for every new shape and, past
+    dynamo's recompile limit, silently falls back to eager flex. Dynamic: one compile serves
+    every S, B and N (tests/test_step_equivalence.py counts them)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(flex_attention, dynamic=True, backend=backend)
+
 
 def _flex_attention(q, k, v, block_mask, enable_gqa):
     global _compiled_flex
@@ -354,9 +370,13 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
     if q.device.type != "cuda":
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)  # unfused, tests only
     if _compiled_flex is None:
-        # Compiled once per process: eager flex materialises the full score matrix.
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        _compiled_flex = compile_flex()  # once per process: eager flex materialises the full score matrix
+    with autocast_suspended(q.device.type) as dtype:
+        # One dtype for q, k and v, as autocast would give a matmul: under autocast the stock
+        # q / k norms return fp32 while v is bf16, and the compiled kernel gets what it is given.
+        if dtype is not None:
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def _use_lean(module: nn.Module, x: torch.Tensor) -> bool:

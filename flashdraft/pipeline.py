@@ -384,11 +384,14 @@ class Pipeline:
             item = item.item
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(copy):
-            start.record()
             if stage.h2d is not None:
                 item = stage.h2d(item)  # non_blocking copies from pinned memory, on the copy stream
             copied = torch.cuda.Event()
             copied.record()
+        # Busy time starts once the compute stream is free for this item: what it then waits of
+        # the copy, and the forward. (Started on the copy stream, it would also count the wait
+        # for the previous item's forward whenever this thread runs ahead.)
+        start.record(compute)
         compute.wait_event(copied)
         for t in _tensors(item):  # allocated on the copy stream, read on the compute stream
             if t.is_cuda:

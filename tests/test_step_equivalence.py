@@ -304,3 +304,35 @@ def test_blockwise_kept_probabilities_give_the_recomputed_gradients():
         results.append([out, *(t.grad for t in inputs)])
     for recomputed, kept in zip(*results):
         assert torch.equal(recomputed, kept)
+
+
+def test_compiled_flex_serves_changing_batch_shapes_without_recompiling():
+    """The trainer's batches change B, S (and N for short batches) every step. flex is compiled
+    with dynamic shapes: a static compile recompiles per shape and, past dynamo's limit (8),
+    falls back to eager flex, which materialises the whole score matrix. Counted at dynamo's
+    level (graphs handed to the backend), checked against eager flex on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flashdraft.drafter import compile_flex, flex_block_mask
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    flex = compile_flex(counting_backend)
+    g = torch.Generator().manual_seed(0)
+    bs, d = 4, 16
+    for b, s, n in [(2, 40, 8), (2, 47, 8), (3, 52, 8), (4, 33, 8), (3, 61, 6), (2, 29, 5)]:
+        anchors = torch.stack([torch.randperm(s - 1, generator=g)[:n].sort().values for _ in range(b)])
+        valid = torch.rand(b, n, generator=g) < 0.8
+        try:
+            block_mask = flex_block_mask(anchors, valid, s, bs)
+        except Exception as exc:  # no C++ compiler for create_block_mask on this host
+            pytest.skip(f"flex_attention unavailable on CPU here: {exc}")
+        q = torch.randn(b, 4, n * bs, d, generator=g)
+        k, v = (torch.randn(b, 2, s + n * bs, d, generator=g) for _ in range(2))
+        torch.testing.assert_close(flex(q, k, v, block_mask=block_mask, enable_gqa=True),
+                                   flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+    assert len(graphs) <= 2, f"{len(graphs)} compiles for 6 batch shapes"

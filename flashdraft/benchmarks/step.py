@@ -200,29 +200,45 @@ def measure(point: dict) -> dict:
             "loss": float(out.loss), "threads": torch.get_num_threads()}
 
 
-def time_interleaved(points: list[dict]) -> list[float]:
+def time_interleaved(points: list[dict]) -> list[float | str]:
     """ms per step of each point, measured in THIS process with the variants alternating step by
-    step (so load from other processes hits all of them alike); min over ``repeat`` rounds."""
+    step (so load from other processes hits all of them alike); min over ``repeat`` rounds. A
+    variant that runs out of GPU memory here (all variants live at once, unlike in the memory
+    subprocesses) gets the error text instead, and the others are still timed."""
     if points[0]["threads"]:
         torch.set_num_threads(points[0]["threads"])
-    steps = []
-    for point in points:
-        drafter, head, inputs = build(point)
-        steps.append(step_fn(point, drafter, head, inputs))
-        steps[-1]()  # warm-up
-    best = [math.inf] * len(points)
+    steps, best = [], [math.inf] * len(points)
+
+    def out_of_memory(i: int, exc: Exception) -> None:
+        steps[i] = None
+        best[i] = f"out of memory while timing with the other variants built: {str(exc).splitlines()[0]}"
+        torch.cuda.empty_cache()
+
+    for i, point in enumerate(points):
+        steps.append(None)
+        try:
+            steps[i] = step_fn(point, *build(point))
+            steps[i]()  # warm-up
+        except torch.OutOfMemoryError as exc:
+            out_of_memory(i, exc)
     for _ in range(points[0]["repeat"]):
         for i, step in enumerate(steps):
+            if step is None:
+                continue
             if points[i]["device"] == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = step()
-            if points[i]["device"] == "cuda":
-                torch.cuda.synchronize()
-            else:
-                out.loss.item()
+            try:
+                out = step()
+                if points[i]["device"] == "cuda":
+                    torch.cuda.synchronize()
+                else:
+                    out.loss.item()
+            except torch.OutOfMemoryError as exc:
+                out_of_memory(i, exc)
+                continue
             best[i] = min(best[i], time.perf_counter() - t0)
-    return [1e3 * t for t in best]
+    return [1e3 * t if isinstance(t, float) else t for t in best]
 
 
 def run_point(point: dict) -> dict:
@@ -248,24 +264,38 @@ def _point(args, seq, anchors, hidden, variant) -> dict:
 
 
 def useful_flops(p: dict) -> float:
-    """FLOPs the step NEEDS (forward + backward, the frozen LM head's weight gets no gradient):
-    each block attends only context j < anchor (S/2 on average) and its own bs slots.
-    Matmul FLOPs only (2 per multiply-add); backward = 2x forward for trained weights."""
+    """FLOPs the step NEEDS, forward + backward: matmuls only, 2 per multiply-add.
+
+    Rows: a block's slot 0 (the anchor) is never scored, so the last layer needs its queries,
+    output projection and MLP, and the head, on the N * (bs - 1) scored rows only; layer 0's
+    q / k / v only on the N + 1 distinct input rows (anchors + MASK). Keys: context j < anchor
+    (S / 2 on average) and the block's own bs slots. Backward: 2x forward where the weight
+    trains and the input needs a gradient; 1x where only one does: the fusion fc and layer 0's
+    q / k / v (inputs: the target's features and embeddings) and the frozen LM head.
+    """
     h, s, n, bs, v, b = p["hidden"], p["seq"], p["anchors"], p["block"], p["vocab"], p["batch"]
     heads = max(1, h // p["head_dim"])
     hkv, d = max(1, heads // 4), h // heads
-    q = n * bs
-    per_layer = 2 * q * (2 * h * heads * d + 2 * h * hkv * d + 3 * h * p["intermediate"])  # projections + MLP
-    per_layer += 2 * 2 * q * heads * d * (s / 2 + bs)  # scores + values over the needed keys
-    per_layer += 2 * s * 2 * h * hkv * d  # context K/V
-    drafter = p["layers"] * per_layer + 2 * s * p["taps"] * h * h  # + fc fusion
-    head = 2 * q * h * v
-    return b * (3 * drafter + 2 * head)
+    q_dim, kv_dim = heads * d, hkv * d
+    rows, scored = n * bs, n * (bs - 1)
+    flops = 2 * 2 * s * p["taps"] * h * h  # fusion fc
+    flops += 2 * 2 * scored * h * v  # LM head
+    for i in range(p["layers"]):
+        out = scored if i == p["layers"] - 1 else rows  # rows whose output is used
+        if i == 0:
+            flops += 2 * 2 * (n + 1) * h * (q_dim + 2 * kv_dim)
+        else:
+            flops += 3 * 2 * h * (out * q_dim + rows * 2 * kv_dim)
+        flops += 3 * 2 * 2 * out * heads * d * (s / 2 + bs)  # scores and values over the needed keys
+        flops += 3 * 2 * out * (q_dim * h + 3 * h * p["intermediate"])  # o_proj + SwiGLU MLP
+        flops += 3 * 2 * s * h * 2 * kv_dim  # context K / V
+    return b * flops
 
 
 def _fmt(r: dict) -> str:
     if "error" in r:
-        return f"{r['variant']} ms_per_step=nan peak_mib=nan ({r['error']})"
+        peak = f"{r['peak_mib']:.1f}" if "peak_mib" in r else "nan"
+        return f"{r['variant']} ms_per_step=nan peak_mib={peak} ({r['error']})"
     return f"{r['variant']} ms_per_step={r['ms_per_step']:.1f} peak_mib={r['peak_mib']:.1f}"
 
 
@@ -312,7 +342,10 @@ def run(args) -> int:
             timed = [v for v in variants if "error" not in row[v] and "ms_min" not in row[v]]
             if timed:  # time: in-process, variants alternating (shared hosts are noisy)
                 for v, ms in zip(timed, time_interleaved([_point(args, seq, anchors, hidden, v) for v in timed])):
-                    row[v]["ms_per_step"] = row[v]["ms_min"] = ms
+                    if isinstance(ms, str):
+                        row[v]["error"] = ms
+                    else:
+                        row[v]["ms_per_step"] = row[v]["ms_min"] = ms
             for variant in variants:
                 results.append(row[variant])
                 print("  " + _fmt(row[variant]), flush=True)
