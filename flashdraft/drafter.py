@@ -270,8 +270,8 @@ def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup) -> torch.Ten
 class _BlockwiseAttention(torch.autograd.Function):
     """Softmax attention of each group over its own keys, backward recomputed per call.
 
-    Only q, k, v and the output are saved: no score matrix, no per-group K/V copy outlives its
-    loop iteration, no repeated KV heads. Every query row sees its own slots, so no row is empty.
+    Saved: q, k, v and the output, plus each call's probabilities with ``keep_probs`` (else
+    they are recomputed); no per-group K/V copy outlives its loop iteration, no repeated KV heads. Every query row sees its own slots, so no row is empty.
     """
 
     @staticmethod
@@ -324,7 +324,8 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan)
         if dtype is not None:
             tensors = [t.to(dtype) for t in tensors]
             calls = [replace(g, bias=g.bias.to(dtype)) for g in calls]
-        return _BlockwiseAttention.apply(*tensors, calls, plan.keep_probs)
+        keep = plan.keep_probs and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return _BlockwiseAttention.apply(*tensors, calls, keep)
 
 
 def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
@@ -359,7 +360,9 @@ def compile_flex(backend: str = "inductor"):
     every S, B and N (tests/test_step_equivalence.py counts them)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
     return torch.compile(flex_attention, dynamic=True, backend=backend)
 
 
@@ -480,7 +483,9 @@ class RotaryEmbedding(Qwen3RotaryEmbedding):
         kept = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
         super()._apply(fn, recurse)
         for name, buf in kept.items():
-            self._buffers[name] = buf.to(device=self._buffers[name].device)  # the new device, the old dtype
+            new = self._buffers[name]
+            if new.dtype != buf.dtype:  # a cast: the new device, the old dtype
+                self._buffers[name] = buf.to(device=new.device)
         return self
 
 

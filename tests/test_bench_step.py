@@ -23,3 +23,36 @@ def test_bench_step_variants_compute_the_same_loss(tmp_path, extra, rtol):
     assert fast["loss"] == pytest.approx(reference["loss"], rel=rtol)
     for row in (fast, reference):
         assert row["ms_per_step"] > 0 and row["peak_mib"] >= 0
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 3])
+def test_a_variant_out_of_memory_while_timing_is_reported_and_the_other_still_timed(monkeypatch, fail_on_call):
+    """All variants live in one process while timed (a GPU point can fit alone and not together):
+    an OOM drops that variant with the error (or keeps the rounds it finished), not the run."""
+    import torch
+
+    from flashdraft.benchmarks import step as bench
+
+    real_step_fn = bench.step_fn
+
+    def step_fn(point, *built):
+        step, calls = real_step_fn(point, *built), [0]
+
+        def failing():
+            calls[0] += 1
+            if calls[0] >= fail_on_call:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            return step()
+
+        return failing if point["variant"] == "reference" else step
+
+    monkeypatch.setattr(bench, "step_fn", step_fn)
+    args = dict(seq=64, anchors=8, hidden=64, layers=2, block=4, vocab=128, batch=1, taps=5, chunk=8,
+                anchors_per_microbatch=0, checkpointing=False, attention="auto", repeat=3, threads=1,
+                device="cpu", dtype="float32", autocast=False, head_dim=64, intermediate=192)
+    fast, reference = bench.time_interleaved([{**args, "variant": v} for v in ("fast", "reference")])
+    assert isinstance(fast, float) and fast > 0
+    if fail_on_call == 1:  # the warm-up: nothing timed
+        assert reference.startswith("out of memory while timing") and "9.00 GiB" in reference
+    else:  # the second timed round: the first round's time stays
+        assert isinstance(reference, float) and reference > 0

@@ -186,15 +186,14 @@ def run_real(args) -> list[dict]:
         if layers < 4:
             raise SystemExit("--target-layers needs 4 or more (the drafter taps 4 of them)")
         job = tiny_job(Path(tmp), layers=layers)
-        k = layers // 4
-        taps = [k - 1 + k * i for i in range(4)]  # 8 layers: [1, 3, 5, 7]; 4: [0, 1, 2, 3]
+        taps = [round((i + 1) * layers / 4) - 1 for i in range(4)]  # 8 layers: [1, 3, 5, 7]; 4: [0, 1, 2, 3]
         print(f"\nreal trainer on CPU: tiny Qwen3 target ({layers} layers, hidden 256, taps {taps}), 1-layer drafter, "
               f"8 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats} (sequential and "
               "pipelined runs alternate)")
         for threads in [int(t) for t in args.threads.split(",")]:
             results = {False: [], True: []}
-            for r in range(args.repeats):  # alternating, so that drift in the machine's load hits both alike
-                for enabled in (False, True):
+            for r in range(args.repeats):  # ABBA order, so that drift in the machine's load hits both alike
+                for enabled in ((False, True) if r % 2 == 0 else (True, False)):
                     results[enabled].append(real_run(job, Path(tmp) / f"run{enabled}{threads}{r}", steps=args.real_steps,
                                                      enabled=enabled, threads=threads, capacity=args.capacity,
                                                      taps=taps))

@@ -210,38 +210,47 @@ def time_interleaved(points: list[dict]) -> list[float | str]:
     subprocesses) gets the error text instead, and the others are still timed."""
     if points[0]["threads"]:
         torch.set_num_threads(points[0]["threads"])
-    steps, best = [], [math.inf] * len(points)
+    steps, best, errors = [], [math.inf] * len(points), [""] * len(points)
 
-    def out_of_memory(i: int, exc: Exception) -> None:
-        steps[i] = None
-        best[i] = f"out of memory while timing with the other variants built: {str(exc).splitlines()[0]}"
-        torch.cuda.empty_cache()
+    def attempt(i: int, fn) -> bool:
+        """Run fn(); on out-of-memory drop variant i (its tensors go with the traceback)."""
+        try:
+            fn()
+            return True
+        except torch.OutOfMemoryError as exc:
+            steps[i] = None
+            errors[i] = f"out of memory while timing with the other variants built: {str(exc).splitlines()[0]}"
+        torch.cuda.empty_cache()  # outside the except block: the failed step's tensors are free now
+        return False
 
     for i, point in enumerate(points):
         steps.append(None)
-        try:
+
+        def build_and_warm_up(i=i, point=point):
             steps[i] = step_fn(point, *build(point))
-            steps[i]()  # warm-up
-        except torch.OutOfMemoryError as exc:
-            out_of_memory(i, exc)
+            steps[i]()
+
+        attempt(i, build_and_warm_up)
     for _ in range(points[0]["repeat"]):
         for i, step in enumerate(steps):
             if step is None:
                 continue
-            if points[i]["device"] == "cuda":
+            cuda = points[i]["device"] == "cuda"
+            if cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            try:
+
+            def timed_step(step=step, cuda=cuda):
                 out = step()
-                if points[i]["device"] == "cuda":
+                if cuda:
                     torch.cuda.synchronize()
                 else:
-                    out.loss.item()
-            except torch.OutOfMemoryError as exc:
-                out_of_memory(i, exc)
-                continue
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return [1e3 * t if isinstance(t, float) else t for t in best]
+                    out.loss.item()  # sync point: the step is done
+
+            t0 = time.perf_counter()
+            if attempt(i, timed_step):
+                best[i] = min(best[i], time.perf_counter() - t0)
+    # A variant that ran out of memory in a later round keeps the time of the rounds it finished.
+    return [1e3 * t if t < math.inf else errors[i] for i, t in enumerate(best)]
 
 
 def run_point(point: dict) -> dict:
