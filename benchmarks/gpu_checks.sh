@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check of this project in one run, for the one device session a task may get
+# (<= 9 minutes on one H200). Each part has its own time limit, so a part that fails or hangs
+# does not eat the others' time. Everything lands in $OUT (default ./gpu_results):
+#   env.txt                      torch, CUDA and the device
+#   gpu_step.txt / .json         the drafter step at the Qwen3-8B point: ms, peak memory,
+#                                achieved TFLOP/s of needed work and its share of peak (issue 9)
+#   gpu_pipeline.txt / .json     the trainer sequential vs pipelined: tokens/s, GPU busy share,
+#                                stage split, loss agreement (issue 5)
+# Then copy the numbers into docs/benchmarks.md.
+#
+#   bash benchmarks/gpu_checks.sh            # on the GPU machine
+#   SMOKE=1 bash benchmarks/gpu_checks.sh    # the same on CPU at toy sizes, in seconds
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-gpu_results} PYTHONPATH=$PWD
+mkdir -p "$OUT"
+python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")' 2>&1 | tee "$OUT/env.txt"
+if [ "${SMOKE:-0}" = 1 ]; then  # the scripts' own flags, then CPU / toy overrides
+  step_args=(--device cpu --dtype float32 --seq 64 --anchors 4 --hidden 128 --head-dim 64 --intermediate 256
+             --layers 1 --taps 2 --vocab 512 --chunk 16 --repeat 1)
+  pipeline_args=(--smoke)
+else
+  step_args=()
+  pipeline_args=()
+fi
+status=0
+timeout "${STEP_TIMEOUT:-270}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_step.json" "${step_args[@]}" 2>&1 \
+  | tee "$OUT/gpu_step.txt" || status=1
+timeout "${PIPELINE_TIMEOUT:-270}" python benchmarks/gpu_pipeline.py "${pipeline_args[@]}" 2>&1 \
+  | tee "$OUT/gpu_pipeline.txt" || status=1
+exit $status
