@@ -379,7 +379,17 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
         # q / k norms return fp32 while v is bf16, and the compiled kernel gets what it is given.
         if dtype is not None:
             q, k, v = (t.to(dtype) for t in (q, k, v))
-        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        try:
+            return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a compile / Triton failure on this GPU and torch: name the way out
+            raise RuntimeError(
+                f"the drafter's compiled flex_attention failed on {torch.cuda.get_device_name(q.device)} "
+                f"(torch {torch.__version__}, q {tuple(q.shape)} {q.dtype}): {type(exc).__name__}: {exc}. "
+                "Set model.drafter_attention=blockwise to train with the exact matmul attention instead "
+                "(slower, more memory), and report the error"
+            ) from exc
 
 
 def _use_lean(module: nn.Module, x: torch.Tensor) -> bool:
