@@ -51,8 +51,8 @@ def test_a_variant_out_of_memory_while_timing_is_reported_and_the_other_still_ti
                 anchors_per_microbatch=0, checkpointing=False, attention="auto", repeat=3, threads=1,
                 device="cpu", dtype="float32", autocast=False, head_dim=64, intermediate=192)
     fast, reference = bench.time_interleaved([{**args, "variant": v} for v in ("fast", "reference")])
-    assert isinstance(fast, float) and fast > 0
+    assert len(fast) == 3 and min(fast) > 0  # all rounds
     if fail_on_call == 1:  # the warm-up: nothing timed
         assert reference.startswith("out of memory while timing") and "9.00 GiB" in reference
     else:  # the second timed round: the first round's time stays
-        assert isinstance(reference, float) and reference > 0
+        assert len(reference) == 1 and reference[0] > 0

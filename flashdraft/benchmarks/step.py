@@ -203,14 +203,15 @@ def measure(point: dict) -> dict:
             "loss": float(out.loss), "threads": torch.get_num_threads()}
 
 
-def time_interleaved(points: list[dict]) -> list[float | str]:
-    """ms per step of each point, measured in THIS process with the variants alternating step by
-    step (so load from other processes hits all of them alike); min over ``repeat`` rounds. A
+def time_interleaved(points: list[dict]) -> list[list[float] | str]:
+    """ms per step of each point in each of ``repeat`` rounds, measured in THIS process with the
+    variants alternating step by step (so load from other processes hits all of them alike). A
     variant that runs out of GPU memory here (all variants live at once, unlike in the memory
-    subprocesses) gets the error text instead, and the others are still timed."""
+    subprocesses) keeps the rounds it finished, or gets the error text if none, and the others
+    are still timed."""
     if points[0]["threads"]:
         torch.set_num_threads(points[0]["threads"])
-    steps, best, errors = [], [math.inf] * len(points), [""] * len(points)
+    steps, rounds, errors = [], [[] for _ in points], [""] * len(points)
 
     def attempt(i: int, fn) -> bool:
         """Run fn(); on out-of-memory drop variant i (its tensors go with the traceback)."""
@@ -248,9 +249,8 @@ def time_interleaved(points: list[dict]) -> list[float | str]:
 
             t0 = time.perf_counter()
             if attempt(i, timed_step):
-                best[i] = min(best[i], time.perf_counter() - t0)
-    # A variant that ran out of memory in a later round keeps the time of the rounds it finished.
-    return [1e3 * t if t < math.inf else errors[i] for i, t in enumerate(best)]
+                rounds[i].append(1e3 * (time.perf_counter() - t0))
+    return [r if r else errors[i] for i, r in enumerate(rounds)]
 
 
 def run_point(point: dict) -> dict:
@@ -356,8 +356,9 @@ def run(args) -> int:
                 for v, ms in zip(timed, time_interleaved([_point(args, seq, anchors, hidden, v) for v in timed])):
                     if isinstance(ms, str):
                         row[v]["error"] = ms
-                    else:
-                        row[v]["ms_per_step"] = row[v]["ms_min"] = ms
+                    else:  # the min over rounds: robust to other processes on a shared host
+                        row[v]["ms_per_step"] = row[v]["ms_min"] = min(ms)
+                        row[v]["ms_rounds"] = ms
             for variant in variants:
                 results.append(row[variant])
                 print("  " + _fmt(row[variant]), flush=True)
@@ -367,8 +368,11 @@ def run(args) -> int:
                 share = f" = {100 * tflops / args.peak_tflops:.1f}% of peak" if args.peak_tflops else ""
                 print(f"  fast achieved {tflops:.3f} TFLOP/s of needed work{share}", flush=True)
             if f and ref and "error" not in f and "error" not in ref:
+                per_round = sorted(r / q for q, r in zip(f.get("ms_rounds", []), ref.get("ms_rounds", [])))
+                spread = (f" (per round: median {per_round[len(per_round) // 2]:.2f}x, range {per_round[0]:.2f}-"
+                          f"{per_round[-1]:.2f}x over {len(per_round)} rounds)" if len(per_round) > 1 else "")
                 print(f"  speedup={ref['ms_per_step'] / f['ms_per_step']:.2f}x "
-                      f"memory_ratio={ref['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x", flush=True)
+                      f"memory_ratio={ref['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x{spread}", flush=True)
         if sweep in ("seq", "anchors"):
             field = "seq" if sweep == "seq" else "anchors"
             for variant in variants:
