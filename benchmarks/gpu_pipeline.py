@@ -62,6 +62,7 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
     from transformers import AutoConfig
 
     from flashdraft.config import load_config
+    from flashdraft.target import default_target_layer_ids
     from flashdraft.trainer import Trainer
 
     stamps: list[float] = []
@@ -72,7 +73,7 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
             stamps.append(time.perf_counter())
             return norm
 
-    taps = [round(1 + i * (layers - 4) / 4) for i in range(5)]
+    taps = default_target_layer_ids(layers, 5)  # DFlash's spread, as for Qwen3-8B
     vocab = AutoConfig.from_pretrained(root / "target").vocab_size  # the last id is the MASK token
     overrides = {
         "model.target": root / "target", "model.mask_token_id": vocab - 1, "model.num_draft_layers": 5,

@@ -268,10 +268,12 @@ def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup) -> torch.Ten
 
 
 class _BlockwiseAttention(torch.autograd.Function):
-    """Softmax attention of each group over its own keys, backward recomputed per call.
+    """Softmax attention of each group over its own keys, calls of groups one after another.
 
-    Saved: q, k, v and the output, plus each call's probabilities with ``keep_probs`` (else
-    they are recomputed); no per-group K/V copy outlives its loop iteration, no repeated KV heads. Every query row sees its own slots, so no row is empty.
+    Saved: q, k, v and the output, plus each call's probabilities with ``keep_probs`` (else the
+    backward recomputes them per call); no score matrix of another call, no per-group K/V copy
+    outlives its loop iteration, no repeated KV heads. Every query row sees its own slots, so
+    no row is empty.
     """
 
     @staticmethod

@@ -143,8 +143,18 @@ def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 6
     return root
 
 
+def tiny_job_taps(layers: int) -> list[int]:
+    """The 4 layers the tiny job's drafter taps, spread to the top: 8 layers [1, 3, 5, 7], 4
+    [0, 1, 2, 3] (DFlash's own spread repeats layers on targets this shallow)."""
+    if layers < 4:
+        raise SystemExit(f"a {layers}-layer tiny target: it needs 4 or more layers (the drafter taps 4 of them)")
+    return [round((i + 1) * layers / 4) - 1 for i in range(4)]
+
+
 def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int,
-             feature_cache_bytes: int = 0, keep_freed_host_memory: bool = True, taps=(1, 3, 5, 7)) -> dict:
+             feature_cache_bytes: int = 0, keep_freed_host_memory: bool = True) -> dict:
+    from transformers import AutoConfig
+
     from flashdraft.config import load_config
     from flashdraft.trainer import Trainer
 
@@ -159,7 +169,7 @@ def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, c
 
     overrides = {
         "model.target": job / "target", "model.mask_token_id": 1023, "model.num_draft_layers": 1,
-        "model.block_size": 8, "model.target_layer_ids": json.dumps(list(taps)), "data.path": job / "data",
+        "model.block_size": 8, "model.target_layer_ids": json.dumps(tiny_job_taps(AutoConfig.from_pretrained(job / "target").num_hidden_layers)), "data.path": job / "data",
         "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
         "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
@@ -183,10 +193,8 @@ def run_real(args) -> list[dict]:
     logging.getLogger("flashdraft").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         layers = args.target_layers
-        if layers < 4:
-            raise SystemExit("--target-layers needs 4 or more (the drafter taps 4 of them)")
+        taps = tiny_job_taps(layers)
         job = tiny_job(Path(tmp), layers=layers)
-        taps = [round((i + 1) * layers / 4) - 1 for i in range(4)]  # 8 layers: [1, 3, 5, 7]; 4: [0, 1, 2, 3]
         print(f"\nreal trainer on CPU: tiny Qwen3 target ({layers} layers, hidden 256, taps {taps}), 1-layer drafter, "
               f"8 x 256 tokens per step, {args.real_steps} steps, median of {args.repeats} (sequential and "
               "pipelined runs alternate)")
@@ -195,8 +203,7 @@ def run_real(args) -> list[dict]:
             for r in range(args.repeats):  # ABBA order, so that drift in the machine's load hits both alike
                 for enabled in ((False, True) if r % 2 == 0 else (True, False)):
                     results[enabled].append(real_run(job, Path(tmp) / f"run{enabled}{threads}{r}", steps=args.real_steps,
-                                                     enabled=enabled, threads=threads, capacity=args.capacity,
-                                                     taps=taps))
+                                                     enabled=enabled, threads=threads, capacity=args.capacity))
             row = {"threads": threads,
                    "sequential_steps_per_s": statistics.median(r["steps_per_s"] for r in results[False]),
                    "pipelined_steps_per_s": statistics.median(r["steps_per_s"] for r in results[True]),
