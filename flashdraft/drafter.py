@@ -32,6 +32,12 @@ _COPIED_FIELDS = (
     "rope_parameters", "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id",
     "pad_token_id", "initializer_range",
 )
+# RoPE settings of a hybrid target's OWN attention that the drafter (plain Qwen3 attention: every
+# head dim rotated, 1-D positions) does not use. Copied, they would make the config say one thing
+# and training do another: vLLM and SGLang read partial_rotary_factor (Qwen3-Next / Qwen3.5: 0.25)
+# and would rotate a quarter of each head, while transformers' Qwen3 rotary, which the drafter
+# trains with, rotates all of it.
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
 def drafter_config_from_target(
@@ -41,7 +47,10 @@ def drafter_config_from_target(
     src = target_config.to_dict()
     cfg = {key: src[key] for key in _COPIED_FIELDS if key in src}
     cfg.setdefault("head_dim", src["hidden_size"] // src["num_attention_heads"])
-    rope = src.get("rope_parameters") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key] = {k: v for k, v in cfg[key].items() if k not in _TARGET_ONLY_ROPE_KEYS}
+    rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]  # older loaders read the top-level field
     cfg.setdefault("attention_bias", False)

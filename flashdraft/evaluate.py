@@ -99,8 +99,9 @@ def evaluate_tau(
             ref = references[i] if references is not None else greedy_generate(target, prompt, max_new_tokens, eos_ids)
             greedy_s += ref.seconds
             lossless &= ref.tokens == gen.tokens
+    taus = [t for t in taus if t == t]  # a prompt that ended at once ran no draft step: no tau
     report = {
-        "tau": float(np.nanmean(taus)),
+        "tau": float(np.mean(taus)) if taus else float("nan"),
         "per_position_acceptance": _per_position_acceptance(accepted_all, bs),
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,

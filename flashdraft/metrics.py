@@ -330,9 +330,14 @@ class MetricsSink(Protocol):
 
 
 def _jsonable(v: Any) -> Any:
-    # Strict JSON has no NaN/Infinity; a diverged loss must still be visible, so name it.
+    # Strict JSON has no NaN/Infinity; a diverged loss must still be visible, so name it. Lists
+    # too: an eval in which no draft step ran has NaN per-position acceptances.
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
     return v
 
 

@@ -3,8 +3,10 @@
 The loop (DFLASH.md): prefill the target on the prompt; its taps become the drafter's context
 and its argmax the first token x. Each step drafts [x, MASK * (bs - 1)] in ONE drafter forward,
 verifies [x, d1 .. d(bs-1)] in ONE target forward, accepts the longest prefix of drafts equal to
-the target's argmax, commits it plus the target's own next token (the bonus), crops the target
-cache back and appends the verified rows' taps to the drafter's context. tau of a step is
+the target's argmax, commits it plus the target's own next token (the bonus), rewinds the target
+cache to the kept tokens (cropping attention layers; a hybrid target's recurrent layers are
+restored and re-run over the kept tokens, target.rewind_cache) and appends the verified rows'
+taps to the drafter's context. tau of a step is
 accepted + 1; greedy verification makes the output identical to the target's greedy output.
 """
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.target import TargetModel, crop_cache
+from flashdraft.target import TargetModel, mark_cache, rewind_cache
 
 
 @dataclass
@@ -75,6 +77,7 @@ def _draft_and_verify(target: TargetModel, prompt: list[int], max_new_tokens: in
     start = len(prompt)  # position of x
     while len(out) < max_new_tokens and x not in eos_ids:
         drafts = propose(x, prompt + out)
+        mark = mark_cache(cache)
         logits, taps = target.forward_with_cache(torch.tensor([[x] + drafts], device=device), cache, start)
         predicted = logits[0].argmax(-1).tolist()  # predicted[i]: the target's token for position start + i + 1
         accepted = 0
@@ -83,7 +86,7 @@ def _draft_and_verify(target: TargetModel, prompt: list[int], max_new_tokens: in
         committed = drafts[:accepted] + [predicted[accepted]]  # the accepted drafts + the bonus token
         out.extend(committed)
         accepted_log.append(accepted)
-        crop_cache(cache, start + accepted + 1)  # keep x, d1..da
+        rewind_cache(target, cache, mark, [x] + drafts[:accepted])  # keep x, d1..da
         if on_verified:
             on_verified(taps[:, : accepted + 1], accepted)
         start += accepted + 1

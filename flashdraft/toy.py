@@ -141,7 +141,9 @@ def train_toy_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 51
 def tiny_causal_lm(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int = 4, hidden: int = 64,
                    num_heads: int = 4, num_kv_heads: int = 2, intermediate: int | None = None,
                    max_position_embeddings: int = 2048, seed: int = 0):
-    """A randomly initialised Qwen3ForCausalLM / LlamaForCausalLM, fp32, in eval mode.
+    """A randomly initialised causal LM, fp32, in eval mode: ``arch`` "qwen3" (Qwen3ForCausalLM),
+    "llama" (LlamaForCausalLM) or "qwen3_5" (Qwen3_5ForCausalLM, the hybrid text model: gated
+    delta-net linear attention, full attention in every fourth layer and the last).
 
     ``vocab_size`` is ``len(tokenizer)`` (added tokens included) when a tokenizer is given;
     bos/eos/pad ids are copied from it. ``seed`` makes the weights reproducible.
@@ -166,8 +168,21 @@ def tiny_causal_lm(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int
         config, cls = Qwen3Config(**common), Qwen3ForCausalLM
     elif arch == "llama":
         config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        head_dim = hidden // num_heads
+        # Qwen3.5's pattern (full attention every 4th layer), and always in the last layer: an
+        # all-linear stack has no attention layer to tell its cache length (transformers refuses).
+        layer_types = ["full_attention" if i % 4 == 3 or i == num_layers - 1 else "linear_attention"
+                       for i in range(num_layers)]
+        config = Qwen3_5TextConfig(
+            **common, layer_types=layer_types, linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        )
+        cls = Qwen3_5ForCausalLM
     else:
-        raise ValueError(f"unknown arch {arch!r}; use qwen3 or llama")
+        raise ValueError(f"unknown arch {arch!r}; use qwen3, llama or qwen3_5")
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     if "eos_token_id" in ids:

@@ -364,6 +364,14 @@ class Trainer:
     def maybe_resume(self) -> bool:
         mode = self.config.train.resume
         if mode == "never":
+            if existing := self.checkpoints.checkpoints():
+                # Starting over here would overwrite the earlier run's export and prune its
+                # checkpoints (they are newer than the fresh run's first one): refuse instead.
+                raise ValueError(
+                    f"train.resume=never, but {self.checkpoints.root} holds checkpoints of an earlier run (newest "
+                    f"{existing[0].name}), which a fresh run there would overwrite and prune; use another "
+                    f"train.output_dir, or delete {self.config.train.output_dir} yourself to start over"
+                )
             return False
         loaded = self.checkpoints.load_latest() if mode == "auto" else self.checkpoints.load(mode)
         if loaded is None:
@@ -375,7 +383,7 @@ class Trainer:
         except RuntimeError as exc:  # e.g. another target (hidden size) behind the same model.target path
             raise ValueError(f"cannot resume from {self.checkpoints.root}: its drafter does not fit "
                              f"this target/config ({str(exc).splitlines()[0]} ...); use the target it was trained "
-                             "with, or start a fresh run with another train.output_dir (or train.resume=never)") from None
+                             "with, or start a fresh run with another train.output_dir") from None
         self.optimizer.load_state_dict(parts["optimizer"])
         self.scheduler.load_state_dict(parts["scheduler"])
         trainer = parts["trainer"]
@@ -398,7 +406,7 @@ class Trainer:
         if diffs:
             raise ValueError(
                 f"cannot resume from {self.checkpoints.root}: the config changed ({'; '.join(diffs)}); restore those "
-                "values, or start a fresh run with another train.output_dir (or train.resume=never)"
+                "values, or start a fresh run with another train.output_dir"
             )
 
     # ---- the step ---------------------------------------------------------------------------
@@ -530,10 +538,10 @@ class Trainer:
             return placement.serve_features(self)
         cfg = self.config
         main = self.dist.is_main
+        self.maybe_resume()  # before anything is written: a refused resume leaves the directory as it was
         if main:
             self.output.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output / "config.yaml")
-        self.maybe_resume()
         metrics = open_metrics(self.output, cfg.train.metrics, is_main=main, config=cfg.to_dict())
         progress = Progress(self.total_steps, self.step, enabled=main)
         speed = Throughput()

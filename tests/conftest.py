@@ -23,6 +23,7 @@ from flashdraft.data.shards import write_token_shard
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import write_prompts
 from flashdraft.target import TargetModel
+from flashdraft.toy import tiny_causal_lm
 
 VOCAB = 300
 MASK_ID = VOCAB - 1
@@ -45,6 +46,12 @@ def tiny_llama(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> LlamaFor
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_5(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.nn.Module:
+    """A tiny hybrid target (Qwen3.5 text: gated delta-net linear attention + full attention)."""
+    return tiny_causal_lm(VOCAB, arch="qwen3_5", num_layers=num_layers, hidden=hidden, seed=seed,
+                          max_position_embeddings=512)
 
 
 @pytest.fixture
@@ -216,8 +223,12 @@ def fresh_dist(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_job(tmp_path_factory) -> Path:
     """A saved tiny target and a dataset of its own greedy continuations (like regenerated data)."""
-    root = tmp_path_factory.mktemp("job")
-    model = tiny_qwen3(num_layers=4, hidden=32, seed=1)
+    return make_job(tmp_path_factory.mktemp("job"), tiny_qwen3(num_layers=4, hidden=32, seed=1))
+
+
+def make_job(root: Path, model) -> Path:
+    """``model`` saved as root/target, train / heldout shards of its greedy continuations of
+    random 6-token prompts, and the heldout prompts as eval prompts."""
     with torch.no_grad():  # a confident head: random init gives near-uniform logits no drafter could match
         model.lm_head.weight.mul_(30)
     model.save_pretrained(root / "target")

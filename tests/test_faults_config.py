@@ -89,9 +89,22 @@ def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tm
     first.save_checkpoint()  # step 0: what a preempted run leaves behind
     changed = Trainer(load_config(overrides=overrides(tiny_job, out, **change)))
     with pytest.raises(ValueError, match=message + r".*restore those values, or start a fresh run with another "
-                                                   r"train.output_dir \(or train.resume=never\)"):
+                                                   r"train.output_dir"):
         changed.fit()
     assert changed.step == 0
+
+
+def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tiny_job, tmp_path):  # noqa: F811
+    """train.resume=never in a directory that holds checkpoints would prune them (they are newer
+    than the fresh run's first save) and overwrite the export: it is refused, nothing touched."""
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2))).fit()
+    before = sorted(p.name for p in (out / "checkpoints").iterdir()), (out / "config.yaml").read_text()
+    fresh = Trainer(load_config(overrides=overrides(tiny_job, out, train__resume="never")))
+    with pytest.raises(ValueError, match=r"train.resume=never, but .*checkpoints.* holds checkpoints of an earlier "
+                                         r"run \(newest step_0+4\).*use another train.output_dir"):
+        fresh.fit()
+    assert (sorted(p.name for p in (out / "checkpoints").iterdir()), (out / "config.yaml").read_text()) == before
 
 
 # ---- security -----------------------------------------------------------------------------

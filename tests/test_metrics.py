@@ -122,12 +122,13 @@ def test_jsonl_sink_writes_one_flushed_object_per_line(tmp_path):
     # Flushed: readable before close, as a crash would leave it.
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 10 and first["loss"] == 2.5 and first["note"] == "warmup" and "time" in first
-    sink.log(20, {"loss": float("nan"), "grad_norm": float("inf")})
+    # An eval with no draft step at all (every prompt ended at once) has NaN acceptances.
+    sink.log(20, {"loss": float("nan"), "grad_norm": float("inf"), "eval_acceptance": [float("nan"), 0.5]})
     sink.close()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     second = json.loads(lines[1])  # strict JSON even for a diverged loss
-    assert second["loss"] == "nan" and second["grad_norm"] == "inf"
+    assert second["loss"] == "nan" and second["grad_norm"] == "inf" and second["eval_acceptance"] == ["nan", 0.5]
     sink2 = JsonlSink(tmp_path / "run" / "metrics.jsonl")  # resumed run appends
     sink2.log(30, {"loss": 1.0})
     sink2.close()

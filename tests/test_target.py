@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids
-from conftest import VOCAB, tiny_llama, tiny_qwen3
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids, mark_cache, rewind_cache
+from conftest import VOCAB, tiny_llama, tiny_qwen3, tiny_qwen3_5
 
 
 def test_default_tap_ids_follow_dflash():
@@ -18,7 +19,7 @@ def test_default_taps_refuse_duplicates_on_shallow_targets():
         default_target_layer_ids(4, 3)  # the formula gives [1, 1, 1]
 
 
-@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama, tiny_qwen3_5], ids=["qwen3", "llama", "qwen3_5-hybrid"])
 def test_tap_i_is_hidden_states_i_plus_1_for_every_layer(build):
     model = build()
     ids = torch.randint(0, VOCAB, (2, 17))
@@ -29,14 +30,15 @@ def test_tap_i_is_hidden_states_i_plus_1_for_every_layer(build):
         assert torch.equal(target.features(ids), full[layer + 1]), layer
 
 
-def test_features_pack_taps_in_order_and_honour_padding():
-    model = tiny_qwen3()
-    target = TargetModel(model, [4, 1, 2])
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5], ids=["qwen3", "qwen3_5-hybrid"])
+def test_features_pack_taps_in_order_and_honour_padding(build):
+    model = build()
+    target = TargetModel(model, [3, 1, 2])
     ids = torch.randint(0, VOCAB, (2, 12))
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
     full = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    expected = torch.cat([full[5], full[2], full[3]], dim=-1)
+    expected = torch.cat([full[4], full[2], full[3]], dim=-1)
     assert target.features(ids, mask).shape == (2, 12, 3 * 64)
     torch.testing.assert_close(target.features(ids, mask), expected, rtol=0, atol=0)
 
@@ -129,3 +131,53 @@ def test_cache_crop_matches_a_fresh_forward(target):
     logits, taps = target.forward_with_cache(ids[:, :15], fresh, 0)
     torch.testing.assert_close(cropped_logits, logits[:, 12:15], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cropped_taps, taps[:, 12:15], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5], ids=["qwen3", "qwen3_5-hybrid"])
+@pytest.mark.parametrize("kept", [1, 3, 6])  # 6: the whole verified block is kept (nothing to undo)
+def test_rewind_after_a_verification_equals_a_cache_that_never_saw_the_rejected_tokens(build, kept):
+    """The draft / verify loop's rollback. A hybrid target's linear-attention layers keep one
+    recurrent state that a forward overwrites, so cropping cannot undo it: rewind_cache restores
+    the marked state and re-runs the kept tokens. Afterwards the cache must continue exactly
+    like a fresh one that only ever saw prompt + kept."""
+    target = TargetModel(build(seed=2), [1, 2])
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(kept))
+    cache = target.new_cache()
+    target.forward_with_cache(ids[:, :10], cache, 0)
+    mark = mark_cache(cache)
+    assert mark.length == 10 and bool(mark.states) == (build is tiny_qwen3_5)
+    target.forward_with_cache(ids[:, 10:16], cache, 10)  # the verification of a 6-token block
+    rewind_cache(target, cache, mark, ids[0, 10:10 + kept].tolist())
+    assert cache.get_seq_length() == 10 + kept
+    logits, taps = target.forward_with_cache(ids[:, 10 + kept:20], cache, 10 + kept)
+    fresh_logits, fresh_taps = target.forward_with_cache(
+        torch.cat([ids[:, :10 + kept], ids[:, 10 + kept:20]], 1), target.new_cache(), 0)
+    torch.testing.assert_close(logits, fresh_logits[:, 10 + kept:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(taps, fresh_taps[:, 10 + kept:], rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_cache_cannot_be_cropped_so_rewinding_is_needed():
+    """Guards the test above: without the restore + re-run, the hybrid cache is wrong (or
+    transformers refuses to crop it)."""
+    target = TargetModel(tiny_qwen3_5(seed=2), [1, 2])
+    ids = torch.randint(0, VOCAB, (1, 16))
+    cache = target.new_cache()
+    target.forward_with_cache(ids, cache, 0)
+    with pytest.raises(RuntimeError):
+        crop_cache(cache, 12)
+
+
+def test_drafter_of_a_hybrid_target_rotates_every_head_dim_as_its_config_says():
+    """Qwen3.5 / Qwen3-Next rotate a quarter of each head (partial_rotary_factor 0.25) in their
+    own attention. The drafter is plain Qwen3 attention and trains with full RoPE, so its
+    config.json must not carry the target's partial factor: vLLM / SGLang read it and would
+    rotate q / k unlike training."""
+    target = TargetModel(tiny_qwen3_5(), [1, 2])
+    assert target.config.to_dict()["rope_parameters"]["partial_rotary_factor"] == 0.25  # the premise
+    drafter = DFlashDrafter.for_target(target, num_layers=1, block_size=4, mask_token_id=VOCAB - 1)
+    rope = drafter.config["rope_parameters"]
+    assert "partial_rotary_factor" not in rope and rope["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    x = torch.zeros(1, 3, drafter.config["hidden_size"])
+    cos, sin = drafter.rope(torch.arange(1, 4).unsqueeze(0), x)
+    head_dim = drafter.config["head_dim"]
+    assert cos.shape[-1] == head_dim and bool((sin[..., head_dim // 2 - 1] != 0).all())  # the last pair rotates too

@@ -24,7 +24,7 @@ def test_tokenizer_roundtrips_through_save_pretrained(style, tmp_path):
     assert again.decode(tok.encode("héllo wörld ✓", add_special_tokens=False)) == "héllo wörld ✓"
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
 def test_tiny_model_covers_the_vocab(arch):
     tok = train_toy_tokenizer(template="qwen3")
     model = tiny_causal_lm(tok, arch=arch, num_layers=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from conftest import REPO, final_drafter, overrides, results, run_ranks
+from conftest import REPO, final_drafter, make_job, overrides, results, run_ranks, tiny_qwen3_5
 from flashdraft.config import load_config
 from flashdraft.trainer import Trainer, train
 
@@ -31,6 +31,23 @@ def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
     assert (tmp_path / "run" / "config.yaml").is_file()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert any("time/drafter_share" in line and "pipe/target_busy_ms" in line for line in lines)
+
+
+def test_a_hybrid_linear_attention_target_trains_evaluates_and_exports(tmp_path_factory, tmp_path):
+    """Qwen3.5-style target (gated delta-net layers + full attention), the whole job: taps from
+    its forward, training, periodic eval by real draft / verify decoding (whose cache rewinds
+    restore the recurrent states, target.rewind_cache), and an export whose config.json says
+    the RoPE the drafter trained with."""
+    job = make_job(tmp_path_factory.mktemp("hybrid"), tiny_qwen3_5(hidden=32, seed=1))
+    cfg = load_config(overrides=overrides(job, tmp_path / "run", train__max_steps=20, optim__lr="1e-2",
+                                          data__eval_prompts=job / "prompts.jsonl", train__eval_max_new_tokens=12))
+    trainer = Trainer(cfg)
+    result = trainer.fit()
+    losses = [h["loss"] for h in trainer.history if "loss" in h]
+    assert losses[-1] < 0.8 * losses[0]
+    assert result["eval_tau"] >= 1.0
+    exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert "partial_rotary_factor" not in exported["rope_parameters"]
 
 
 def test_target_gets_no_gradient_and_no_optimizer_state(tiny_job, tmp_path):
