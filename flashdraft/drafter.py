@@ -11,6 +11,7 @@ drafter owns no embedding and no LM head: callers embed block tokens with the ta
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,9 @@ def drafter_config_from_target(
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]  # older loaders read the top-level field
+    if "rope_scaling" not in cfg and rope.get("rope_type", "default") != "default":
+        # ... and their scaling (YaRN, linear, llama3) from rope_scaling, in its legacy form
+        cfg["rope_scaling"] = {"type": rope["rope_type"], **{k: v for k, v in rope.items() if k != "rope_theta"}}
     cfg.setdefault("attention_bias", False)
     cfg.update(
         architectures=["DFlashDraftModel"],
@@ -78,7 +82,8 @@ def drafter_config_from_target(
 
 def _qwen3_config(cfg: dict) -> Qwen3Config:
     keys = set(_COPIED_FIELDS) | {"num_hidden_layers", "layer_types"}
-    return Qwen3Config(**{k: v for k, v in cfg.items() if k in keys and v is not None})
+    # deep copies: Qwen3Config standardises rope dicts in place, which would change what we save
+    return Qwen3Config(**{k: copy.deepcopy(v) for k, v in cfg.items() if k in keys and v is not None})
 
 
 def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -662,6 +667,24 @@ class ContextCache:
         self.values = [v[:, :, :length] for v in self.values]
 
 
+# Config keys of newer DFlash checkpoints whose behaviour this drafter does not implement: a
+# drafter loaded while ignoring them would draft unlike the one that was trained (wrong tau).
+_UNSUPPORTED_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+
+
+def _check_supported(config: dict, where) -> None:
+    """Refuse, with the reason, a drafter config whose layers differ from the full-attention
+    Qwen3 layers implemented here (sliding-window layers, scaled embeddings or outputs)."""
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    problems = [f"layer_types {sorted(kinds)} (only full_attention layers are implemented)"] if kinds != {"full_attention"} else []
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        problems.append(f"use_sliding_window with sliding_window={config['sliding_window']}")
+    problems += [f"{key}={config[key]!r}" for key in _UNSUPPORTED_KEYS if config.get(key) not in (None, 1, 1.0)]
+    if problems:
+        raise ValueError(f"{where}: this DFlash drafter uses {'; '.join(problems)}, which flashdraft does not "
+                         "implement; evaluating or fine-tuning it here would give a different drafter")
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. ``config`` is the serving config.json dict."""
 
@@ -683,7 +706,8 @@ class DFlashDrafter(nn.Module):
         self.activation_checkpointing = bool(activation_checkpointing)
         self.config = dict(config)
         qcfg = _qwen3_config(self.config)
-        self.block_size = int(self.config["block_size"])
+        # newer exports may keep it only inside dflash_config
+        self.block_size = int(self.config.get("block_size") or self.config["dflash_config"]["block_size"])
         self.mask_token_id = int(self.config["dflash_config"]["mask_token_id"])
         self.target_layer_ids = list(self.config["dflash_config"]["target_layer_ids"])
         hidden = qcfg.hidden_size
@@ -879,6 +903,7 @@ class DFlashDrafter(nn.Module):
         config = json.loads((path / "config.json").read_text())
         if "DFlashDraftModel" not in config.get("architectures", []):
             raise ValueError(f"{path}/config.json: not a DFlash drafter (architectures={config.get('architectures')})")
+        _check_supported(config, path / "config.json")
         model = cls(config)
         state = load_file(path / "model.safetensors")
         missing, unexpected = model.load_state_dict(state, strict=False)

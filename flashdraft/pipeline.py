@@ -424,11 +424,12 @@ class Pipeline:
         except Cancelled:
             pass
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
-            exc.add_note(f"(raised in pipeline stage {name!r}, thread {threading.current_thread().name})")
             with self._error_lock:
                 if self._error is None:
                     self._error = exc
             self._cancel_all()
+            if hasattr(exc, "add_note"):  # Python >= 3.11; after the cancel, which must happen whatever this does
+                exc.add_note(f"(raised in pipeline stage {name!r}, thread {threading.current_thread().name})")
 
     def _source_loop(self) -> None:
         meter, out = self._meters[0], self._channels[0]

@@ -94,6 +94,10 @@ def _draft_and_verify(target: TargetModel, prompt: list[int], max_new_tokens: in
         if any(t in eos_ids for t in committed):
             break
     stop = _stop_index(out, eos_ids, max_new_tokens)
+    if accepted_log and stop < len(out):
+        # The last step crossed eos or max_new_tokens: count only the tokens it added that are
+        # kept (at least the first), as tau is tokens output per verification.
+        accepted_log[-1] -= len(out) - stop
     return Generation(out[:stop], accepted_log, time.perf_counter() - begin)
 
 

@@ -1,6 +1,7 @@
 """Drafter conventions: visibility, train/infer equivalence, serving export."""
 
 import json
+import tempfile
 
 import pytest
 import torch
@@ -134,8 +135,14 @@ def test_rope_scaling_is_copied_and_used():
     target = TargetModel(model, [1, 2])
     drafter = make_drafter(target)
     assert drafter.config["rope_parameters"] == {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0}
-    inv = drafter.rotary_emb.inv_freq
-    torch.testing.assert_close(inv, 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16)) / 4.0)
+    # the legacy fields too, for serving builds whose loaders read rope_theta / rope_scaling
+    assert drafter.config["rope_theta"] == 5000.0
+    assert drafter.config["rope_scaling"] == {"type": "linear", "rope_type": "linear", "factor": 4.0}
+    expected = 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16)) / 4.0
+    torch.testing.assert_close(drafter.rotary_emb.inv_freq, expected)
+    with tempfile.TemporaryDirectory() as d:  # and the export loads back with the same frequencies
+        drafter.save_pretrained(d)
+        torch.testing.assert_close(DFlashDrafter.from_pretrained(d).rotary_emb.inv_freq, expected)
 
 
 def test_rope_frequencies_stay_fp32_when_the_drafter_is_cast(tmp_path, target):
@@ -211,3 +218,103 @@ def test_rope_equals_transformers_apply_rotary_pos_emb_values_and_grads():
         results.append((qo.detach(), ko.detach(), qi.grad, ki.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """One block written from DFLASH.md alone, on the exported tensors by name: ctx =
+    hidden_norm(fc(taps)) at positions 0..a-1 (never through a layer's input norm); in every layer
+    queries from the block only, keys / values = [k/v_proj(ctx) ; k/v_proj(block)] with the same
+    weights and k_norm for both, RoPE (rotate-half, inv_freq = theta^(-2i/d)) on the queries and on
+    all keys, no mask (the block sees all of ctx and itself); pre-norm SwiGLU layers; final norm.
+    Independent of DFlashDrafter's code: no module of it runs here."""
+    d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(x, positions):  # x [T, heads, d]
+        angle = positions[:, None].double() / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        cos, sin = (torch.cat([f(angle)] * 2, -1).float()[:, None] for f in (torch.cos, torch.sin))
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    def w(name):
+        return weights[name]
+
+    ctx = rms(taps @ w("fc.weight").T, w("hidden_norm.weight"))
+    a, t = ctx.shape[0], block.shape[0]
+    pos_ctx, pos_blk = torch.arange(a), torch.arange(a, a + t)
+    x = block
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, w(p + "input_layernorm.weight"))
+
+        def keys(src, pos):
+            return rope(rms((src @ w(p + "self_attn.k_proj.weight").T).view(-1, nkv, d), w(p + "self_attn.k_norm.weight")), pos)
+
+        q = rope(rms((h @ w(p + "self_attn.q_proj.weight").T).view(t, nh, d), w(p + "self_attn.q_norm.weight")), pos_blk)
+        k = torch.cat([keys(ctx, pos_ctx), keys(h, pos_blk)]).repeat_interleave(nh // nkv, dim=1)
+        v = torch.cat([ctx, h]) @ w(p + "self_attn.v_proj.weight").T
+        v = v.view(-1, nkv, d).repeat_interleave(nh // nkv, dim=1)
+        attn = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5, dim=-1)
+        x = x + torch.einsum("hqk,khd->qhd", attn, v).reshape(t, nh * d) @ w(p + "self_attn.o_proj.weight").T
+        m = rms(x, w(p + "post_attention_layernorm.weight"))
+        gate, up = m @ w(p + "mlp.gate_proj.weight").T, m @ w(p + "mlp.up_proj.weight").T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+    return rms(x, w("norm.weight"))
+
+
+def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path):
+    """Golden test against an independent implementation of the architecture (above), so that a
+    convention broken in code the training and inference paths share (fusion, KV injection, RoPE
+    on the context keys, no input norm on the context) cannot pass by agreeing with itself."""
+    drafter = make_drafter(target, num_layers=2, block_size=8)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # weights far from init, norms included, so every term shows
+        for name, p in drafter.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name else 0.15 * torch.randn(p.shape, generator=g))
+    drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    weights = load_file(tmp_path / "model.safetensors")
+    ids, anchors, valid, block_ids = _blocks(target, seed=3)
+    features = target.features(ids)
+    with torch.no_grad():
+        trained = drafter(features, target.embed(block_ids), anchors, valid)  # the training forward, all blocks
+        checked = 0
+        for n in range(anchors.shape[1]):
+            a = int(anchors[0, n])
+            if not valid[0, n] or a == 0:
+                continue
+            expected = _dflash_block_from_the_spec(weights, cfg, features[0, :a], target.embed(block_ids[0, n]))
+            cache = drafter.new_cache()
+            drafter.extend_context(cache, features[:1, :a])
+            torch.testing.assert_close(drafter.forward_block(cache, target.embed(block_ids[:1, n]))[0], expected,
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(trained[0, n], expected, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.parametrize("change", [
+    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+    {"use_sliding_window": True, "sliding_window": 64},
+    {"final_logit_softcapping": 30.0},
+])
+def test_loading_a_drafter_with_layers_flashdraft_does_not_implement_is_refused(target, tmp_path, change):
+    """Newer public DFlash checkpoints may use sliding-window layers (causal, windowed) or scaled
+    outputs; silently loading them as full-attention layers would evaluate another drafter."""
+    drafter = make_drafter(target, num_layers=2)
+    drafter.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=r"config.json: this DFlash drafter uses .*which flashdraft does not implement"):
+        DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_block_size_may_live_in_dflash_config_only(target, tmp_path):
+    make_drafter(target, block_size=8).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    block_size = cfg.pop("block_size")
+    cfg["dflash_config"]["block_size"] = block_size
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert DFlashDrafter.from_pretrained(tmp_path).block_size == 8

@@ -125,6 +125,39 @@ def test_a_failing_stage_reaches_the_consumer_with_its_traceback(where):
     assert pipe.alive_threads() == []
 
 
+class _NoNotes(Exception):
+    """An exception without add_note, as every exception is on Python 3.10."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_failing_stage_reaches_the_consumer_on_python_3_10_too():
+    """Python 3.10 has no add_note: the failure must still cancel the pipeline and reach the
+    consumer (an AttributeError inside the handler once left the consumer waiting forever)."""
+    def fails(x):
+        raise _NoNotes("target exploded")
+
+    pipe = Pipeline(iter(range(100)), [Stage("target", fails)], capacity=2)
+    caught = []
+
+    def consume():
+        try:
+            with pipe:
+                for _ in pipe:
+                    pass
+        except BaseException as exc:  # noqa: BLE001
+            caught.append(exc)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the consumer hangs"
+    assert len(caught) == 1 and isinstance(caught[0], _NoNotes)
+
+
 def test_consumer_failure_or_early_exit_does_not_hang_blocked_producers():
     produced = []
 
