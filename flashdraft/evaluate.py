@@ -34,6 +34,26 @@ def read_prompts(path: str | os.PathLike) -> list[list[int]]:
     return prompts
 
 
+def check_prompts_fit(prompts: list[list[int]], vocab_size: int, path) -> None:
+    """Every prompt id must index the target's embedding table (else a bare IndexError mid-eval)."""
+    for line_no, ids in enumerate(prompts, 1):
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"{path}: prompt {line_no} has token id {max(ids) if max(ids) >= vocab_size else min(ids)} "
+                             f"outside the target's vocabulary [0, {vocab_size}): were the prompts tokenized with "
+                             "this target's tokenizer?")
+
+
+def check_drafter_fits(drafter: DFlashDrafter, target: TargetModel, drafter_dir, target_dir) -> None:
+    """A drafter trained for another target fails with a clear message, not a shape error."""
+    cfg = drafter.config
+    wanted = {"hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
+              "vocab_size": target.embed.num_embeddings}
+    diffs = [f"{k} {cfg.get(k)} vs {v}" for k, v in wanted.items() if cfg.get(k) is not None and cfg.get(k) != v]
+    if diffs:
+        raise ValueError(f"{drafter_dir} was trained for another target than {target_dir} ({', '.join(diffs)}: "
+                         "drafter vs target); evaluate it with the target it was trained on")
+
+
 def write_prompts(path: str | os.PathLike, prompts: list[list[int]]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -146,17 +166,23 @@ def run(args) -> int:
     if args.drafter is None and args.baseline is None:
         print("flashdraft eval: give --drafter DIR (or --baseline ngram)", file=sys.stderr)
         return 2
+    if args.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        print(f"flashdraft eval: --dtype {args.dtype!r}: use auto, bfloat16, float16 or float32", file=sys.stderr)
+        return 2
     drafter = None
-    layer_ids = None
+    layer_ids = [0]  # the n-gram baseline reads no taps
     if args.drafter:
         cfg = json.loads((Path(args.drafter) / "config.json").read_text())
         layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     target = TargetModel.from_pretrained(args.target, target_layer_ids=layer_ids, device=args.device, dtype=args.dtype)
+    check_prompts_fit(prompts, target.embed.num_embeddings, args.prompts)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=target.dtype, device=args.device).eval()
+        check_drafter_fits(drafter, target, args.drafter, args.target)
     eos = [] if args.no_eos else eos_ids_of(args.target, target.config)
     report = evaluate_tau(
-        target, drafter, read_prompts(args.prompts), max_new_tokens=args.max_new_tokens, eos_ids=eos,
+        target, drafter, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
         baseline=args.baseline, block_size=args.block_size or (drafter.block_size if drafter else 16),
     )
     text = json.dumps(report, indent=2)

@@ -120,3 +120,30 @@ def test_cli_prepare(workdir, tmp_path, capsys):
     meta = read_token_shard(tmp_path / "cli")[0]
     assert meta["source"]["options"]["min_supervised"] == 16 and not meta["source"]["options"]["supervise_thinking"]
     assert "samples/s" in capsys.readouterr().out
+
+
+def test_out_never_deletes_a_directory_that_is_not_a_shard(workdir, tmp_path):
+    """--out pointed at a directory of other files (the inputs' own, '.', home) is refused before
+    any work; an older shard, or an empty directory, is replaced."""
+    d, _ = workdir
+    mine = tmp_path / "important"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match=r"important: exists and is not a token shard .*Choose a new output directory"):
+        prepare([d / "chats.jsonl"], d / "tok-qwen3", mine, max_length=512, min_supervised=16, num_workers=1,
+                progress=False)
+    assert (mine / "notes.txt").read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["important"]
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # into an empty directory, then over its own (older) shard
+        prepare([d / "chats.jsonl"], d / "tok-qwen3", tmp_path / "empty", max_length=512, min_supervised=16,
+                num_workers=1, progress=False, force=True)
+    assert read_token_shard(tmp_path / "empty")[0]["num_samples"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "important"]  # no .tmp- / .old- left
+
+
+def test_cli_prepare_fails_when_no_sample_is_left_and_says_why(workdir, tmp_path, capsys):
+    d, _ = workdir
+    rc = main(["prepare", str(d / "chats.jsonl"), "--tokenizer", str(d / "tok-qwen3"), "--out", str(tmp_path / "o"),
+               "--max-length", "8", "--workers", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no usable sample" in err and "raise --max-length or lower --min-supervised" in err

@@ -254,8 +254,16 @@ def thinking_flag(value: str) -> bool | None:
 
 
 def run(args) -> int:
-    prepare(args.inputs, args.tokenizer, args.out, max_length=args.max_length,
-            min_supervised=args.min_supervised if args.min_supervised is not None else 2 * args.block_size,
-            num_workers=args.workers, supervise_thinking=args.supervise_thinking,
-            enable_thinking=thinking_flag(args.thinking), split=args.split, force=args.force, progress=args.progress)
+    min_supervised = args.min_supervised if args.min_supervised is not None else 2 * args.block_size
+    summary = prepare(args.inputs, args.tokenizer, args.out, max_length=args.max_length, min_supervised=min_supervised,
+                      num_workers=args.workers, supervise_thinking=args.supervise_thinking,
+                      enable_thinking=thinking_flag(args.thinking), split=args.split, force=args.force,
+                      progress=args.progress)
+    if summary["samples"] == 0:
+        hint = (f"every sample had fewer than {min_supervised} supervised tokens within --max-length "
+                f"{args.max_length}: raise --max-length or lower --min-supervised"
+                if set(summary["dropped"]) == {"too_few_supervised"} else "see the dropped reasons above")
+        print(f"flashdraft prepare: error: no usable sample in {', '.join(map(str, args.inputs))}; {hint}",
+              file=sys.stderr)
+        return 1
     return 0

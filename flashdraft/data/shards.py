@@ -71,6 +71,11 @@ class TokenShardWriter:
         self.vocab_size = int(vocab_size)
         self.dtype = ids_dtype_for(self.vocab_size)
         self.source = dict(source or {})
+        if self.out_dir.exists() and not (is_token_shard(self.out_dir) or
+                                          (self.out_dir.is_dir() and not any(self.out_dir.iterdir()))):
+            # close() replaces the directory: never one that holds anything but an older shard
+            raise ValueError(f"{self.out_dir}: exists and is not a token shard (nor empty); writing the shard "
+                             "there would delete what it holds. Choose a new output directory.")
         self.tmp_dir = self.out_dir.with_name(f"{self.out_dir.name}.tmp-{os.getpid()}")
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)
@@ -153,9 +158,11 @@ class TokenShardWriter:
             "source": self.source,
         }
         (self.tmp_dir / META).write_text(json.dumps(meta, indent=1))
-        if self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
+        old = self.out_dir.with_name(f"{self.out_dir.name}.old-{os.getpid()}")
+        if self.out_dir.exists():  # an older shard (checked in __init__): moved aside, then removed
+            os.replace(self.out_dir, old)
         os.replace(self.tmp_dir, self.out_dir)
+        shutil.rmtree(old, ignore_errors=True)
         return self.out_dir
 
     def abort(self) -> None:

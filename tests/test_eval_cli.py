@@ -1,0 +1,49 @@
+"""`flashdraft eval` on bad or mismatched inputs: clear errors before any decoding."""
+
+import pytest
+
+from conftest import VOCAB, make_drafter, tiny_qwen3
+from flashdraft.cli import main
+from flashdraft.evaluate import write_prompts
+from flashdraft.target import TargetModel
+
+
+@pytest.fixture(scope="module")
+def shallow_target(tmp_path_factory):
+    """A 4-layer target: too shallow for the default 5-tap spread, which the n-gram baseline never needs."""
+    d = tmp_path_factory.mktemp("eval")
+    tiny_qwen3(num_layers=4, seed=1).save_pretrained(d / "target")
+    write_prompts(d / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
+    return d
+
+
+def test_ngram_baseline_runs_on_any_target_depth(shallow_target, capsys):
+    d = shallow_target
+    assert main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(d / "prompts.jsonl"),
+                 "--max-new-tokens", "6", "--block-size", "4", "--device", "cpu"]) == 0
+    assert '"lossless": true' in capsys.readouterr().out
+
+
+def test_prompts_outside_the_targets_vocabulary_are_refused_with_the_line(shallow_target, tmp_path):
+    d = shallow_target
+    write_prompts(tmp_path / "bad.jsonl", [[1, 2], [3, VOCAB + 5]])
+    with pytest.raises(ValueError, match=rf"bad.jsonl: prompt 2 has token id {VOCAB + 5} outside the target's "
+                                         rf"vocabulary \[0, {VOCAB}\)"):
+        main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(tmp_path / "bad.jsonl"),
+              "--device", "cpu"])
+
+
+def test_a_drafter_of_another_target_is_refused(shallow_target, tmp_path):
+    d = shallow_target
+    other = TargetModel(tiny_qwen3(num_layers=4, hidden=32), [1, 2])
+    make_drafter(other, num_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"drafter was trained for another target .*hidden_size 32 vs 64"):
+        main(["eval", "--target", str(d / "target"), "--drafter", str(tmp_path / "drafter"),
+              "--prompts", str(d / "prompts.jsonl"), "--device", "cpu"])
+
+
+def test_an_unknown_dtype_is_refused(shallow_target, capsys):
+    d = shallow_target
+    assert main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(d / "prompts.jsonl"),
+                 "--dtype", "bf16"]) == 2
+    assert "--dtype 'bf16'" in capsys.readouterr().err
