@@ -49,5 +49,25 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(parser.parse_args(rest)) or 0)
 
 
+def entry() -> int:
+    """The console script (and ``python -m flashdraft.cli``, which torchrun launches): ``main``
+    with a user's mistake -- a bad config value, a missing file, a refused resume, whose
+    messages name the fix -- printed as one line instead of a traceback (exit status 2).
+    FLASHDRAFT_TRACEBACK=1 shows the traceback; anything else propagates as usual."""
+    import os
+
+    from flashdraft.checkpoint import CheckpointError
+
+    try:
+        return main()
+    except (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError) as exc:
+        if os.environ.get("FLASHDRAFT_TRACEBACK"):
+            raise
+        command = sys.argv[1] if len(sys.argv) > 1 else ""
+        print(f"flashdraft {command}: error: {exc}\n(FLASHDRAFT_TRACEBACK=1 shows where it was raised)",
+              file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -10,6 +10,7 @@ YAML next to every output (``save_config``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -123,6 +124,12 @@ class TrainConfig:
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
+        _check(self.save_every >= 0, "train.save_every", f"{self.save_every}", "use 0 (only at the end) or more")
+        _check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every}", "use 0 (only at the end) or more")
+        _check(self.eval_prompts >= 0 and self.eval_max_new_tokens >= 1, "train.eval_prompts / eval_max_new_tokens",
+               f"{self.eval_prompts} / {self.eval_max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
+        _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "train.resume", self.resume,
+               "use auto, never, or an existing checkpoint directory")
         _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
         _check(self.grad_accum >= 1, "train.grad_accum", f"{self.grad_accum}", "use 1 or more")
         _check(self.device in ("auto", "cuda", "cpu"), "train.device", self.device, "use auto, cuda or cpu")

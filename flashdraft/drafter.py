@@ -888,13 +888,22 @@ class DFlashDrafter(nn.Module):
     # ---- serving format -------------------------------------------------------------------
 
     def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
-        """Write config.json + model.safetensors (no embedding, no LM head, no rotary buffers)."""
+        """Write config.json + model.safetensors (no embedding, no LM head, no rotary buffers).
+        Each file is written beside its final name and renamed onto it: a crash mid-export leaves
+        the previous export's file, never a torn one."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         config = dict(self.config, dtype=str(dtype).removeprefix("torch."))
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp = {name: path / f".{name}.tmp-{os.getpid()}" for name in ("model.safetensors", "config.json")}
+        try:
+            save_file(state, tmp["model.safetensors"], metadata={"format": "pt"})
+            tmp["config.json"].write_text(json.dumps(config, indent=2) + "\n")
+            for name, written in tmp.items():
+                os.replace(written, path / name)
+        finally:
+            for written in tmp.values():
+                written.unlink(missing_ok=True)
         return path
 
     @classmethod

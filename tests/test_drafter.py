@@ -318,3 +318,21 @@ def test_block_size_may_live_in_dflash_config_only(target, tmp_path):
     cfg["dflash_config"]["block_size"] = block_size
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert DFlashDrafter.from_pretrained(tmp_path).block_size == 8
+
+
+def test_a_crash_mid_export_leaves_the_previous_export_whole(target, tmp_path, monkeypatch):
+    import flashdraft.drafter as drafter_module
+
+    make_drafter(target, seed=1).save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def torn(state, filename, metadata=None):  # the disk fills up half-way through the weights
+        with open(filename, "wb") as f:
+            f.write(b"torn")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(drafter_module, "save_file", torn)
+    with pytest.raises(OSError, match="No space"):
+        make_drafter(target, seed=2).save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporary file left either
+    DFlashDrafter.from_pretrained(tmp_path)

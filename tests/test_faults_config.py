@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import overrides, tiny_qwen3
+from conftest import REPO, overrides, tiny_qwen3
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
@@ -46,6 +49,9 @@ def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(t
     ("train.collective_timeout_s=0", r"train.collective_timeout_s=0.0 is invalid: use a positive number"),
     ("train.max_nonfinite_steps=x", r"train.max_nonfinite_steps='x' is invalid: give an integer"),
     ("train.resum=never", r"unknown key train.resum; known keys of train: .*resume"),
+    ("train.resume=nevr", r"train.resume=nevr is invalid: use auto, never, or an existing checkpoint directory"),
+    ("train.save_every=-5", r"train.save_every=-5 is invalid: use 0 \(only at the end\) or more"),
+    ("train.eval_every=-1", r"train.eval_every=-1 is invalid"),
 ])
 def test_config_mistakes_are_refused_before_anything_loads(override, message):
     base = ["model.block_size=4"]
@@ -177,3 +183,18 @@ def test_remote_code_in_a_target_directory_is_not_run_unless_asked(tmp_path):
         TargetModel.from_pretrained(target)
     assert not marker.exists()
 
+
+
+def test_the_command_line_prints_a_mistake_as_one_line_with_the_fix():
+    """A user's mistake is a message naming the fix, not a 20-line traceback (exit status 2)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("FLASHDRAFT_TRACEBACK", None)
+    proc = subprocess.run([sys.executable, "-m", "flashdraft.cli", "train", "model.block_size=1"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("flashdraft train: error: config model.block_size=1 is invalid: use 2 or more")
+    assert "Traceback" not in proc.stderr
+    env["FLASHDRAFT_TRACEBACK"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "flashdraft.cli", "train", "model.block_size=1"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
