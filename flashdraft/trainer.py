@@ -351,8 +351,19 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "trainer": {"step": self.step, "skipped_steps": self.skipped_steps,
-                        "sampler": self._data_state or self.sampler.state_dict(), "world_size": self.dist.world_size},
+                        "sampler": self._data_state or self.sampler.state_dict(), "world_size": self.dist.world_size,
+                        "identity": self.identity()},
         }
+
+    def identity(self) -> dict:
+        """What a resume must find unchanged behind the config's paths: the target model, the
+        resolved MASK id and the training data (another target or dataset under the same path would
+        resume silently, the sampler's cursor pointing into other samples)."""
+        target = self.target.config
+        return {"target": {"model_type": str(target.model_type), "vocab_size": int(target.vocab_size),
+                           "hidden_size": self.target.hidden_size, "num_layers": self.target.num_layers},
+                "mask_token_id": self.drafter.mask_token_id,
+                "data": {"samples": len(self.dataset), "tokens": int(self.dataset.num_tokens)}}
 
     def save_checkpoint(self) -> Path:
         """Atomic checkpoint (collective) with the serving-format export inside it."""
@@ -378,6 +389,12 @@ class Trainer:
             return False
         self._check_compatible(loaded.config or {})
         parts = loaded.parts
+        saved = parts["trainer"].get("identity")  # absent in checkpoints of earlier versions
+        if saved is not None and saved != (mine := self.identity()):
+            diffs = [f"{k}: checkpoint {saved.get(k)} vs now {mine[k]}" for k in mine if saved.get(k) != mine[k]]
+            raise ValueError(f"cannot resume from {self.checkpoints.root}: the target or the data behind the config's "
+                             f"paths changed ({'; '.join(diffs)}); point model.target / data.path at what the run was "
+                             "trained with, or start a fresh run with another train.output_dir")
         try:
             self.drafter.load_state_dict(parts["drafter"])
         except RuntimeError as exc:  # e.g. another target (hidden size) behind the same model.target path

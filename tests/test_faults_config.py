@@ -7,6 +7,7 @@ import ast
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,18 @@ def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tm
                                                    r"train.output_dir"):
         changed.fit()
     assert changed.step == 0
+
+
+def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(tiny_job, tmp_path):  # noqa: F811
+    """The config's paths are unchanged, but what they point to is not: a resume must notice."""
+    out, job = tmp_path / "run", tmp_path / "job"
+    shutil.copytree(tiny_job, job)
+    Trainer(load_config(overrides=overrides(job, out))).save_checkpoint()
+    shutil.rmtree(job / "data")
+    shutil.copytree(job / "heldout", job / "data")  # other samples under data.path
+    with pytest.raises(ValueError, match=r"the target or the data behind the config's paths changed \(data: checkpoint "
+                                         r"\{'samples': 32, 'tokens': 1280\} vs now \{'samples': 8, 'tokens': 320\}\)"):
+        Trainer(load_config(overrides=overrides(job, out))).fit()
 
 
 def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tiny_job, tmp_path):  # noqa: F811
