@@ -13,12 +13,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import fcntl
 import gc
 import logging
 import math
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -66,6 +68,31 @@ def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
         f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set model.mask_token_id to an unused id "
         "inside the target's embedding table (Qwen3: 151669, the id <|MASK|> gets when added)"
     )
+
+
+@contextlib.contextmanager
+def output_lock(output: Path):
+    """Hold an exclusive lock on OUTPUT/.lock while a run trains there: a second run on the same
+    train.output_dir fails at once instead of interleaving its checkpoints and metrics with the
+    first one's. Released by the kernel whatever way the process ends (flock), so a crash never
+    leaves a stale lock."""
+    output.mkdir(parents=True, exist_ok=True)
+    with open(output / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ValueError(f"{output}: another flashdraft run ({f.read().strip() or 'unknown process'}) is training in "
+                             "this train.output_dir; wait for it to end, or use another directory") from None
+        except OSError as exc:  # a file system without flock: run unlocked rather than not at all
+            log.warning("%s: cannot lock the output directory (%s); make sure no other run uses it", output, exc)
+            yield
+            return
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
 
 
 def warmup_cosine(total_steps: int, warmup_frac: float):
@@ -553,6 +580,10 @@ class Trainer:
     def fit(self) -> dict:
         if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
             return placement.serve_features(self)
+        with output_lock(self.output) if self.dist.is_main else contextlib.nullcontext():
+            return self._fit()
+
+    def _fit(self) -> dict:
         cfg = self.config
         main = self.dist.is_main
         self.maybe_resume()  # before anything is written: a refused resume leaves the directory as it was

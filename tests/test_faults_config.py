@@ -211,3 +211,15 @@ def test_the_command_line_prints_a_mistake_as_one_line_with_the_fix():
     proc = subprocess.run([sys.executable, "-m", "flashdraft.cli", "train", "model.block_size=1"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(tiny_job, tmp_path):  # noqa: F811
+    """Two runs in one train.output_dir would re-save each other's steps and interleave metrics.jsonl."""
+    from flashdraft.trainer import output_lock
+
+    out = tmp_path / "run"
+    with output_lock(out):  # the first run, training
+        with pytest.raises(ValueError, match=rf"another flashdraft run \(pid {os.getpid()} on .*\) is training in this "
+                                             r"train.output_dir; wait for it to end, or use another directory"):
+            Trainer(load_config(overrides=overrides(tiny_job, out))).fit()
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2))).fit()  # free again once it ends
