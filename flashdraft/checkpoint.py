@@ -52,6 +52,9 @@ _RESERVED = {"manifest", "config", "export"}
 _MAX_JSON_INT = 2**53  # larger ints are written as strings so any JSON reader keeps them exact
 
 
+_REPLACED = ".replaced-"  # prefix of a step directory being replaced by a re-save of the same step
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path."""
 
@@ -402,7 +405,7 @@ class CheckpointManager:
             _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete
             _fsync_dir(tmp)
             if final.exists():  # re-saving a step (e.g. after resuming from an earlier one)
-                trash = self.root / f".tmp-replaced-{final.name}-{os.getpid()}"
+                trash = self.root / f"{_REPLACED}{final.name}-{os.getpid()}"  # restored if we die before the next line
                 os.replace(final, trash)
                 os.replace(tmp, final)
                 shutil.rmtree(trash, ignore_errors=True)
@@ -530,6 +533,14 @@ class CheckpointManager:
         if not self.root.is_dir():
             return
         for p in self.root.iterdir():
+            if p.name.startswith(_REPLACED):  # a re-save of this step died between its two renames
+                name = p.name[len(_REPLACED):].rsplit("-", 1)[0]
+                if not (self.root / name).exists() and (p / MANIFEST).is_file():
+                    log.warning("restoring checkpoint %s: a re-save of it was interrupted", name)
+                    os.replace(p, self.root / name)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+                continue
             if p.name.startswith(".tmp-") or p.name.startswith(f".{LATEST}.tmp-"):
                 log.warning("removing stale partial checkpoint %s (a save was interrupted)", p)
                 if p.is_dir():

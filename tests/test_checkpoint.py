@@ -230,6 +230,29 @@ def test_resaving_the_same_step_replaces_it(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name != "latest"] == ["step_00000005"]
 
 
+def test_a_crash_between_the_two_renames_of_a_resave_keeps_the_step(tmp_path, monkeypatch):
+    """Re-saving step 5 moves the old copy aside, then renames the new one in. Dying between the
+    two renames must not lose step 5: the next load restores the old copy."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(5, {"m": {"v": 1}})
+    real_replace, calls = os.replace, []
+
+    def dies_on_the_second_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2 and Path(dst).name == "step_00000005":
+            raise KeyboardInterrupt  # the process is killed here
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies_on_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(5, {"m": {"v": 2}})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not (tmp_path / "step_00000005").exists()  # the moment of the crash
+    loaded = CheckpointManager(tmp_path).load_latest()
+    assert loaded.step == 5 and loaded.parts["m"] == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000005"]
+
+
 def _assert_previous_intact(tmp_path: Path, mgr: CheckpointManager):
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
     assert [p.name for p in mgr.checkpoints()] == ["step_00000001"]
