@@ -300,6 +300,8 @@ class Trainer:
                        min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
+        for dataset in (self.dataset, self.eval_dataset):
+            self._check_tokenizer(dataset)
         self._check_lengths(self.dataset)
         if self.eval_dataset is not None:  # found now, not at the first eval hours later
             self._check_lengths(self.eval_dataset)
@@ -371,6 +373,29 @@ class Trainer:
         return prompts
 
     # ---- state ------------------------------------------------------------------------------
+
+    def _check_tokenizer(self, dataset) -> None:
+        """Data prepared with another tokenizer than the target's has ids that mean other tokens;
+        it trains without error when they fit the vocabulary. `prepare` records its vocabulary's
+        fingerprint; compared here with the target directory's tokenizer, where both exist."""
+        wanted = getattr(dataset, "meta", {}).get("source", {}).get("vocab_sha256") if dataset is not None else None
+        if wanted is None:
+            return
+        from transformers import AutoTokenizer
+
+        from flashdraft.data.prepare import vocab_fingerprint
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.config.model.target)
+        except (OSError, ValueError):  # a target directory without a tokenizer: nothing to compare
+            return
+        if vocab_fingerprint(tokenizer) != wanted:
+            prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")
+            raise ValueError(
+                f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs from "
+                f"model.target's ({self.config.model.target}): its token ids mean other tokens. Re-run flashdraft "
+                f"prepare with --tokenizer {self.config.model.target}"
+            )
 
     def state_parts(self) -> dict:
         return {

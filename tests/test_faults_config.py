@@ -223,3 +223,32 @@ def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(t
                                              r"train.output_dir; wait for it to end, or use another directory"):
             Trainer(load_config(overrides=overrides(tiny_job, out))).fit()
     Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2))).fit()  # free again once it ends
+
+
+def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path):
+    """Ids from another tokenizer fit the vocabulary and would train silently on the wrong tokens."""
+    from flashdraft.data.prepare import prepare
+    from flashdraft.toy import synthetic_conversations, tiny_causal_lm, train_toy_tokenizer
+
+    records = synthetic_conversations(40, seed=2)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    texts = [m["content"] for r in records for m in r["messages"]]
+    tok_target, tok_other = train_toy_tokenizer(texts, 400), train_toy_tokenizer(texts[::3], 400)
+    assert len(tok_target) == len(tok_other) and tok_target.get_vocab() != tok_other.get_vocab()
+    tiny_causal_lm(tok_target, num_layers=2, hidden=32).save_pretrained(tmp_path / "target")
+    tok_target.save_pretrained(tmp_path / "target")
+    tok_other.save_pretrained(tmp_path / "other-tok")
+    for name, tok_dir in (("ok", tmp_path / "target"), ("other", tmp_path / "other-tok")):
+        prepare([tmp_path / "chats.jsonl"], tok_dir, tmp_path / name, max_length=256, min_supervised=8,
+                num_workers=1, progress=False, log=lambda *_: None)
+
+    def trainer(data):
+        return Trainer(load_config(overrides=[
+            f"model.target={tmp_path / 'target'}", f"data.path={tmp_path / data}", "model.num_draft_layers=1",
+            "model.block_size=4", "model.target_layer_ids=[0,1]", "data.token_budget=512", "train.device=cpu",
+            f"train.output_dir={tmp_path / 'run'}"]))
+
+    trainer("ok")  # the target's own tokenizer: accepted
+    with pytest.raises(ValueError, match=r"other: prepared with the tokenizer of .*other-tok, whose vocabulary differs "
+                                         r"from model.target's .*Re-run flashdraft prepare with --tokenizer"):
+        trainer("other")

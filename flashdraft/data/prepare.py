@@ -55,6 +55,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def vocab_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map alone: what the ids of a prepared shard mean. Stored in the
+    shard (source.vocab_sha256); training checks it against the target's tokenizer."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
 def cache_key(inputs, tokenizer, options: dict) -> str:
     """The prepared data's identity: sources' content, tokenizer + template, and options."""
     payload = {
@@ -182,7 +188,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_super
 
     bar = tqdm(desc="prepare", unit=" samples", disable=not progress, mininterval=0.5, smoothing=0.1)
     source = {"tool": "flashdraft prepare", "cache_key": key, "inputs": inputs, "tokenizer": str(tokenizer_dir),
-              "options": options}
+              "vocab_sha256": vocab_fingerprint(tokenizer), "options": options}
     with TokenShardWriter(out_dir, vocab_size=len(tokenizer), source=source) as writer:
         chunks = _chunks(iter_records(inputs, split), CHUNK)
         for result in _results(chunks, str(tokenizer_dir), options, num_workers):
