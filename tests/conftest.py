@@ -54,6 +54,21 @@ def tiny_qwen3_5(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.
                           max_position_embeddings=512)
 
 
+def tiny_qwen3_next(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.nn.Module:
+    """A tiny Qwen3-Next (gated delta-net + full attention, sparse-MoE MLPs), 1 full layer in 4."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=hidden // 4,
+        linear_value_head_dim=hidden // 4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
+    )
+    return Qwen3NextForCausalLM(cfg).eval()
+
+
 @pytest.fixture
 def target() -> TargetModel:
     return TargetModel(tiny_qwen3(), [1, 3, 5])

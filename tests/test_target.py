@@ -5,7 +5,7 @@ import torch
 
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids, mark_cache, rewind_cache
-from conftest import VOCAB, tiny_llama, tiny_qwen3, tiny_qwen3_5
+from conftest import VOCAB, tiny_llama, tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next
 
 
 def test_default_tap_ids_follow_dflash():
@@ -19,7 +19,8 @@ def test_default_taps_refuse_duplicates_on_shallow_targets():
         default_target_layer_ids(4, 3)  # the formula gives [1, 1, 1]
 
 
-@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama, tiny_qwen3_5], ids=["qwen3", "llama", "qwen3_5-hybrid"])
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama, tiny_qwen3_5, tiny_qwen3_next],
+                         ids=["qwen3", "llama", "qwen3_5-hybrid", "qwen3_next-hybrid"])
 def test_tap_i_is_hidden_states_i_plus_1_for_every_layer(build):
     model = build()
     ids = torch.randint(0, VOCAB, (2, 17))
@@ -133,7 +134,7 @@ def test_cache_crop_matches_a_fresh_forward(target):
     torch.testing.assert_close(cropped_taps, taps[:, 12:15], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5], ids=["qwen3", "qwen3_5-hybrid"])
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next], ids=["qwen3", "qwen3_5-hybrid", "qwen3_next-hybrid"])
 @pytest.mark.parametrize("kept", [1, 3, 6])  # 6: the whole verified block is kept (nothing to undo)
 def test_rewind_after_a_verification_equals_a_cache_that_never_saw_the_rejected_tokens(build, kept):
     """The draft / verify loop's rollback. A hybrid target's linear-attention layers keep one
@@ -145,7 +146,7 @@ def test_rewind_after_a_verification_equals_a_cache_that_never_saw_the_rejected_
     cache = target.new_cache()
     target.forward_with_cache(ids[:, :10], cache, 0)
     mark = mark_cache(cache)
-    assert mark.length == 10 and bool(mark.states) == (build is tiny_qwen3_5)
+    assert mark.length == 10 and bool(mark.states) == (build is not tiny_qwen3)
     target.forward_with_cache(ids[:, 10:16], cache, 10)  # the verification of a 6-token block
     rewind_cache(target, cache, mark, ids[0, 10:10 + kept].tolist())
     assert cache.get_seq_length() == 10 + kept
