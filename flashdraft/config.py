@@ -20,6 +20,9 @@ from typing import Any
 import yaml
 
 
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     target: str = ""  # local directory of the Hugging Face target model (config.json + weights)
@@ -38,8 +41,7 @@ class ModelConfig:
         _check(self.block_size >= 2, "model.block_size", f"{self.block_size}", "use 2 or more (16 is the published default)")
         _check(self.num_draft_layers >= 1, "model.num_draft_layers", f"{self.num_draft_layers}", "use 1 or more")
         _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
-        _check(self.dtype in ("auto", "bfloat16", "float32", "float16"), "model.dtype", self.dtype,
-               "use one of auto, bfloat16, float32, float16")
+        _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
         _check(self.drafter_attention in ("auto", "blockwise", "split", "flex", "dense"), "model.drafter_attention",
                self.drafter_attention, "use one of auto, blockwise, split, flex, dense")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",

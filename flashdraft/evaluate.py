@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.config import DTYPES
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.speculative import Generation, greedy_generate, ngram_generate, speculative_generate
 from flashdraft.target import TargetModel
@@ -166,8 +167,8 @@ def run(args) -> int:
     if args.drafter is None and args.baseline is None:
         print("flashdraft eval: give --drafter DIR (or --baseline ngram)", file=sys.stderr)
         return 2
-    if args.dtype not in ("auto", "bfloat16", "float16", "float32"):
-        print(f"flashdraft eval: --dtype {args.dtype!r}: use auto, bfloat16, float16 or float32", file=sys.stderr)
+    if args.dtype not in DTYPES:
+        print(f"flashdraft eval: --dtype {args.dtype!r}: use one of {', '.join(DTYPES)}", file=sys.stderr)
         return 2
     drafter = None
     layer_ids = [0]  # the n-gram baseline reads no taps

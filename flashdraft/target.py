@@ -9,10 +9,10 @@ tap therefore equals ``hidden_states[i + 1]`` exactly.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

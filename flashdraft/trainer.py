@@ -14,6 +14,7 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import functools
 import gc
 import logging
 import math
@@ -49,14 +50,21 @@ from flashdraft.target import TargetModel
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=1)
+def _target_tokenizer(target_dir: str):
+    """The target directory's tokenizer, loaded once per start-up for the MASK-id lookup and the
+    data's tokenizer check (a 152K-entry tokenizer takes about a second). Failures are not cached."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
 def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
     """The configured id, else the tokenizer's <|MASK|> (DFlash's convention) or mask_token."""
     if configured is not None:
         return configured
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = _target_tokenizer(str(target_dir))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{target_dir}: no tokenizer to find the mask token in ({exc}); set model.mask_token_id") from None
     vocab = tokenizer.get_vocab()
@@ -300,8 +308,7 @@ class Trainer:
                        min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
-        for dataset in (self.dataset, self.eval_dataset):
-            self._check_tokenizer(dataset)
+        self._check_tokenizer(self.dataset, self.eval_dataset)
         self._check_lengths(self.dataset)
         if self.eval_dataset is not None:  # found now, not at the first eval hours later
             self._check_lengths(self.eval_dataset)
@@ -374,28 +381,30 @@ class Trainer:
 
     # ---- state ------------------------------------------------------------------------------
 
-    def _check_tokenizer(self, dataset) -> None:
+    def _check_tokenizer(self, *datasets) -> None:
         """Data prepared with another tokenizer than the target's has ids that mean other tokens;
         it trains without error when they fit the vocabulary. `prepare` records its vocabulary's
         fingerprint; compared here with the target directory's tokenizer, where both exist."""
-        wanted = getattr(dataset, "meta", {}).get("source", {}).get("vocab_sha256") if dataset is not None else None
-        if wanted is None:
-            return
-        from transformers import AutoTokenizer
-
         from flashdraft.data.prepare import vocab_fingerprint
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.config.model.target)
-        except (OSError, ValueError):  # a target directory without a tokenizer: nothing to compare
-            return
-        if vocab_fingerprint(tokenizer) != wanted:
-            prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")
-            raise ValueError(
-                f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs from "
-                f"model.target's ({self.config.model.target}): its token ids mean other tokens. Re-run flashdraft "
-                f"prepare with --tokenizer {self.config.model.target}"
-            )
+        target = self.config.model.target
+        fingerprint = None
+        for dataset in datasets:
+            wanted = getattr(dataset, "meta", {}).get("source", {}).get("vocab_sha256") if dataset is not None else None
+            if wanted is None:
+                continue
+            if fingerprint is None:
+                try:
+                    fingerprint = vocab_fingerprint(_target_tokenizer(str(target)))
+                except (OSError, ValueError):  # a target directory without a tokenizer: nothing to compare
+                    return
+            if fingerprint != wanted:
+                prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")
+                raise ValueError(
+                    f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs from "
+                    f"model.target's ({target}): its token ids mean other tokens. Re-run flashdraft prepare with "
+                    f"--tokenizer {target}"
+                )
 
     def state_parts(self) -> dict:
         return {
