@@ -4,9 +4,11 @@
 # does not eat the others' time. Everything lands in $OUT (default ./gpu_results):
 #   env.txt                      torch, CUDA and the device
 #   gpu_step.txt / .json         the drafter step at the Qwen3-8B point: ms, peak memory,
-#                                achieved TFLOP/s of needed work and its share of peak (issue 9)
+#                                achieved TFLOP/s of needed work and its share of peak (is the
+#                                fast step compute-bound on a GPU?)
 #   gpu_pipeline.txt / .json     the trainer sequential vs pipelined: tokens/s, GPU busy share,
-#                                stage split, loss agreement (issue 5)
+#                                stage split, loss agreement (does the pipeline keep the GPU busy,
+#                                without changing the results?)
 # Then copy the numbers into docs/benchmarks.md.
 #
 #   bash benchmarks/gpu_checks.sh            # on the GPU machine
@@ -17,7 +19,7 @@ export OUT=${OUT:-gpu_results} PYTHONPATH=$PWD
 mkdir -p "$OUT"
 python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")' 2>&1 | tee "$OUT/env.txt"
-if [ "${SMOKE:-0}" = 1 ]; then  # the scripts' own flags, then CPU / toy overrides
+if [ "${SMOKE:-0}" = 1 ]; then  # the benchmarks' own flags, then CPU / toy overrides
   step_args=(--device cpu --dtype float32 --seq 64 --anchors 4 --hidden 128 --head-dim 64 --intermediate 256
              --layers 1 --taps 2 --vocab 512 --chunk 16 --repeat 1)
   pipeline_args=(--smoke)
@@ -28,6 +30,6 @@ fi
 status=0
 timeout "${STEP_TIMEOUT:-270}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_step.json" "${step_args[@]}" 2>&1 \
   | tee "$OUT/gpu_step.txt" || status=1
-timeout "${PIPELINE_TIMEOUT:-270}" python benchmarks/gpu_pipeline.py "${pipeline_args[@]}" 2>&1 \
+timeout "${PIPELINE_TIMEOUT:-270}" python -m flashdraft.cli bench gpu-pipeline "${pipeline_args[@]}" 2>&1 \
   | tee "$OUT/gpu_pipeline.txt" || status=1
 exit $status

@@ -9,6 +9,6 @@
 set -euo pipefail
 PEAK=${PEAK:-989}
 cd "$(dirname "$0")/.."
-PYTHONPATH=$PWD python -m flashdraft.benchmarks.step --device cuda --dtype bfloat16 \
+PYTHONPATH=$PWD python -m flashdraft.cli bench step --device cuda --dtype bfloat16 \
   --seq 3072 --anchors 512 --block 16 --hidden 4096 --head-dim 128 --intermediate 12288 \
   --layers 5 --taps 5 --vocab 151936 --chunk 2048 --repeat 5 --peak-tflops "$PEAK" "$@"

@@ -30,8 +30,9 @@ import os
 import re
 import shutil
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors.torch
@@ -260,7 +261,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         manifest = json.loads(mpath.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{mpath}: not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{mpath}: format version {manifest.get('version')} unsupported (this is {VERSION})")

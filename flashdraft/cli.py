@@ -15,10 +15,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("flashdraft.quickstart", "the whole job on a built-in tiny default, in minutes on a CPU"),
     "prepare": ("flashdraft.data.prepare", "chats -> chat template + assistant loss mask -> token shard"),
     "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
-    "train": ("flashdraft.trainer", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
+    "train": ("flashdraft.train.cli", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
     "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
-    "bench": ("flashdraft.bench", "benchmarks: flashdraft bench {data,step,train,pipeline} [options]"),
+    "bench": ("flashdraft.bench",
+              "benchmarks: flashdraft bench {data,prepare,step,train,pipeline,soak,gpu-pipeline} [options]"),
 }
 
 

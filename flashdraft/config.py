@@ -19,6 +19,10 @@ from typing import Any
 
 import yaml
 
+from flashdraft.data.dataset import ON_INVALID
+from flashdraft.distributed import DEVICES
+from flashdraft.drafter.attention import ATTENTION_IMPLS
+from flashdraft.metrics import BACKENDS as METRIC_SINKS
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 
@@ -33,17 +37,19 @@ class ModelConfig:
     mask_token_id: int | None = None  # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
     dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
     attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
-    drafter_attention: str = "auto"  # drafter training attention: auto (flex on CUDA, else blockwise), blockwise, split, flex, dense (oracle)
-    activation_checkpointing: bool = False  # recompute each drafter layer in backward: less activation memory, ~+30% step time
+    # auto: flex on CUDA, else blockwise
+    drafter_attention: str = "auto"  # drafter training attention: auto, blockwise, split, flex, dense (oracle)
+    activation_checkpointing: bool = False  # recompute drafter layers in backward: less activation memory, ~30% slower
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
 
     def __post_init__(self):
-        _check(self.block_size >= 2, "model.block_size", f"{self.block_size}", "use 2 or more (16 is the published default)")
+        _check(self.block_size >= 2, "model.block_size", f"{self.block_size}",
+               "use 2 or more (16 is the published default)")
         _check(self.num_draft_layers >= 1, "model.num_draft_layers", f"{self.num_draft_layers}", "use 1 or more")
         _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
         _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
-        _check(self.drafter_attention in ("auto", "blockwise", "split", "flex", "dense"), "model.drafter_attention",
-               self.drafter_attention, "use one of auto, blockwise, split, flex, dense")
+        _check(self.drafter_attention in ATTENTION_IMPLS, "model.drafter_attention", self.drafter_attention,
+               f"use one of {', '.join(ATTENTION_IMPLS)}")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
                "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
         if self.target_layer_ids is not None:
@@ -67,15 +73,15 @@ class DataConfig:
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
         _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
-        _check(self.on_invalid in ("raise", "drop"), "data.on_invalid", self.on_invalid, "use raise or drop")
+        _check(self.on_invalid in ON_INVALID, "data.on_invalid", self.on_invalid, f"use one of {', '.join(ON_INVALID)}")
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
-    loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all at once); 1024 x 151,936 fp32 logits = 0.6 GB
-    anchors_per_microbatch: int = 0  # anchors per forward+backward slice (0: all); same loss, less memory, context K/V recomputed per slice
+    loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
+    anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes context KV
 
     def __post_init__(self):
         _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
@@ -120,7 +126,8 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a dead or hung rank fails the others after this long
     max_nonfinite_steps: int = 20  # skipped non-finite steps tolerated before the run stops
     deterministic: bool = False  # torch deterministic algorithms (exact resume tests)
-    keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse, no page faults each step (false: glibc's default)
+    # reusing freed activations means no page faults each step
+    keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse (false: glibc default)
 
     def __post_init__(self):
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
@@ -134,9 +141,9 @@ class TrainConfig:
                "use auto, never, or an existing checkpoint directory")
         _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
         _check(self.grad_accum >= 1, "train.grad_accum", f"{self.grad_accum}", "use 1 or more")
-        _check(self.device in ("auto", "cuda", "cpu"), "train.device", self.device, "use auto, cuda or cpu")
-        bad = [m for m in self.metrics if m not in ("jsonl", "tensorboard", "wandb")]
-        _check(not bad, "train.metrics", f"{list(self.metrics)}", "use any of jsonl, tensorboard, wandb")
+        _check(self.device in DEVICES, "train.device", self.device, f"use one of {', '.join(DEVICES)}")
+        bad = [m for m in self.metrics if m not in METRIC_SINKS]
+        _check(not bad, "train.metrics", f"{list(self.metrics)}", f"use any of {', '.join(METRIC_SINKS)}")
         _check(self.collective_timeout_s > 0, "train.collective_timeout_s", f"{self.collective_timeout_s}",
                "use a positive number of seconds")
 
@@ -145,10 +152,10 @@ class TrainConfig:
 class PipelineConfig:
     enabled: bool = True  # run data, target forward and drafter step as overlapped stages (false: sequential)
     capacity: int = 2  # items each bounded channel holds (how far a stage may run ahead of the next)
-    placement: str = "colocated"  # colocated (target + drafter on every rank) or disaggregated (target ranks feed drafter ranks)
+    placement: str = "colocated"  # colocated (target + drafter per rank) or disaggregated (target ranks feed drafters)
     target_ranks: int = 1  # disaggregated: the last N ranks run data + target; each feeds (world - N) / N drafter ranks
-    feature_cache_bytes: int = 0  # RAM budget (bytes, per process) of the target-feature cache reused across epochs (0: no RAM tier)
-    feature_cache_disk_bytes: int = 0  # disk budget (bytes, per process) of the cache, used once the RAM tier is full (0: no disk tier)
+    feature_cache_bytes: int = 0  # RAM budget (bytes/process) of the cross-epoch target-feature cache (0: no RAM tier)
+    feature_cache_disk_bytes: int = 0  # disk budget (bytes/process) for the cache beyond the RAM tier (0: no disk tier)
     feature_cache_dir: str = ""  # directory of the disk tier's scratch files ("": OUTPUT_DIR/feature_cache)
     join_timeout_s: float = 5.0  # how long shutdown waits for stage threads before logging the stragglers
 
@@ -159,15 +166,18 @@ class PipelineConfig:
         _check(self.target_ranks >= 1, "pipeline.target_ranks", f"{self.target_ranks}",
                "use 1 or more target ranks (with pipeline.placement=disaggregated)")
         _check(self.feature_cache_bytes >= 0, "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
-               "use 0 (off) or a RAM budget in bytes, e.g. 8e9 (`flashdraft bench pipeline` prints what a full cache needs)")
-        _check(self.feature_cache_disk_bytes >= 0, "pipeline.feature_cache_disk_bytes", f"{self.feature_cache_disk_bytes}",
-               "use 0 (off) or a disk budget in bytes, e.g. 2e11")
+               "use 0 (off) or a RAM budget in bytes, e.g. 8e9 "
+               "(`flashdraft bench pipeline` prints what a full cache needs)")
+        _check(self.feature_cache_disk_bytes >= 0, "pipeline.feature_cache_disk_bytes",
+               f"{self.feature_cache_disk_bytes}", "use 0 (off) or a disk budget in bytes, e.g. 2e11")
         _check(not self.feature_cache_dir or self.feature_cache_disk_bytes > 0, "pipeline.feature_cache_dir",
-               self.feature_cache_dir, "it is only used by the disk tier: set pipeline.feature_cache_disk_bytes too, or drop it")
+               self.feature_cache_dir,
+               "it is only used by the disk tier: set pipeline.feature_cache_disk_bytes too, or drop it")
         _check(self.placement == "colocated" or not (self.feature_cache_bytes or self.feature_cache_disk_bytes),
                "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
                "the feature cache runs in the colocated target stage only; set it to 0 with placement=disaggregated")
-        _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}", "use a positive number of seconds")
+        _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}",
+               "use a positive number of seconds")
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
 
 
+DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, else CPU
+
+
 def _pick_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,7 +95,7 @@ def _pick_device(device_type: str, local_rank: int) -> torch.device:
                 f"use torchrun --nproc-per-node={count} or fix CUDA_VISIBLE_DEVICES"
             )
         return torch.device("cuda", local_rank)
-    raise ValueError(f"device_type={device_type!r} is invalid: use auto, cuda or cpu")
+    raise ValueError(f"device_type={device_type!r} is invalid: use {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
 
 
 def role_layout(world_size: int, num_target_ranks: int) -> tuple[list[int], list[int]]:
@@ -101,7 +104,8 @@ def role_layout(world_size: int, num_target_ranks: int) -> tuple[list[int], list
     num_drafter = world_size - num_target_ranks
     if num_drafter < 1 or num_drafter % num_target_ranks:
         raise ValueError(
-            f"pipeline.placement=disaggregated with pipeline.target_ranks={num_target_ranks} on WORLD_SIZE={world_size}: "
+            f"pipeline.placement=disaggregated with pipeline.target_ranks={num_target_ranks} "
+            f"on WORLD_SIZE={world_size}: "
             f"the drafter ranks (world - target_ranks = {num_drafter}) must be a positive multiple of target_ranks; "
             f"launch e.g. torchrun --nproc-per-node={2 * num_target_ranks} (1:1 pairs) or change pipeline.target_ranks"
         )
@@ -161,7 +165,8 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     drafters, targets = role_layout(world_size, num_target_ranks)
     # new_group is collective over the whole world: every rank creates both groups, in this order.
     timeout = datetime.timedelta(seconds=timeout_s)
-    groups = {"drafter": tdist.new_group(drafters, timeout=timeout), "target": tdist.new_group(targets, timeout=timeout)}
+    groups = {"drafter": tdist.new_group(drafters, timeout=timeout),
+              "target": tdist.new_group(targets, timeout=timeout)}
     role = "drafter" if rank in drafters else "target"
     members = drafters if role == "drafter" else targets
     _GROUP = groups[role]

@@ -39,9 +39,9 @@ def check_prompts_fit(prompts: list[list[int]], vocab_size: int, path) -> None:
     """Every prompt id must index the target's embedding table (else a bare IndexError mid-eval)."""
     for line_no, ids in enumerate(prompts, 1):
         if min(ids) < 0 or max(ids) >= vocab_size:
-            raise ValueError(f"{path}: prompt {line_no} has token id {max(ids) if max(ids) >= vocab_size else min(ids)} "
-                             f"outside the target's vocabulary [0, {vocab_size}): were the prompts tokenized with "
-                             "this target's tokenizer?")
+            raise ValueError(f"{path}: prompt {line_no} has token id "
+                             f"{max(ids) if max(ids) >= vocab_size else min(ids)} outside the target's vocabulary "
+                             f"[0, {vocab_size}): were the prompts tokenized with this target's tokenizer?")
 
 
 def check_drafter_fits(drafter: DFlashDrafter, target: TargetModel, drafter_dir, target_dir) -> None:

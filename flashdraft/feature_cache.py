@@ -57,7 +57,8 @@ class CacheStats:
     def format(self) -> str:
         return (f"feature cache: {self.hits} hits / {self.misses} misses ({100 * self.hit_rate:.1f}%), "
                 f"{self.skipped_forwards} target forwards skipped, {self.partial_forwards} partial; "
-                f"{self.entries} samples held, {format_bytes(self.ram_bytes)} RAM + {format_bytes(self.disk_bytes)} disk")
+                f"{self.entries} samples held, {format_bytes(self.ram_bytes)} RAM + "
+                f"{format_bytes(self.disk_bytes)} disk")
 
 
 @dataclass
@@ -197,7 +198,8 @@ class FeatureCache:
             self.read_into(ids[r], features[r, : lengths[r]])
         return CacheLookup(hit_rows, miss_rows, features.to(device, non_blocking=True))
 
-    def complete(self, found: CacheLookup, target, batch, sample_ids: np.ndarray, lengths: torch.Tensor) -> torch.Tensor:
+    def complete(self, found: CacheLookup, target, batch, sample_ids: np.ndarray,
+                 lengths: torch.Tensor) -> torch.Tensor:
         """Target part: the micro-batch's packed features [B, S, F] on the target's device.
 
         No miss: the cached rows, no target forward. No hit: the target on the whole batch,

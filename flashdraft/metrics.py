@@ -21,10 +21,11 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
@@ -443,7 +444,7 @@ class MetricsLogger:
             sink.close()
         self.sinks = []
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashdraft.drafter import autocast_suspended
+from flashdraft.autocast import autocast_suspended
 
 
 def default_gamma(block_size: int) -> float:
@@ -86,7 +86,8 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
 
 
-def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> torch.Tensor:
     """[B, N, bs] block tokens: the anchor's token at slot 0, MASK everywhere else."""
     b, n = anchors.shape
     out = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
@@ -283,7 +284,7 @@ class Blocks:
     def weight_sum(self) -> torch.Tensor:
         return self.weights.sum()
 
-    def slices(self, anchors_per_slice: int) -> list["Blocks"]:
+    def slices(self, anchors_per_slice: int) -> list[Blocks]:
         """Split along the anchor axis (0: no split); forward+backward per slice bounds memory."""
         n = self.anchors.shape[1]
         if anchors_per_slice <= 0 or anchors_per_slice >= n:
@@ -318,57 +319,22 @@ def mask_token_id(drafter) -> int:
 
 def block_loss(
     drafter, target, features: torch.Tensor, blocks: Blocks, *, chunk_size: int = 0,
-    normalizer: torch.Tensor | None = None,
+    normalizer: torch.Tensor | None = None, attention: str | None = None, scored_only: bool = True,
+    distinct_rows: bool = True,
 ) -> LossOutput:
-    """The drafter's forward on ``blocks`` conditioned on target ``features`` [B, S, K*H], and its loss."""
-    anchor_embeds = target.embed(blocks.input_ids[:, :, 0]).to(features.dtype)  # the other slots are MASK
-    mask_embed = target.embed(blocks.input_ids.new_tensor(mask_token_id(drafter))).to(features.dtype)
-    hidden = drafter(features, anchor_embeds, blocks.anchors, blocks.valid, scored_only=True, mask_embed=mask_embed)
-    return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer)
+    """The drafter's forward on ``blocks`` conditioned on target ``features`` [B, S, K*H], and its loss.
 
-
-def drafter_step(
-    drafter,
-    head_weight: torch.Tensor,
-    features: torch.Tensor,
-    block_embeds: torch.Tensor,
-    anchors: torch.Tensor,
-    valid: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    chunk_size: int = 0,
-    anchors_per_microbatch: int = 0,
-    attention: str | None = None,
-    scored_only: bool = True,
-    mask_embed: torch.Tensor | None = None,
-) -> LossOutput:
-    """Forward AND backward of a single-process drafter step; gradients accumulate into .grad.
-    ``scored_only``: the drafter computes slots 1..bs-1 only (False: every slot, the oracle's way).
-    ``mask_embed`` [H]: block_embeds is [B, N, H], the anchor tokens' embeddings, every other
-    slot being MASK (see DFlashDrafter.forward).
-
-    Shapes as in ``drafter.forward`` / ``dflash_loss``. With ``anchors_per_microbatch`` = m > 0
-    the N anchors run in slices of m (forward + backward each, so only one slice's activations
-    live at a time), every slice normalised by the WHOLE step's sum(w): loss and gradients
-    equal the one-pass step. The trainer does the same slicing (``Blocks.slices``) inside its
-    DDP no_sync logic. Returns a LossOutput whose loss is detached.
+    The defaults are the training step's fast path: slot 0 is not computed in the last layer and
+    the head (``scored_only``), and layer 0 projects the distinct rows only, the anchors' embeddings
+    and the one MASK embedding (``distinct_rows``). ``scored_only=False, distinct_rows=False,
+    attention="dense"`` is the straightforward oracle (every slot of every block embedded in
+    full); all give the same loss and gradients (tests/test_step_equivalence.py).
     """
-    n = anchors.shape[1]
-    m = n if anchors_per_microbatch <= 0 else min(anchors_per_microbatch, n)
-    normalizer = weights.sum()
-    outs = []
-    for start in range(0, n, m):
-        part = slice(start, start + m)
-        hidden = drafter(features, block_embeds[:, part], anchors[:, part], valid[:, part], attention=attention,
-                         scored_only=scored_only, mask_embed=mask_embed)
-        out = dflash_loss(hidden, head_weight, labels[:, part], weights[:, part], chunk_size, normalizer)
-        out.loss.backward()
-        outs.append(out)
-    return LossOutput(
-        loss=torch.stack([o.loss.detach() for o in outs]).sum(),
-        correct=torch.cat([o.correct for o in outs], dim=1),
-        scored=weights > 0,
-        weight_sum=normalizer,
-        total=torch.stack([o.total for o in outs]).sum(),
-    )
+    if distinct_rows:
+        embeds = target.embed(blocks.input_ids[:, :, 0]).to(features.dtype)  # the other slots are MASK
+        mask_embed = target.embed(blocks.input_ids.new_tensor(mask_token_id(drafter))).to(features.dtype)
+    else:
+        embeds, mask_embed = target.embed(blocks.input_ids).to(features.dtype), None
+    hidden = drafter(features, embeds, blocks.anchors, blocks.valid, attention=attention, scored_only=scored_only,
+                     mask_embed=mask_embed)
+    return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer)

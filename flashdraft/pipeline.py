@@ -38,8 +38,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -234,7 +235,8 @@ class PipelineReport:
         return out
 
     def format(self) -> str:
-        lines = [f"{'stage':<10} {'items':>6} {'busy ms/it':>11} {'starved ms/it':>14} {'blocked ms/it':>14} {'busy %':>7}"]
+        lines = [f"{'stage':<10} {'items':>6} {'busy ms/it':>11} {'starved ms/it':>14} {'blocked ms/it':>14} "
+                 f"{'busy %':>7}"]
         for s in self.stages:
             n = max(1, s.items)
             share = 100 * s.busy_s / self.wall_s if self.wall_s > 0 else 0.0
@@ -331,7 +333,8 @@ class Pipeline:
         self._pools = list(pools)
         self._meters = [_Meter(source_name)] + [_Meter(s.name) for s in self.stages] + [_Meter(consumer_name)]
         self._channels = [Channel(capacity, f"{source_name}->{s.name}") for s in self.stages]
-        self._channels.append(Channel(capacity, f"{self.stages[-1].name if self.stages else source_name}->{consumer_name}"))
+        self._channels.append(Channel(capacity,
+                                      f"{self.stages[-1].name if self.stages else source_name}->{consumer_name}"))
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -409,7 +412,8 @@ class Pipeline:
     # ---- threads -----------------------------------------------------------------------------
 
     def _start(self) -> None:
-        workers = [(self._meters[0].name, self._source_loop)] + [(s.name, self._stage_loop, i) for i, s in enumerate(self.stages)]
+        workers = ([(self._meters[0].name, self._source_loop)]
+                   + [(s.name, self._stage_loop, i) for i, s in enumerate(self.stages)])
         for spec in workers:
             name, target, *args = spec
             t = threading.Thread(target=self._guard, args=(name, target, *args), name=f"flashdraft-{name}", daemon=True)
@@ -461,7 +465,7 @@ class Pipeline:
 
     # ---- the consumer side -------------------------------------------------------------------
 
-    def __iter__(self) -> "Pipeline":
+    def __iter__(self) -> Pipeline:
         return self
 
     def __next__(self) -> Any:
@@ -525,7 +529,7 @@ class Pipeline:
     def alive_threads(self) -> list[str]:
         return [t.name for t in self._threads if t.is_alive()]
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -131,15 +131,15 @@ def pretrain_target(tokenizer, pairs, budget: Budget, out_dir: Path, seed: int =
     """Train a tiny LM (``budget.target_arch``) on rendered chats (plain next-token loss), save it
     with the tokenizer."""
     from flashdraft.toy import tiny_causal_lm
-    from flashdraft.trainer import warmup_cosine
+    from flashdraft.train.optim import warmup_cosine
 
     torch.manual_seed(seed)
     texts = [tokenizer.apply_chat_template(chat(p, a), tokenize=False) for p, a in pairs]
     stream = np.concatenate([np.asarray(tokenizer(t)["input_ids"], dtype=np.int64) for t in texts])
     n_seq = len(stream) // budget.target_seq
     data = torch.from_numpy(stream[: n_seq * budget.target_seq].reshape(n_seq, budget.target_seq))
-    model = tiny_causal_lm(tokenizer, arch=budget.target_arch, num_layers=budget.target_layers, hidden=budget.target_hidden,
-                           max_position_embeddings=2048, seed=seed)
+    model = tiny_causal_lm(tokenizer, arch=budget.target_arch, num_layers=budget.target_layers,
+                           hidden=budget.target_hidden, max_position_embeddings=2048, seed=seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(budget.target_steps, 0.05))
@@ -214,29 +214,40 @@ def plot_history(history: list[dict], path: Path) -> None:
 
 def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, use_cache: bool = True) -> dict:
     """Run every stage; returns the report written to ``output/eval/report.json``."""
-    from flashdraft.config import config_from_dict
-    from flashdraft.data.prepare import prepare
-    from flashdraft.data.regenerate import regenerate
-    from flashdraft.drafter import DFlashDrafter
-    from flashdraft.feature_cache import full_cache_bytes
-    from flashdraft.evaluate import evaluate_tau, eos_ids_of, write_prompts
-    from flashdraft.speculative import greedy_generate
-    from flashdraft.target import TargetModel
-    from flashdraft.toy import train_toy_tokenizer
-    from flashdraft.trainer import Trainer
     from transformers import AutoTokenizer
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
-    clock = time.perf_counter()
+    watch = _Stopwatch()
+    train_files, train_pairs, heldout_pairs = _corpus(budget)
+    watch.lap("corpus")
+    target_dir = _tokenizer_and_target(out, budget, seed, use_cache, train_files, train_pairs, watch)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    summary = _data(out, budget, seed, target_dir, train_pairs)
+    eval_prompts = _eval_prompts(out, tokenizer, heldout_pairs, budget)
+    watch.lap("regenerate+prepare")
+    run = _train_drafter(out, budget, seed, target_dir, tokenizer, summary["tokens"])
+    watch.lap("drafter training")
+    scores, eval_settings = _evaluate(out, budget, target_dir, run, tokenizer, eval_prompts, heldout_pairs)
+    watch.lap("eval")
+    return _write_outputs(out, budget, seed, run, scores, eval_settings, watch.times)
 
-    def lap(name: str) -> None:
-        nonlocal clock
+
+class _Stopwatch:
+    """Wall-clock seconds per quickstart stage, in stage order: ``lap(name)`` closes the current stage."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self.clock = time.perf_counter()
+
+    def lap(self, name: str) -> None:
         now = time.perf_counter()
-        times[name] = round(now - clock, 2)
-        clock = now
+        self.times[name] = round(now - self.clock, 2)
+        self.clock = now
 
+
+def _corpus(budget: Budget) -> tuple[list[Path], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Stage 1: (train files, train snippets, held-out snippets)."""
     _say(f"[1/7] corpus: Python {sys.version_info.major}.{sys.version_info.minor} standard library sources")
     train_files, heldout_files = stdlib_files(budget.corpus_bytes)
     answer_chars = budget.answer_tokens * 4
@@ -244,35 +255,55 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     heldout_pairs = code_pairs(heldout_files, budget.prompt_chars, answer_chars)
     _say(f"      {len(train_files)} train files ({len(train_pairs)} snippets), "
          f"{len(heldout_files)} held-out files ({len(heldout_pairs)} snippets)")
-    lap("corpus")
+    return train_files, train_pairs, heldout_pairs
 
-    target_fields = ("corpus_bytes", "vocab_size", "target_arch", "target_layers", "target_hidden", "target_steps", "target_batch",
-                     "target_seq", "prompt_chars", "answer_tokens")  # what the tokenizer and target depend on
+
+def _target_cache_dir(budget: Budget, seed: int, train_files: list[Path]) -> Path:
+    """Where a trained tokenizer + target with these inputs is cached between runs."""
+    # what the tokenizer and target depend on
+    target_fields = ("corpus_bytes", "vocab_size", "target_arch", "target_layers", "target_hidden", "target_steps",
+                     "target_batch", "target_seq", "prompt_chars", "answer_tokens")
     key = hashlib.sha256(json.dumps([{k: getattr(budget, k) for k in target_fields}, seed,
                                      [str(p) for p in train_files], sys.version]).encode()).hexdigest()[:16]
-    cached = CACHE_ROOT / f"target-{key}"
+    return CACHE_ROOT / f"target-{key}"
+
+
+def _tokenizer_and_target(out: Path, budget: Budget, seed: int, use_cache: bool, train_files: list[Path],
+                          train_pairs: list[tuple[str, str]], watch: _Stopwatch) -> Path:
+    """Stages 2 and 3: train (or copy from the cache) the tokenizer and target into ``out/target``."""
+    from flashdraft.toy import train_toy_tokenizer
+
+    cached = _target_cache_dir(budget, seed, train_files)
     target_dir = out / "target"
     if use_cache and (cached / "config.json").is_file():
         _say(f"[2/7] tokenizer + [3/7] target: cached ({cached})")
         shutil.copytree(cached, target_dir, dirs_exist_ok=True)
-        lap("tokenizer+target (cached)")
-    else:
-        _say(f"[2/7] tokenizer: byte-level BPE, vocab {budget.vocab_size}, Qwen3-style chat template")
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in train_files]
-        tokenizer = train_toy_tokenizer(texts, vocab_size=budget.vocab_size, template="qwen3")
-        lap("tokenizer")
-        _say(f"[3/7] target: tiny {budget.target_arch} ({budget.target_layers} layers, hidden {budget.target_hidden}), "
-             f"{budget.target_steps} steps")
-        pretrain_target(tokenizer, train_pairs, budget, target_dir, seed)
-        if use_cache:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(cached.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(target_dir, tmp)
-            shutil.rmtree(cached, ignore_errors=True)
-            tmp.rename(cached)
-        lap("target")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        watch.lap("tokenizer+target (cached)")
+        return target_dir
+    _say(f"[2/7] tokenizer: byte-level BPE, vocab {budget.vocab_size}, Qwen3-style chat template")
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in train_files]
+    tokenizer = train_toy_tokenizer(texts, vocab_size=budget.vocab_size, template="qwen3")
+    watch.lap("tokenizer")
+    _say(f"[3/7] target: tiny {budget.target_arch} ({budget.target_layers} layers, hidden {budget.target_hidden}), "
+         f"{budget.target_steps} steps")
+    pretrain_target(tokenizer, train_pairs, budget, target_dir, seed)
+    if use_cache:
+        # Copied under a temporary name and renamed: a run killed mid-copy leaves no half cache entry.
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(cached.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(target_dir, tmp)
+        shutil.rmtree(cached, ignore_errors=True)
+        tmp.rename(cached)
+    watch.lap("target")
+    return target_dir
+
+
+def _data(out: Path, budget: Budget, seed: int, target_dir: Path, train_pairs: list[tuple[str, str]]) -> dict:
+    """Stage 4: training prompts, answers regenerated by the target, prepared into ``out/data/tokens``;
+    returns prepare's summary."""
+    from flashdraft.data.prepare import prepare
+    from flashdraft.data.regenerate import regenerate
 
     _say(f"[4/7] data: {budget.num_train_prompts} prompts, answers regenerated by the target, prepared")
     shutil.rmtree(out / "data", ignore_errors=True)  # answers depend on the target: never reuse old ones
@@ -284,24 +315,34 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
         for i in picks:
             f.write(json.dumps({"id": f"train-{i}", "messages": chat(*train_pairs[i])}) + "\n")
     regen_path = out / "data" / "regenerated.jsonl"
-    regenerate([chats_path], regen_path, backend="hf", model_dir=str(target_dir), temperature=budget.regen_temperature, seed=seed,
-               max_tokens=budget.answer_tokens, batch_size=64, progress=False, log=lambda *a: None)
+    regenerate([chats_path], regen_path, backend="hf", model_dir=str(target_dir), temperature=budget.regen_temperature,
+               seed=seed, max_tokens=budget.answer_tokens, batch_size=64, progress=False, log=lambda *a: None)
     summary = prepare([regen_path], target_dir, out / "data" / "tokens", max_length=1024,
                       min_supervised=2 * budget.block_size, num_workers=1, progress=False, log=lambda *a: None)
     _say(f"      {summary['samples']} samples, {summary['tokens']} tokens "
          f"({100 * summary['supervised_share']:.0f}% supervised), dropped {summary['dropped']}")
+    return summary
+
+
+def _eval_prompts(out: Path, tokenizer, heldout_pairs: list[tuple[str, str]], budget: Budget) -> list[list[int]]:
+    """Held-out prompts spread over the held-out files, tokenized, written to ``out/eval/prompts.jsonl``."""
+    from flashdraft.evaluate import write_prompts
+
     eval_prompts = [tokenizer.apply_chat_template(chat(p), add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
                     for p, _ in heldout_pairs[:: max(1, len(heldout_pairs) // budget.num_eval_prompts)]]
     eval_prompts = eval_prompts[: budget.num_eval_prompts]
     write_prompts(out / "eval" / "prompts.jsonl", eval_prompts)
-    lap("regenerate+prepare")
+    return eval_prompts
 
-    _say(f"[5/7] drafter: {budget.drafter_layers}-layer DFlash drafter, block {budget.block_size}, "
-         f"{budget.drafter_steps} steps (flashdraft.trainer)")
-    mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
+
+def _drafter_config(out: Path, budget: Budget, seed: int, target_dir: Path, mask_id: int, num_tokens: int):
+    """The training config of the quickstart's drafter run (``num_tokens``: tokens in the prepared data)."""
+    from flashdraft.config import config_from_dict
+    from flashdraft.feature_cache import full_cache_bytes
+
     feature_size = len(tap_layers(budget.target_layers)) * budget.target_hidden  # fp32 taps per token
-    config = config_from_dict({
+    return config_from_dict({
         "model": {"target": str(target_dir), "target_layer_ids": tap_layers(budget.target_layers),
                   "num_draft_layers": budget.drafter_layers, "block_size": budget.block_size,
                   "mask_token_id": mask_id, "dtype": "float32"},
@@ -311,7 +352,7 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
         "optim": {"lr": budget.drafter_lr},
         # The run sees every sample ~10 times and the target is frozen: keep each sample's target
         # features after its first forward (RAM; the whole dataset fits) so later epochs skip the target.
-        "pipeline": {"feature_cache_bytes": full_cache_bytes(summary["tokens"], feature_size, 4)},
+        "pipeline": {"feature_cache_bytes": full_cache_bytes(num_tokens, feature_size, 4)},
         "train": {"output_dir": str(out / "run"), "max_steps": budget.drafter_steps, "seed": seed,
                   "log_every": max(1, budget.drafter_steps // 12), "save_every": 0, "resume": "never",
                   # In-training evals use every prompt of the final eval, so the plot and the summary
@@ -319,6 +360,31 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
                   # drafter); 32 new tokens each keeps them cheap.
                   "eval_every": budget.eval_every, "eval_prompts": budget.num_eval_prompts, "eval_max_new_tokens": 32},
     })
+
+
+@dataclass
+class _DrafterRun:
+    """What the drafter stage leaves for eval and outputs (the trainer itself, released from DDP)."""
+
+    trainer: object
+    config: object
+    untrained: torch.nn.Module  # the trainer's initial weights, for the untrained baseline
+    final: dict
+    history: list[dict]
+    pipeline_table: str
+    cache_stats: object
+
+
+def _train_drafter(out: Path, budget: Budget, seed: int, target_dir: Path, tokenizer, num_tokens: int) -> _DrafterRun:
+    """Stage 5: online DFlash training through the real Trainer; the serving export lands in ``out/drafter``."""
+    from flashdraft import distributed
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.train.trainer import Trainer
+
+    _say(f"[5/7] drafter: {budget.drafter_layers}-layer DFlash drafter, block {budget.block_size}, "
+         f"{budget.drafter_steps} steps (flashdraft.train)")
+    mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    config = _drafter_config(out, budget, seed, target_dir, mask_id, num_tokens)
     trainer = Trainer(config)
     untrained = DFlashDrafter(trainer.drafter.config)
     untrained.load_state_dict(trainer.drafter.state_dict())  # the trainer's own initial weights
@@ -326,15 +392,23 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     history = list(trainer.history)
     pipeline_table = trainer.pipeline_report.format() if trainer.pipeline_report else ""
     cache_stats = trainer.feature_cache_stats
-    from flashdraft import distributed
-
     trainer.release_ddp()
     distributed.teardown()
     shutil.copytree(out / "run" / "drafter", out / "drafter", dirs_exist_ok=True)
-    lap("drafter training")
+    return _DrafterRun(trainer, config, untrained, final, history, pipeline_table, cache_stats)
+
+
+def _evaluate(out: Path, budget: Budget, target_dir: Path, run: _DrafterRun, tokenizer, eval_prompts: list[list[int]],
+              heldout_pairs: list[tuple[str, str]]) -> tuple[dict, dict]:
+    """Stage 6: (scores for the report, the eval's settings): tau of the exported drafter, of the
+    untrained one and of n-gram prompt lookup, losslessness, wall-clock, repeated 4-grams."""
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.evaluate import eos_ids_of, evaluate_tau
+    from flashdraft.speculative import greedy_generate
+    from flashdraft.target import TargetModel
 
     _say(f"[6/7] eval: {len(eval_prompts)} held-out prompts, {budget.eval_max_new_tokens} new tokens, greedy")
-    target = TargetModel.from_pretrained(target_dir, target_layer_ids=config.model.target_layer_ids)
+    target = TargetModel.from_pretrained(target_dir, target_layer_ids=run.config.model.target_layer_ids)
     drafter = DFlashDrafter.from_pretrained(out / "drafter").eval()  # the serving export, as users load it
     eos = eos_ids_of(target_dir, target.config)
     settings = dict(max_new_tokens=budget.eval_max_new_tokens, eos_ids=eos)
@@ -342,14 +416,10 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     trained = evaluate_tau(target, drafter, eval_prompts, references=greedy, **settings)
     baseline = evaluate_tau(target, None, eval_prompts, baseline="ngram", block_size=budget.block_size,
                             references=greedy, **settings)
-    random_init = evaluate_tau(target, untrained.eval(), eval_prompts, check_lossless=False, **settings)
+    random_init = evaluate_tau(target, run.untrained.eval(), eval_prompts, check_lossless=False, **settings)
     outputs = [g.tokens for g in greedy]
     human = [tokenizer(a)["input_ids"][: budget.eval_max_new_tokens] for _, a in heldout_pairs[: len(eval_prompts)]]
-    lap("eval")
-
-    _say("[7/7] outputs: export, plot, report")
-    plot_history(history, out / "training.png")
-    report = {
+    scores = {
         "tau": trained["tau"],
         "tau_untrained": random_init["tau"],
         "tau_ngram": baseline["tau"],
@@ -361,16 +431,28 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
         "ngram_speedup": baseline["speedup"],
         "repeated_4gram_share_target": repeated_ngram_share(outputs),
         "repeated_4gram_share_human": repeated_ngram_share(human),
-        "final_train": {k: v for k, v in final.items() if isinstance(v, float) and not k.startswith("time/")},
+    }
+    return scores, trained["settings"]
+
+
+def _write_outputs(out: Path, budget: Budget, seed: int, run: _DrafterRun, scores: dict, eval_settings: dict,
+                   times: dict[str, float]) -> dict:
+    """Stage 7: the training plot, ``eval/report.json`` and ``summary.md``; returns the report."""
+    _say("[7/7] outputs: export, plot, report")
+    plot_history(run.history, out / "training.png")
+    trainer = run.trainer
+    report = {
+        **scores,
+        "final_train": {k: v for k, v in run.final.items() if isinstance(v, float) and not k.startswith("time/")},
         "pipeline": trainer.pipeline_report.as_metrics("") if trainer.pipeline_report else {},
-        "feature_cache": cache_stats.as_metrics("") if cache_stats else {},
+        "feature_cache": run.cache_stats.as_metrics("") if run.cache_stats else {},
         "wall_seconds": times,
-        "settings": {**trained["settings"], "budget": asdict(budget), "seed": seed,
-                     "target_layer_ids": list(config.model.target_layer_ids), "device": "cpu",
+        "settings": {**eval_settings, "budget": asdict(budget), "seed": seed,
+                     "target_layer_ids": list(run.config.model.target_layer_ids), "device": "cpu",
                      "torch_threads": torch.get_num_threads()},
     }
     (out / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    summary_text = format_summary(report, pipeline_table)
+    summary_text = format_summary(report, run.pipeline_table)
     (out / "summary.md").write_text(summary_text + "\n")
     _say(summary_text)
     return report

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,8 @@ def _model_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def _heads_only_model(path: Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module | None:
+def _heads_only_model(path: Path, device: torch.device, dtype: torch.dtype,
+                      trust_remote_code: bool) -> nn.Module | None:
     """The causal LM of ``path`` with every decoder layer on the meta device (no memory) and only
     its input embedding and LM head loaded, read from the files Hugging Face itself loads
     (``model.safetensors``, or the shards ``model.safetensors.index.json`` names); tied heads
@@ -132,7 +132,8 @@ class TargetModel(nn.Module):
         self.config = model.config
         self.layers = _decoder_layers(model)
         self.num_layers = len(self.layers)
-        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(self.num_layers, num_taps)
+        ids = (list(target_layer_ids) if target_layer_ids is not None
+               else default_target_layer_ids(self.num_layers, num_taps))
         bad = [i for i in ids if not 0 <= i < self.num_layers]
         if bad or len(set(ids)) != len(ids):
             raise ValueError(
@@ -157,7 +158,7 @@ class TargetModel(nn.Module):
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         heads_only: bool = False,
-    ) -> "TargetModel":
+    ) -> TargetModel:
         """Load a local Hugging Face causal LM directory, frozen, in eval mode.
 
         ``heads_only``: only the input embedding and the LM head, for a rank that never runs the
@@ -312,7 +313,7 @@ def mark_cache(cache: DynamicCache) -> CacheMark:
                      {i: _copy_state(vars(layer)) for i, layer in enumerate(layers) if _is_recurrent(layer)})
 
 
-def rewind_cache(target: "TargetModel", cache: DynamicCache, mark: CacheMark, kept: list[int]) -> None:
+def rewind_cache(target: TargetModel, cache: DynamicCache, mark: CacheMark, kept: list[int]) -> None:
     """Leave ``cache`` as if only ``kept`` had been fed after ``mark`` (a verification keeps the
     accepted prefix of the tokens it ran on).
 

@@ -2,7 +2,8 @@
 
 Nothing here downloads anything: ``train_toy_tokenizer`` trains a byte-level BPE with
 ``tokenizers`` on a small corpus and gives it a real chat template in one of three styles,
-``tiny_causal_lm`` builds a randomly initialised Qwen3 / Llama causal LM from its config, and
+``tiny_causal_lm`` builds a randomly initialised Qwen3 / Llama / Qwen3.5 / Qwen3-Next causal LM
+from its config (``causal_lm_config``: the config alone), and
 ``ToyOpenAIServer`` serves such a model on 127.0.0.1 through ``/v1/chat/completions`` and
 ``/v1/completions`` (with optional error injection, for retry tests).
 
@@ -17,8 +18,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterable
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -39,7 +40,8 @@ QWEN3_TEMPLATE = """\
 {%- set body = body.split('</think>')[-1].lstrip('\\n') -%}
 {%- endif -%}
 {%- if loop.index0 > ns.last_user and (loop.last or thought) -%}
-{{- '<|im_start|>assistant\\n<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' + body.lstrip('\\n') + '<|im_end|>\\n' -}}
+{{- '<|im_start|>assistant\\n<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' \
++ body.lstrip('\\n') + '<|im_end|>\\n' -}}
 {%- else -%}
 {{- '<|im_start|>assistant\\n' + body + '<|im_end|>\\n' -}}
 {%- endif -%}
@@ -138,19 +140,23 @@ def train_toy_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 51
     return hf
 
 
-def tiny_causal_lm(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int = 4, hidden: int = 64,
-                   num_heads: int = 4, num_kv_heads: int = 2, intermediate: int | None = None,
-                   max_position_embeddings: int = 2048, seed: int = 0):
-    """A randomly initialised causal LM, fp32, in eval mode: ``arch`` "qwen3" (Qwen3ForCausalLM),
-    "llama" (LlamaForCausalLM) or "qwen3_5" (Qwen3_5ForCausalLM, the hybrid text model: gated
-    delta-net linear attention, full attention in every fourth layer and the last).
+# arch -> (config class, model class), both in transformers.
+_ARCHS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+}
 
-    ``vocab_size`` is ``len(tokenizer)`` (added tokens included) when a tokenizer is given;
-    bos/eos/pad ids are copied from it. ``seed`` makes the weights reproducible.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+def _config_and_ids(tokenizer_or_vocab_size, arch: str, num_layers: int, hidden: int, num_heads: int,
+                    num_kv_heads: int, intermediate: int | None, max_position_embeddings: int, head_dim: int | None,
+                    overrides: dict):
+    """(config, model class, the tokenizer's bos/eos/pad ids) of ``causal_lm_config``."""
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(_ARCHS)}")
     if isinstance(tokenizer_or_vocab_size, int):
         vocab_size, ids = tokenizer_or_vocab_size, {}
     else:
@@ -158,33 +164,70 @@ def tiny_causal_lm(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int
         vocab_size = len(tk)
         ids = {k: getattr(tk, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                if getattr(tk, k, None) is not None}
-    common = dict(
+    head_dim = head_dim or hidden // num_heads
+    fields = dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=hidden // num_heads, max_position_embeddings=max_position_embeddings,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False, **ids,
     )
-    if arch == "qwen3":
-        config, cls = Qwen3Config(**common), Qwen3ForCausalLM
-    elif arch == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    elif arch == "qwen3_5":
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-        head_dim = hidden // num_heads
+    if arch in ("qwen3_5", "qwen3_next"):
         # Qwen3.5's pattern (full attention every 4th layer), and always in the last layer: an
         # all-linear stack has no attention layer to tell its cache length (transformers refuses).
-        layer_types = ["full_attention" if i % 4 == 3 or i == num_layers - 1 else "linear_attention"
-                       for i in range(num_layers)]
-        config = Qwen3_5TextConfig(
-            **common, layer_types=layer_types, linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads,
-            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-        )
-        cls = Qwen3_5ForCausalLM
-    else:
-        raise ValueError(f"unknown arch {arch!r}; use qwen3, llama or qwen3_5")
+        fields["layer_types"] = ["full_attention" if i % 4 == 3 or i == num_layers - 1 else "linear_attention"
+                                 for i in range(num_layers)]
+        fields.update(linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads,
+                      linear_key_head_dim=head_dim, linear_value_head_dim=head_dim)
+    if arch == "qwen3_next":  # sparse MoE in every layer: 2 of 4 experts per token, plus the shared expert
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                      shared_expert_intermediate_size=hidden // 2)
+    fields.update(overrides)
+    config_name, model_name = _ARCHS[arch]
+    return getattr(transformers, config_name)(**fields), getattr(transformers, model_name), ids
+
+
+def causal_lm_config(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int = 4, hidden: int = 64,
+                     num_heads: int = 4, num_kv_heads: int = 2, intermediate: int | None = None,
+                     max_position_embeddings: int = 2048, *, head_dim: int | None = None, **overrides):
+    """The Hugging Face config ``tiny_causal_lm`` builds its model from, without the weights (a
+    config of any size is cheap; the weights of a large one are not).
+
+    ``arch``: "qwen3" (Qwen3Config), "llama" (LlamaConfig), "qwen3_5" (Qwen3_5TextConfig, the
+    hybrid text model: gated delta-net linear attention, full attention in every fourth layer and
+    the last) or "qwen3_next" (Qwen3NextConfig: the same layer pattern, sparse-MoE MLPs with 4
+    experts, 2 per token, and a shared expert). ``vocab_size`` is ``len(tokenizer)`` (added tokens
+    included) when a tokenizer is given; bos/eos/pad ids are copied from it. ``head_dim`` defaults
+    to ``hidden // num_heads``, ``intermediate`` to ``2 * hidden``; input and output embeddings are
+    untied. ``overrides`` are further config fields, and replace any of the above (e.g.
+    ``rope_parameters``, ``tie_word_embeddings``, ``layer_types``).
+    """
+    config, _, _ = _config_and_ids(tokenizer_or_vocab_size, arch, num_layers, hidden, num_heads, num_kv_heads,
+                                   intermediate, max_position_embeddings, head_dim, overrides)
+    return config
+
+
+def tiny_causal_lm(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int = 4, hidden: int = 64,
+                   num_heads: int = 4, num_kv_heads: int = 2, intermediate: int | None = None,
+                   max_position_embeddings: int = 2048, seed: int = 0, *, head_dim: int | None = None,
+                   dtype=None, **overrides):
+    """A randomly initialised causal LM in eval mode, built from ``causal_lm_config`` (same
+    arguments, ``arch`` "qwen3", "llama", "qwen3_5" or "qwen3_next"; ``overrides`` go to the config).
+
+    The weights are drawn in fp32 right after ``torch.manual_seed(seed)``, so ``seed`` makes them
+    reproducible; ``dtype`` (a torch dtype) then casts them and is recorded in the config (what
+    ``save_pretrained`` writes), fp32 is kept otherwise. When a tokenizer is given, its eos (and
+    pad) ids are also set in the generation config.
+    """
+    import torch
+
+    if dtype is not None:
+        overrides = {"dtype": dtype, **overrides}
+    config, cls, ids = _config_and_ids(tokenizer_or_vocab_size, arch, num_layers, hidden, num_heads, num_kv_heads,
+                                       intermediate, max_position_embeddings, head_dim, overrides)
     torch.manual_seed(seed)
     model = cls(config).float().eval()
+    if dtype is not None:
+        model.to(dtype)
     if "eos_token_id" in ids:
         model.generation_config.eos_token_id = ids["eos_token_id"]
         model.generation_config.pad_token_id = ids.get("pad_token_id", ids["eos_token_id"])
@@ -309,7 +352,7 @@ class ToyOpenAIServer:
                 "choices": [{"index": 0, "text": text, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n}}
 
-    def start(self) -> "ToyOpenAIServer":
+    def start(self) -> ToyOpenAIServer:
         self._thread.start()
         return self
 
@@ -317,7 +360,7 @@ class ToyOpenAIServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    def __enter__(self) -> "ToyOpenAIServer":
+    def __enter__(self) -> ToyOpenAIServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -363,7 +406,8 @@ def synthetic_conversations(n: int, seed: int = 0, *, max_turns: int = 3, think_
             msgs.append({"role": "assistant", "content": reply})
         if shape == "sharegpt":
             names = {"system": "system", "user": "human", "assistant": "gpt"}
-            out.append({"id": f"s{i}", "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in msgs]})
+            out.append({"id": f"s{i}",
+                        "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in msgs]})
         else:
             out.append({"id": f"s{i}", "messages": msgs})
     return out

@@ -135,29 +135,43 @@ def train_ranks(overrides_json: str) -> None:
     """flashdraft training on every rank; reports per-step losses and whether the drafter's
     parameters were bit-identical across ranks after every optimizer step."""
     from flashdraft.config import load_config
-    from flashdraft.trainer import Trainer
+    from flashdraft.train.trainer import Trainer
 
-    class Checked(Trainer):
-        identical: list[bool] = []
+    identical: list[bool] = []
 
-        def train_step(self, micro, stats):
-            norm = super().train_step(micro, stats)
-            flat = torch.cat([p.detach().flatten() for p in self.drafter.parameters()])
-            digests = D.all_gather_object(flat.numpy().tobytes())
-            self.identical.append(all(d == digests[0] for d in digests))
-            return norm
+    def check(trainer) -> None:  # after every optimizer step
+        flat = torch.cat([p.detach().flatten() for p in trainer.drafter.parameters()])
+        digests = D.all_gather_object(flat.numpy().tobytes())
+        identical.append(all(d == digests[0] for d in digests))
 
-    trainer = Checked(load_config(overrides=json.loads(overrides_json)))
+    trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
     layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
-    trainer.fit()
+    trainer.fit(on_step=check)
     losses = [h["loss"] for h in trainer.history if "loss" in h]
     last = trainer.history[-1] if trainer.history else {}  # a disaggregated target rank logs nothing
     cache = {k: v for k, v in last.items() if k.startswith("cache/")}
-    result({"losses": losses, "identical": Checked.identical, "target_in_ddp": target_in_ddp,
+    result({"losses": losses, "identical": identical, "target_in_ddp": target_in_ddp,
             "ddp": type(trainer.model).__name__, "cache": cache, "target_layers_loaded": layers_loaded})
     trainer.release_ddp()
     D.teardown()
+
+
+def pace_steps(seconds: float) -> None:
+    """Make every optimizer step of this process last ``seconds`` longer, so that a test's kill
+    lands at a chosen moment of a run (the trainer itself has no test hook)."""
+    if seconds <= 0:
+        return
+    from flashdraft.train.step import DrafterStep
+
+    step = DrafterStep.__call__
+
+    def paced(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        time.sleep(seconds)
+        return out
+
+    DrafterStep.__call__ = paced
 
 
 def cli(*argv: str) -> None:
@@ -168,6 +182,7 @@ def cli(*argv: str) -> None:
 
     if os.environ.get("FLASHDRAFT_TEST_IGNORE_SIGXFSZ"):  # a file-size limit then fails writes (EFBIG), like ENOSPC
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    pace_steps(float(os.environ.get("FLASHDRAFT_TEST_STEP_SLEEP", "0")))
     code = main(list(argv))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -181,7 +196,7 @@ def train_rank_fails(overrides_json: str, how: str, at_step: str, mark: str) -> 
     and its process must exit; it reports the error and the time it exits (teardown included);
     rank 1 writes the time of its fault to ``mark``."""
     from flashdraft.config import load_config
-    from flashdraft.trainer import train
+    from flashdraft.train.trainer import train
 
     rank, at = int(os.environ["RANK"]), int(at_step)
     import flashdraft.target as target_mod
@@ -215,9 +230,9 @@ def train_rank_fails(overrides_json: str, how: str, at_step: str, mark: str) -> 
 def train_target_raises(overrides_json: str, at_call: str) -> None:
     """A disaggregated job whose target rank raises inside its ``at_call``-th target forward.
     Every rank must end with an error (none may hang); each reports it."""
-    from flashdraft.config import load_config
-    from flashdraft.trainer import train
     import flashdraft.target as target_mod
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
 
     real_features = target_mod.TargetModel.features
     calls = {"n": 0}
@@ -254,14 +269,13 @@ def serve(*preload: str) -> None:
     stdin, one JSON per line: {"scenario", "args", "env", "out"} -> stdout "started <pid>".
     Exits of children are reported as "exited <pid> <status>" (negative: killed by signal).
     """
+    import importlib
     import select
     import traceback
 
-    import importlib
-
     import flashdraft.checkpoint  # noqa: F401  (warm the import for the children)
 
-    for module in preload:  # e.g. flashdraft.trainer: transformers costs seconds per import on 2 cores
+    for module in preload:  # e.g. flashdraft.train.trainer: transformers costs seconds per import on 2 cores
         importlib.import_module(module)
 
     torch.set_num_threads(1)

@@ -12,11 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.data.shards import write_token_shard
@@ -29,23 +27,16 @@ VOCAB = 300
 MASK_ID = VOCAB - 1
 
 
-def tiny_qwen3(num_layers: int = 6, hidden: int = 64, seed: int = 0, **kw) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+def tiny_qwen3(num_layers: int = 6, hidden: int = 64, seed: int = 0, **kw) -> torch.nn.Module:
+    """A tiny Qwen3 target; ``kw`` are further config fields (e.g. ``tie_word_embeddings``)."""
+    return tiny_causal_lm(VOCAB, arch="qwen3", num_layers=num_layers, hidden=hidden, seed=seed,
+                          max_position_embeddings=512,
+                          **{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **kw})
 
 
-def tiny_llama(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(cfg).eval()
+def tiny_llama(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.nn.Module:
+    return tiny_causal_lm(VOCAB, arch="llama", num_layers=num_layers, hidden=hidden, seed=seed,
+                          max_position_embeddings=512)
 
 
 def tiny_qwen3_5(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.nn.Module:
@@ -56,17 +47,8 @@ def tiny_qwen3_5(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.
 
 def tiny_qwen3_next(num_layers: int = 4, hidden: int = 64, seed: int = 0) -> torch.nn.Module:
     """A tiny Qwen3-Next (gated delta-net + full attention, sparse-MoE MLPs), 1 full layer in 4."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=hidden // 4,
-        linear_value_head_dim=hidden // 4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
-        shared_expert_intermediate_size=hidden // 2,
-    )
-    return Qwen3NextForCausalLM(cfg).eval()
+    return tiny_causal_lm(VOCAB, arch="qwen3_next", num_layers=num_layers, hidden=hidden, seed=seed,
+                          max_position_embeddings=512)
 
 
 @pytest.fixture
@@ -184,7 +166,7 @@ def run_ranks(server: ForkServer, scenario: str, *args: str, world_size: int = 2
                for r in range(world_size)]
     if expect_exit:
         deadline = time.monotonic() + timeout
-        for pid, out in workers:
+        for pid, _ in workers:
             if server.wait(pid, max(0.0, deadline - time.monotonic())) is None:
                 for p, _ in workers:
                     server.kill(p)
@@ -215,9 +197,17 @@ def results(workers: list[tuple[int, Path]]) -> list[dict]:
 def trainer_forkserver(tmp_path_factory):
     """A fork server that has already imported the trainer (and transformers): end-to-end
     `flashdraft train` processes start in milliseconds instead of ~10 s of imports each."""
-    server = ForkServer(tmp_path_factory.mktemp("trainer_workers"), preload=("flashdraft.trainer",))
+    server = ForkServer(tmp_path_factory.mktemp("trainer_workers"), preload=("flashdraft.train.trainer",))
     yield server
     server.close()
+
+
+def pytest_collection_modifyitems(items):
+    """Multi-process tests (those that start workers through a fork server) are ``slow``:
+    ``pytest -m "not slow"`` leaves them out of the fast inner loop; CI runs them."""
+    for item in items:
+        if {"forkserver", "trainer_forkserver"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ POINT = ["--seq", "64", "--hidden", "64", "--layers", "2", "--anchors", "8", "--
 
 
 @pytest.mark.parametrize("extra,rtol", [([], 1e-5), (["--dtype", "bfloat16", "--autocast"], 2e-2)])
+@pytest.mark.slow
 def test_bench_step_variants_compute_the_same_loss(tmp_path, extra, rtol):
     out = tmp_path / "step.json"
     assert main(["bench", "step", *POINT, *extra, "--json", str(out)]) == 0
@@ -31,7 +32,7 @@ def test_a_variant_out_of_memory_while_timing_is_reported_and_the_other_still_ti
     an OOM drops that variant with the error (or keeps the rounds it finished), not the run."""
     import torch
 
-    from flashdraft.benchmarks import step as bench
+    from flashdraft.bench import step as bench
 
     real_step_fn = bench.step_fn
 

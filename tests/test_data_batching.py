@@ -30,8 +30,12 @@ def test_plan_covers_each_sample_once_within_budget(lengths, extra, max_bs, seed
 
 def test_plan_differs_across_epochs_and_seeds():
     lengths = np.random.default_rng(0).integers(1, 500, 2000)
-    plans = [build_batches(lengths, token_budget=2048, max_batch_size=16, seed=s, epoch=e) for s, e in [(0, 0), (0, 1), (1, 0)]]
-    key = lambda p: [tuple(b.tolist()) for b in p]
+    plans = [build_batches(lengths, token_budget=2048, max_batch_size=16, seed=s, epoch=e)
+             for s, e in [(0, 0), (0, 1), (1, 0)]]
+
+    def key(plan):
+        return [tuple(b.tolist()) for b in plan]
+
     assert key(plans[0]) != key(plans[1]) and key(plans[0]) != key(plans[2])
     assert len(plans[0]) == len(plans[1])  # same number of batches every epoch
 
@@ -49,7 +53,8 @@ def test_over_budget_sample_names_fix():
 
 def collect(sampler_args, world_size, epochs=1, resume_after=None, new_world=None):
     """Run all ranks in lockstep; optionally stop after `resume_after` steps and resume with new_world ranks."""
-    samplers = [BatchSampler(**sampler_args, rank=r, world_size=world_size, num_epochs=epochs) for r in range(world_size)]
+    samplers = [BatchSampler(**sampler_args, rank=r, world_size=world_size, num_epochs=epochs)
+                for r in range(world_size)]
     its = [iter(s) for s in samplers]
     out = []  # (epoch, step, rank, indices)
     step = 0
@@ -57,7 +62,8 @@ def collect(sampler_args, world_size, epochs=1, resume_after=None, new_world=Non
         if resume_after is not None and step == resume_after:
             state = samplers[0].state_dict()
             assert all(s.state_dict() == state for s in samplers)
-            samplers = [BatchSampler(**sampler_args, rank=r, world_size=new_world, num_epochs=epochs) for r in range(new_world)]
+            samplers = [BatchSampler(**sampler_args, rank=r, world_size=new_world, num_epochs=epochs)
+                        for r in range(new_world)]
             for s in samplers:
                 s.load_state_dict(state)
             its = [iter(s) for s in samplers]

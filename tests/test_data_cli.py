@@ -5,8 +5,8 @@ import json
 import datasets
 import numpy as np
 
+from flashdraft.bench.data import lognormal_lengths, make_hf_dataset
 from flashdraft.cli import main
-from flashdraft.data.bench import lognormal_lengths, make_hf_dataset
 
 
 def test_inspect_seed_style_dataset(tmp_path, capsys):
@@ -14,7 +14,8 @@ def test_inspect_seed_style_dataset(tmp_path, capsys):
     assert datasets.load_from_disk(str(tmp_path / "hf")).features["input_ids"].feature.dtype == "int64"
     assert main(["inspect", str(tmp_path / "hf"), "--vocab-size", "32000", "--max-length", "512"]) == 0
     out = capsys.readouterr().out
-    for needle in ("samples         300 kept of 300", "supervised", "p50", "padding waste", "problems        none", "ready in"):
+    for needle in ("samples         300 kept of 300", "supervised", "p50", "padding waste", "problems        none",
+                   "ready in"):
         assert needle in out
 
 
@@ -32,7 +33,7 @@ def test_inspect_json_reports_problems(tmp_path, capsys):
 def test_bench_data_pieces(tmp_path, capsys):
     # The benchmark's probes run in-process here (the real run starts fresh interpreters, whose
     # torch imports alone would dominate the test suite's time).
-    from flashdraft.data import bench
+    from flashdraft.bench import data as bench
     from flashdraft.data.dataset import open_dataset
 
     make_hf_dataset(tmp_path / "hf", 3000, 128, 2048, 151_936)
@@ -57,6 +58,19 @@ def test_bench_dispatcher_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "data", "--help"])
     assert exit_.value.code == 0 and "--mean-length" in capsys.readouterr().out
+
+
+def test_every_bench_entry_parses_its_options(capsys):
+    """Each registry entry names an importable module whose add_arguments builds its parser."""
+    import pytest
+
+    from flashdraft.bench import SUBBENCHES
+
+    assert set(SUBBENCHES) == {"data", "prepare", "step", "train", "pipeline", "soak", "gpu-pipeline"}
+    for name in SUBBENCHES:
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", name, "--help"])
+        assert exit_.value.code == 0 and f"flashdraft bench {name}" in capsys.readouterr().out
 
 
 def test_lognormal_lengths_long_tailed():

@@ -27,7 +27,8 @@ def save_hf(path, ids, mask):
         "loss_mask": datasets.List(datasets.Value("int64")),
         "seq_len": datasets.Value("int64"),
     })
-    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask, "seq_len": [len(x) for x in ids]}, features=features)
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask, "seq_len": [len(x) for x in ids]},
+                                    features=features)
     assert ds.features["input_ids"].feature.dtype == "int64"
     ds.save_to_disk(str(path))
     return path

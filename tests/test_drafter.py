@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
-from flashdraft.drafter import DFlashDrafter, dense_block_mask
-from flashdraft.objective import block_input_ids, sample_anchors
 from conftest import MASK_ID, VOCAB, make_drafter, tiny_qwen3
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.drafter.attention import dense_block_mask
+from flashdraft.objective import block_input_ids, sample_anchors
 from flashdraft.target import TargetModel
 
 
@@ -179,7 +180,7 @@ def test_mask_token_outside_the_vocabulary_is_refused(target):
 def test_lean_rmsnorm_equals_qwen3_rmsnorm_values_and_grads(shape):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from flashdraft.drafter import RMSNorm
+    from flashdraft.drafter.kernels import RMSNorm
 
     ours, theirs = RMSNorm(shape[-1], eps=1e-6), Qwen3RMSNorm(shape[-1], eps=1e-6)
     with torch.no_grad():
@@ -202,7 +203,7 @@ def test_lean_rmsnorm_equals_qwen3_rmsnorm_values_and_grads(shape):
 def test_rope_equals_transformers_apply_rotary_pos_emb_values_and_grads():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-    from flashdraft.drafter import apply_rope
+    from flashdraft.drafter.kernels import apply_rope
 
     cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     positions = torch.tensor([[0, 3, 4, 9, 10], [7, 8, 9, 10, 11]])
@@ -249,10 +250,12 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
         p = f"layers.{i}."
         h = rms(x, w(p + "input_layernorm.weight"))
 
-        def keys(src, pos):
-            return rope(rms((src @ w(p + "self_attn.k_proj.weight").T).view(-1, nkv, d), w(p + "self_attn.k_norm.weight")), pos)
+        def keys(src, pos, p=p):
+            k = (src @ w(p + "self_attn.k_proj.weight").T).view(-1, nkv, d)
+            return rope(rms(k, w(p + "self_attn.k_norm.weight")), pos)
 
-        q = rope(rms((h @ w(p + "self_attn.q_proj.weight").T).view(t, nh, d), w(p + "self_attn.q_norm.weight")), pos_blk)
+        q = (h @ w(p + "self_attn.q_proj.weight").T).view(t, nh, d)
+        q = rope(rms(q, w(p + "self_attn.q_norm.weight")), pos_blk)
         k = torch.cat([keys(ctx, pos_ctx), keys(h, pos_blk)]).repeat_interleave(nh // nkv, dim=1)
         v = torch.cat([ctx, h]) @ w(p + "self_attn.v_proj.weight").T
         v = v.view(-1, nkv, d).repeat_interleave(nh // nkv, dim=1)
@@ -272,7 +275,8 @@ def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # weights far from init, norms included, so every term shows
         for name, p in drafter.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name else 0.15 * torch.randn(p.shape, generator=g))
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.3 * noise if "norm" in name else 0.15 * noise)
     drafter.save_pretrained(tmp_path, dtype=torch.float32)
     cfg = json.loads((tmp_path / "config.json").read_text())
     weights = load_file(tmp_path / "model.safetensors")
@@ -307,7 +311,8 @@ def test_loading_a_drafter_with_layers_flashdraft_does_not_implement_is_refused(
     drafter.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(ValueError, match=r"config.json: this DFlash drafter uses .*which flashdraft does not implement"):
+    with pytest.raises(ValueError,
+                       match=r"config.json: this DFlash drafter uses .*which flashdraft does not implement"):
         DFlashDrafter.from_pretrained(tmp_path)
 
 
@@ -321,7 +326,7 @@ def test_block_size_may_live_in_dflash_config_only(target, tmp_path):
 
 
 def test_a_crash_mid_export_leaves_the_previous_export_whole(target, tmp_path, monkeypatch):
-    import flashdraft.drafter as drafter_module
+    import flashdraft.drafter.serving as serving
 
     make_drafter(target, seed=1).save_pretrained(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -331,7 +336,7 @@ def test_a_crash_mid_export_leaves_the_previous_export_whole(target, tmp_path, m
             f.write(b"torn")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(drafter_module, "save_file", torn)
+    monkeypatch.setattr(serving, "save_file", torn)
     with pytest.raises(OSError, match="No space"):
         make_drafter(target, seed=2).save_pretrained(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporary file left either

@@ -19,7 +19,7 @@ from conftest import REPO, overrides, tiny_qwen3
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
-from flashdraft.trainer import Trainer
+from flashdraft.train.trainer import Trainer
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
 
@@ -82,7 +82,8 @@ def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_pat
 def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, tmp_path):  # noqa: F811
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
     with pytest.raises(ValueError, match=r"prompts.jsonl: prompt 0 has token ids outside \[0, 300\)"):
-        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "prompts.jsonl")))
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run",
+                                                data__eval_prompts=tmp_path / "prompts.jsonl")))
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -93,7 +94,7 @@ def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, t
 def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tmp_path, change, message):  # noqa: F811
     out = tmp_path / "run"
     first = Trainer(load_config(overrides=overrides(tiny_job, out)))
-    first.save_checkpoint()  # step 0: what a preempted run leaves behind
+    first.checkpoints.save(first.step)  # step 0: what a preempted run leaves behind
     changed = Trainer(load_config(overrides=overrides(tiny_job, out, **change)))
     with pytest.raises(ValueError, match=message + r".*restore those values, or start a fresh run with another "
                                                    r"train.output_dir"):
@@ -105,7 +106,7 @@ def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(
     """The config's paths are unchanged, but what they point to is not: a resume must notice."""
     out, job = tmp_path / "run", tmp_path / "job"
     shutil.copytree(tiny_job, job)
-    Trainer(load_config(overrides=overrides(job, out))).save_checkpoint()
+    (first := Trainer(load_config(overrides=overrides(job, out)))).checkpoints.save(first.step)
     shutil.rmtree(job / "data")
     shutil.copytree(job / "heldout", job / "data")  # other samples under data.path
     with pytest.raises(ValueError, match=r"the target or the data behind the config's paths changed \(data: checkpoint "
@@ -137,11 +138,12 @@ def test_no_pickle_anywhere_in_the_package():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
-                found += [f"{path.name}: import {n}" for n in names if n.split(".")[0] in ("pickle", "dill", "cloudpickle",
-                                                                                             "joblib", "marshal", "shelve")]
+                unsafe = ("pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve")
+                found += [f"{path.name}: import {n}" for n in names if n.split(".")[0] in unsafe]
             if isinstance(node, ast.Call):
                 f = node.func
-                if (isinstance(f, ast.Name) and f.id in ("eval", "exec")) or ast.unparse(f) in ("torch.load", "np.load"):
+                if (isinstance(f, ast.Name) and f.id in ("eval", "exec")) \
+                        or ast.unparse(f) in ("torch.load", "np.load"):
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
                 if any(k.arg == "allow_pickle" for k in node.keywords):
                     found.append(f"{path.name}:{node.lineno}: allow_pickle")
@@ -198,6 +200,7 @@ def test_remote_code_in_a_target_directory_is_not_run_unless_asked(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_a_mistake_as_one_line_with_the_fix():
     """A user's mistake is a message naming the fix, not a 20-line traceback (exit status 2)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -215,7 +218,7 @@ def test_the_command_line_prints_a_mistake_as_one_line_with_the_fix():
 
 def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(tiny_job, tmp_path):  # noqa: F811
     """Two runs in one train.output_dir would re-save each other's steps and interleave metrics.jsonl."""
-    from flashdraft.trainer import output_lock
+    from flashdraft.train.runtime import output_lock
 
     out = tmp_path / "run"
     with output_lock(out):  # the first run, training

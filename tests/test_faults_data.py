@@ -158,7 +158,8 @@ def _row(kind: str, rng: np.random.Generator):
     return ids, mask
 
 
-@settings(max_examples=40, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate], suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kinds=st.lists(st.sampled_from(ROW_KINDS), min_size=1, max_size=20), seed=st.integers(0, 2**16),
        id_type=st.sampled_from([pa.int64(), pa.int32(), pa.uint32()]))
 def test_malformed_conversations_in_parquet_are_dropped_and_counted_by_row(tmp_path_factory, kinds, seed, id_type):

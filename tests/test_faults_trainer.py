@@ -3,7 +3,7 @@ preempted (SIGTERM), killed (SIGKILL) and starved of disk, and must resume exact
 from a real poisoned target; a rank of a 2-process gloo job dies or hangs.
 
 End-to-end runs are forked from a server that has already imported the trainer
-(``trainer_forkserver``), so each run starts in milliseconds; FLASHDRAFT_DEBUG_STEP_SLEEP paces
+(``trainer_forkserver``), so each run starts in milliseconds; FLASHDRAFT_TEST_STEP_SLEEP paces
 the loop so that kills land at chosen moments.
 """
 
@@ -26,7 +26,7 @@ from conftest import overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager, verify_checkpoint
 from flashdraft.config import load_config
 from flashdraft.data.shards import read_token_shard, write_token_shard
-from flashdraft.trainer import Trainer, train
+from flashdraft.train.trainer import Trainer, train
 
 STEPS = 8
 GRACE_S = 30.0  # a typical preemption grace period (Kubernetes' default)
@@ -83,7 +83,7 @@ def _assert_same_as_straight(out: Path, straight: Path) -> None:
 
 
 def _spawn_train(server, args: list[str], sleep: float, **env: str) -> tuple[int, Path]:
-    return server.spawn("cli", "train", *args, env={"FLASHDRAFT_DEBUG_STEP_SLEEP": str(sleep), **env})
+    return server.spawn("cli", "train", *args, env={"FLASHDRAFT_TEST_STEP_SLEEP": str(sleep), **env})
 
 
 # ---- preemption ---------------------------------------------------------------------------
@@ -146,12 +146,12 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
         pid, log = _spawn_train(trainer_forkserver, args, sleep=0.1)
         kind = ("write", "step", "anytime")[trial % 3]
         if kind == "write":  # the moment a checkpoint's temp dir appears
-            _wait_for(lambda: any(ckpts.glob(f".tmp-step_*-{pid}")) or trainer_forkserver.exits.get(pid) is not None,
-                      120, "a checkpoint write", log)
+            _wait_for(lambda pid=pid: any(ckpts.glob(f".tmp-step_*-{pid}"))
+                      or trainer_forkserver.exits.get(pid) is not None, 120, "a checkpoint write", log)
         elif kind == "step":  # mid-step, after the restarted run trained a step
             start = _last_step(out)
-            _wait_for(lambda: _last_step(out) > start or trainer_forkserver.exits.get(pid) is not None, 120,
-                      "a step", log)
+            _wait_for(lambda pid=pid, start=start: _last_step(out) > start
+                      or trainer_forkserver.exits.get(pid) is not None, 120, "a step", log)
             time.sleep(rng.uniform(0, 0.1))
         else:  # start-up included
             time.sleep(rng.uniform(0, 1.5))

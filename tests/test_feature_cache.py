@@ -15,7 +15,7 @@ from conftest import overrides, results, run_ranks
 from flashdraft.config import load_config
 from flashdraft.data.shards import write_token_shard
 from flashdraft.feature_cache import FeatureCache
-from flashdraft.trainer import Trainer
+from flashdraft.train.trainer import Trainer
 
 F = 24  # feature size of the unit tests
 
@@ -99,7 +99,7 @@ def test_config_mistakes_name_the_fix(bad, match):
 
 
 def test_budgets_read_like_people_write_them_and_the_bench_says_whether_they_cover_a_full_cache(tiny_job):  # noqa: F811
-    from flashdraft.benchmarks.pipeline import cache_budget_verdict, feature_cache_estimate
+    from flashdraft.bench.pipeline import cache_budget_verdict, feature_cache_estimate
 
     # YAML 1.1 reads 64e9 as a string; it is an integer byte count.
     assert load_config(overrides=["pipeline.feature_cache_bytes=64e9"]).pipeline.feature_cache_bytes == 64 * 10**9

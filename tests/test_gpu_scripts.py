@@ -4,9 +4,12 @@ not spend them on a script that a renamed config field or flag has broken."""
 import json
 import os
 import subprocess
-import sys
+
+import pytest
 
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # end to end: every GPU script at toy sizes on CPU
 
 
 def run(cmd: list[str], out, **env_vars) -> subprocess.CompletedProcess:
@@ -15,7 +18,7 @@ def run(cmd: list[str], out, **env_vars) -> subprocess.CompletedProcess:
 
 
 def test_gpu_checks_script_smoke(tmp_path):
-    """benchmarks/gpu_checks.sh (gpu_step.sh + gpu_pipeline.py, each under its own time limit)
+    """benchmarks/gpu_checks.sh (gpu_step.sh + `bench gpu-pipeline`, each under its own time limit)
     with SMOKE=1: the scripts' own flags, then CPU / toy overrides."""
     proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1")
     assert proc.returncode == 0, proc.stdout[-3000:]

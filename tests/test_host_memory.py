@@ -8,9 +8,11 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs a fresh interpreter
+
 PROBE = textwrap.dedent("""
     import resource, sys, torch
-    from flashdraft.trainer import keep_freed_host_memory
+    from flashdraft.train.runtime import keep_freed_host_memory
     took = keep_freed_host_memory() if sys.argv[1] == "keep" else False
     def step():  # what a training step does: allocate and touch large tensors, then free them
         xs = [torch.ones(n) for n in (10_000_000, 2_000_000, 10_000_000)]
@@ -51,7 +53,8 @@ def test_freed_memory_is_reused_without_page_faults():
     assert default > 100_000 and kept < default / 4, (kept, default)
 
 
-@pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
+@pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
 def test_users_malloc_tunables_win(env):
     took, _ = probe("keep", {**os.environ, **env})
     assert took == "False"

@@ -12,8 +12,17 @@ import pytest
 import torch
 
 from flashdraft import metrics as M
-from flashdraft.metrics import (JsonlSink, MetricsLogger, Progress, StageTimer, Throughput, format_duration,
-                                format_line, open_metrics, peak_memory_bytes)
+from flashdraft.metrics import (
+    JsonlSink,
+    MetricsLogger,
+    Progress,
+    StageTimer,
+    Throughput,
+    format_duration,
+    format_line,
+    open_metrics,
+    peak_memory_bytes,
+)
 
 
 def busy(seconds: float) -> None:
@@ -132,7 +141,8 @@ def test_jsonl_sink_writes_one_flushed_object_per_line(tmp_path):
     sink2 = JsonlSink(tmp_path / "run" / "metrics.jsonl")  # resumed run appends
     sink2.log(30, {"loss": 1.0})
     sink2.close()
-    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [10, 20, 30]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [10, 20, 30]
 
 
 def test_open_metrics_writes_on_main_rank_only_and_converts_tensors(tmp_path):

@@ -16,7 +16,7 @@ from conftest import overrides
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage
-from flashdraft.trainer import Trainer
+from flashdraft.train.trainer import Trainer
 
 
 def pipeline_threads() -> list[str]:
@@ -169,7 +169,7 @@ def test_consumer_failure_or_early_exit_does_not_hang_blocked_producers():
     pipe = Pipeline(source(), [Stage("target", lambda x: x)], capacity=1, join_timeout_s=2)
     with pytest.raises(RuntimeError, match="drafter died"):
         with pipe:
-            for item in pipe:
+            for _item in pipe:
                 time.sleep(0.1)  # let every producer fill its channel and block
                 raise RuntimeError("drafter died")
     assert pipe.alive_threads() == []
@@ -245,43 +245,57 @@ def test_pipelined_trainer_equals_sequential(tiny_job, tmp_path):  # noqa: F811
     assert report.bound.endswith("-bound")
 
 
-class Faulty(Trainer):
-    """Raises in one stage at step 3 (after the step-2 checkpoint)."""
+class Faulty:
+    """Makes one stage of ``trainer`` raise at step 3 (after the step-2 checkpoint), by wrapping
+    that stage's function on the trainer's own parts."""
 
-    fail_in = ""
     raised_at = 0.0
+
+    def __init__(self, trainer, fail_in: str):
+        self.trainer, self.fail_in, self.target_calls = trainer, fail_in, 0
+        stages, step_fn = trainer.stages, trainer.step_fn
+        if fail_in == "data":
+            step_inputs = stages.step_inputs
+
+            def faulty_step_inputs(sampler, pool, num_steps):
+                for n, item in enumerate(step_inputs(sampler, pool, num_steps)):
+                    if n == 5:
+                        while trainer.step < 3:  # the data thread runs ahead: fail once step 2 is checkpointed
+                            time.sleep(0.005)
+                        self._boom("data")
+                    yield item
+
+            stages.step_inputs = faulty_step_inputs
+        elif fail_in == "target":
+            forward = stages.forward
+
+            def faulty_forward(item):
+                if self.target_calls == 3:
+                    while trainer.step < 3:  # the target thread runs ahead too: fail once step 2 is checkpointed
+                        time.sleep(0.005)
+                    self._boom("target")
+                self.target_calls += 1
+                return forward(item)
+
+            stages.forward = faulty_forward
+        else:
+            def faulty_step(micro, step, stats):
+                if step == 3:
+                    self._boom("drafter")
+                return step_fn(micro, step, stats)
+
+            trainer.step_fn = faulty_step
 
     def _boom(self, where):
         Faulty.raised_at = time.monotonic()
         raise RuntimeError(f"injected {where} failure")
 
-    def _step_inputs(self, pool, num_steps):
-        for n, item in enumerate(super()._step_inputs(pool, num_steps)):
-            if self.fail_in == "data" and n == 5:
-                while self.step < 3:  # the data thread runs ahead: fail once step 2 is checkpointed
-                    time.sleep(0.005)
-                self._boom("data")
-            yield item
-
-    def _target_stage(self, item):
-        if self.fail_in == "target" and self._target_calls == 3:
-            while self.step < 3:  # the target thread runs ahead too: fail once step 2 is checkpointed
-                time.sleep(0.005)
-            self._boom("target")
-        self._target_calls += 1
-        return super()._target_stage(item)
-
-    def train_step(self, micro, stats):
-        if self.fail_in == "drafter" and self.step == 3:
-            self._boom("drafter")
-        return super().train_step(micro, stats)
-
 
 @pytest.mark.parametrize("stage", ["data", "target", "drafter"])
 def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage):  # noqa: F811
     out = tmp_path / "run"
-    trainer = Faulty(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, train__save_every=2)))
-    trainer.fail_in, trainer._target_calls = stage, 0
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, train__save_every=2)))
+    Faulty(trainer, stage)
     with pytest.raises(RuntimeError, match=f"injected {stage} failure") as info:
         trainer.fit()
     assert time.monotonic() - Faulty.raised_at < 2
@@ -293,14 +307,16 @@ def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_
 
 
 def test_sigterm_stops_the_pipeline_and_writes_the_final_checkpoint(tiny_job, tmp_path):  # noqa: F811
-    class Signalled(Trainer):
-        def train_step(self, micro, stats):
-            if self.step == 2:
-                os.kill(os.getpid(), signal.SIGTERM)  # handled on this (main) thread
-            return super().train_step(micro, stats)
-
     out = tmp_path / "run"
-    trainer = Signalled(load_config(overrides=overrides(tiny_job, out, train__max_steps=20)))
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20)))
+    step_fn = trainer.step_fn
+
+    def signalled(micro, step, stats):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled on this (main) thread
+        return step_fn(micro, step, stats)
+
+    trainer.step_fn = signalled
     trainer.fit()
     assert trainer.step == 3 and pipeline_threads() == []
     loaded = CheckpointManager(out / "checkpoints").load_latest()

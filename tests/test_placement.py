@@ -40,7 +40,8 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
     np.testing.assert_allclose(d0["losses"], c0["losses"], rtol=1e-5)
     # The drafter ranks loaded only the target's embedding and LM head (its layers stay on the
     # meta device; with eval data the main one would load it all, to decode); the target rank runs it.
-    assert [d0["target_layers_loaded"], d1["target_layers_loaded"], target["target_layers_loaded"]] == [False, False, True]
+    loaded = [d0["target_layers_loaded"], d1["target_layers_loaded"], target["target_layers_loaded"]]
+    assert loaded == [False, False, True]
     step, weights = final_drafter(tmp_path / "dis")
     assert step == 8
     for name, value in final_drafter(tmp_path / "col")[1].items():
@@ -84,7 +85,7 @@ def test_sigterm_to_every_rank_checkpoints_exits_0_and_resumes_exactly(tiny_job,
     out = tmp_path / "run"
     args = disaggregated(tiny_job, out, train__max_steps=8)
     workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,
-                        env={"FLASHDRAFT_DEBUG_STEP_SLEEP": "0.3"})
+                        env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3"})
     deadline = time.monotonic() + 120
     while _logged_steps(out) < 3:
         if time.monotonic() > deadline:
@@ -128,7 +129,7 @@ def test_role_layout_pairs_targets_with_consecutive_drafter_ranks():
 
 
 def test_disaggregated_needs_several_processes(tiny_job, tmp_path, fresh_dist):
-    from flashdraft.trainer import Trainer
+    from flashdraft.train.trainer import Trainer
 
     with pytest.raises(ValueError, match="torchrun --nproc-per-node=2 or more"):
         Trainer(load_config(overrides=disaggregated(tiny_job, tmp_path / "run")))

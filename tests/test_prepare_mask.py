@@ -10,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashdraft.data.chat import (SampleError, normalize_record, probe_template, render,
-                                  tokenize_conversation)
+from flashdraft.data.chat import SampleError, normalize_record, probe_template, render, tokenize_conversation
 from flashdraft.toy import train_toy_tokenizer
 
 TOK = {style: train_toy_tokenizer(template=style) for style in ("qwen3", "llama3", "generation")}

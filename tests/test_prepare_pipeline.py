@@ -132,7 +132,8 @@ def test_out_never_deletes_a_directory_that_is_not_a_shard(workdir, tmp_path):
     with pytest.raises(ValueError, match=r"important: exists and is not a token shard .*Choose a new output directory"):
         prepare([d / "chats.jsonl"], d / "tok-qwen3", mine, max_length=512, min_supervised=16, num_workers=1,
                 progress=False)
-    assert (mine / "notes.txt").read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["important"]
+    assert (mine / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["important"]
     (tmp_path / "empty").mkdir()
     for _ in range(2):  # into an empty directory, then over its own (older) shard
         prepare([d / "chats.jsonl"], d / "tok-qwen3", tmp_path / "empty", max_length=512, min_supervised=16,

@@ -11,6 +11,8 @@ from flashdraft.cli import main
 from flashdraft.evaluate import read_prompts, write_prompts
 from flashdraft.quickstart import SMOKE, quickstart
 
+pytestmark = pytest.mark.slow  # end to end: the whole smoke quickstart
+
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> tuple[Path, dict]:

@@ -7,7 +7,8 @@ import pytest
 
 from flashdraft.config import load_config
 from flashdraft.toy import train_toy_tokenizer
-from flashdraft.trainer import resolve_mask_token_id, warmup_cosine
+from flashdraft.train.checks import resolve_mask_token_id
+from flashdraft.train.optim import warmup_cosine
 
 
 def test_lr_warms_up_linearly_over_4_percent_then_follows_a_cosine_to_zero():

@@ -76,6 +76,7 @@ def test_http_concurrent_with_retries_matches_in_process_greedy(target, tmp_path
     assert hf == {k: v["messages"] for k, v in http.items()}  # same greedy replies, batched or not
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_duplicates_or_losses(target, tmp_path):
     model, tok = target
     records = synthetic_conversations(24, seed=7, max_turns=1)

@@ -36,8 +36,8 @@ def _train(target, drafter, steps=60):
     for step in range(steps):
         anchors, valid = sample_anchors(loss_mask, lengths, 12, seed=step)
         labels, weights = block_labels_and_weights(ids, loss_mask, lengths, anchors, valid, drafter.block_size, 4.0)
-        hidden = drafter(features, target.embed(block_input_ids(ids, anchors, drafter.block_size, drafter.mask_token_id)),
-                         anchors, valid)
+        block_ids = block_input_ids(ids, anchors, drafter.block_size, drafter.mask_token_id)
+        hidden = drafter(features, target.embed(block_ids), anchors, valid)
         loss = dflash_loss(hidden, target.lm_head.weight, labels, weights).loss
         loss.backward()
         opt.step()

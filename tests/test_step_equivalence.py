@@ -2,30 +2,34 @@
 activation checkpointing) equals the dense-mask reference: loss to 1e-5, every parameter
 gradient to 1e-4 (relative, fp32)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from flashdraft.drafter import DFlashDrafter, dense_block_mask, resolve_attention
-from flashdraft.objective import block_input_ids, block_labels_and_weights, dflash_loss, drafter_step, sample_anchors
+from flashdraft.drafter import DFlashDrafter, resolve_attention
+from flashdraft.drafter.attention import dense_block_mask
+from flashdraft.objective import Blocks, block_input_ids, block_labels_and_weights, dflash_loss, sample_anchors
 from flashdraft.target import TargetModel
+from flashdraft.toy import tiny_causal_lm
+from flashdraft.train.step import forward_backward
 
 VOCAB, MASK = 300, 299
 
 
 def make(hidden=64, heads=4, kv_heads=2, layers=2, taps=(0, 2), seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=hidden // heads, num_hidden_layers=4,
-                      vocab_size=VOCAB, max_position_embeddings=512)
-    target = TargetModel(Qwen3ForCausalLM(cfg), list(taps))
-    drafter = DFlashDrafter.for_target(target, num_layers=layers, block_size=kw.pop("block_size", 4), mask_token_id=MASK, **kw)
-    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(seed))  # large init: non-trivial attention
+    target = TargetModel(tiny_causal_lm(VOCAB, num_layers=4, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                                        max_position_embeddings=512, seed=seed), list(taps))
+    drafter = DFlashDrafter.for_target(target, num_layers=layers, block_size=kw.pop("block_size", 4),
+                                       mask_token_id=MASK, **kw)
+    # large init: non-trivial attention
+    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(seed))
     return target, drafter
 
 
 def batch(target, drafter, lengths, num_anchors, seed=0, full_mask=False):
-    """Random sequences (right-padded), random loss masks, anchors from sample_anchors."""
+    """Random sequences (right-padded), random loss masks, anchors from sample_anchors: (features,
+    embedded blocks, anchors, valid, labels, weights, block token ids)."""
     g = torch.Generator().manual_seed(seed)
     b, s = len(lengths), max(lengths)
     lengths = torch.tensor(lengths)
@@ -34,30 +38,33 @@ def batch(target, drafter, lengths, num_anchors, seed=0, full_mask=False):
     loss_mask = loss_mask * (torch.arange(s) < lengths[:, None])
     with torch.no_grad():
         features = target.features(ids, (torch.arange(s) < lengths[:, None]).long())
-    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+    anchor_seed = int(torch.randint(0, 2**31, (1,), generator=g))
+    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed=anchor_seed)
     bs = drafter.block_size
     labels, weights = block_labels_and_weights(ids, loss_mask, lengths, anchors, valid, bs, 3.0)
-    embeds = target.embed(block_input_ids(ids, anchors, bs, MASK))
-    return features, embeds, anchors, valid, labels, weights
+    block_ids = block_input_ids(ids, anchors, bs, MASK)
+    return features, target.embed(block_ids), anchors, valid, labels, weights, block_ids
 
 
 def grads_of(drafter, target, inputs, **kw):
-    """The step's output and gradients. The dense oracle computes every slot (slot 0 too) of
-    blocks embedded in full, with transformers' stock modules; the fast paths skip slot 0 in the
-    last layer, get the anchors' embeddings plus the MASK embedding (layer 0 projects the
-    distinct rows only) and use the lean custom-backward RMSNorm / RoPE / SwiGLU."""
+    """The trainer's micro-step (``forward_backward``) and the gradients it leaves. The dense
+    oracle computes every slot (slot 0 too) of blocks embedded in full, with transformers'
+    stock modules; the fast paths skip slot 0 in the last layer, get the anchors' embeddings
+    plus the MASK embedding (layer 0 projects the distinct rows only) and use the lean
+    custom-backward RMSNorm / RoPE / SwiGLU."""
     fast = kw.get("attention") != "dense"
     kw.setdefault("scored_only", fast)
-    if kw.pop("distinct_rows", fast):
-        features, embeds, *rest = inputs
-        inputs = (features, embeds[:, :, 0], *rest)
-        kw["mask_embed"] = target.embed(torch.tensor(MASK))
+    kw.setdefault("distinct_rows", fast)
+    kw["anchors_per_slice"] = kw.pop("anchors_per_microbatch", 0)
+    features, _, anchors, valid, labels, weights, block_ids = inputs
     drafter.zero_grad(set_to_none=True)
     drafter.set_lean(fast)  # the oracle runs transformers' stock RMSNorm / RoPE / MLP
     try:
-        out = drafter_step(drafter, target.lm_head.weight, *inputs, **kw)
+        outs = forward_backward(drafter, target, features, Blocks(anchors, valid, block_ids, labels, weights), **kw)
     finally:
         drafter.set_lean(True)
+    out = SimpleNamespace(loss=torch.stack([o.loss.detach() for o in outs]).sum(),
+                          correct=torch.cat([o.correct for o in outs], dim=1))
     return out, {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
 
@@ -96,10 +103,12 @@ def test_fast_attention_equals_dense(lengths, num_anchors, block, group, impl):
 def test_blockwise_unsorted_anchors_and_mha():
     """blockwise is exact whatever the anchor order (sorting only makes it cheaper); no GQA too."""
     target, drafter = make(kv_heads=4, block_size=3, group_blocks=2)
-    features, embeds, anchors, valid, labels, weights = batch(target, drafter, [41, 30], 11, seed=7)
+    features, embeds, anchors, valid, labels, weights, block_ids = batch(target, drafter, [41, 30], 11, seed=7)
     order = torch.randperm(anchors.shape[1], generator=torch.Generator().manual_seed(1))
-    inputs = (features, embeds[:, order], anchors[:, order], valid[:, order], labels[:, order], weights[:, order])
-    assert_same(grads_of(drafter, target, inputs, attention="dense"), grads_of(drafter, target, inputs, attention="blockwise"))
+    inputs = (features, embeds[:, order], anchors[:, order], valid[:, order], labels[:, order], weights[:, order],
+              block_ids[:, order])
+    assert_same(grads_of(drafter, target, inputs, attention="dense"),
+                grads_of(drafter, target, inputs, attention="blockwise"))
 
 
 def test_random_shapes_and_knobs():
@@ -115,7 +124,8 @@ def test_random_shapes_and_knobs():
         inputs = batch(target, drafter, lengths, n, seed=trial, full_mask=trial % 2 == 0)
         ref = grads_of(drafter, target, inputs, attention="dense")
         drafter.activation_checkpointing = trial % 2 == 1
-        fast = grads_of(drafter, target, inputs, attention="auto", chunk_size=int(torch.randint(1, 50, (1,), generator=rng)),
+        fast = grads_of(drafter, target, inputs, attention="auto",
+                        chunk_size=int(torch.randint(1, 50, (1,), generator=rng)),
                         anchors_per_microbatch=int(torch.randint(0, n + 1, (1,), generator=rng)))
         assert_same(ref, fast)
 
@@ -125,7 +135,7 @@ def test_scored_only_forward_is_the_full_forward_without_slot_0(impl):
     """The last layer's slot-0 rows are skipped, not the keys they give the other slots; the
     distinct-rows input (anchor embeddings + the MASK embedding) is the same blocks."""
     target, drafter = make(block_size=5, layers=2)
-    features, embeds, anchors, valid, labels, weights = batch(target, drafter, [33, 21], 7, seed=5)
+    features, embeds, anchors, valid, labels, weights, _ = batch(target, drafter, [33, 21], 7, seed=5)
     mask_embed = target.embed(torch.tensor(MASK))
     assert torch.equal(embeds[:, :, 1:], mask_embed.expand_as(embeds[:, :, 1:]))  # what makes it exact
     with torch.no_grad():
@@ -150,7 +160,7 @@ def test_scored_only_forward_is_the_full_forward_without_slot_0(impl):
 def test_dense_reference_matches_per_block_inference():
     """The oracle itself: each valid block equals forward_block with context = features[:a]."""
     target, drafter = make(block_size=4)
-    features, embeds, anchors, valid, _, _ = batch(target, drafter, [30, 14], 6, seed=3)
+    features, embeds, anchors, valid, _, _, _ = batch(target, drafter, [30, 14], 6, seed=3)
     with torch.no_grad():
         for impl in ("dense", "split", "blockwise"):
             hidden = drafter(features, embeds, anchors, valid, attention=impl)
@@ -163,7 +173,8 @@ def test_dense_reference_matches_per_block_inference():
                     if a:
                         drafter.extend_context(cache, features[bi:bi + 1, :a])
                     else:  # no context: an empty cache
-                        cache.keys = [torch.zeros(1, drafter.layers[0].self_attn.num_kv_heads, 0, 16)] * len(drafter.layers)
+                        empty = torch.zeros(1, drafter.layers[0].self_attn.num_kv_heads, 0, 16)
+                        cache.keys = [empty] * len(drafter.layers)
                         cache.values = list(cache.keys)
                     ref = drafter.forward_block(cache, embeds[bi:bi + 1, ni])
                     torch.testing.assert_close(hidden[bi, ni], ref[0], rtol=1e-4, atol=1e-5)
@@ -232,7 +243,7 @@ def test_config_knobs_validate():
 
 def test_lean_swiglu_equals_autograd_mlp():
     """The training MLP (recomputes silu(gate) * up in backward) equals Qwen3MLP under autograd."""
-    from flashdraft.drafter import _SwiGLU
+    from flashdraft.drafter.kernels import _SwiGLU
 
     _, drafter = make()
     mlp = drafter.layers[0].mlp
@@ -252,7 +263,7 @@ def test_loss_under_bf16_autocast_with_a_bf16_head(chunk):
     head) in bf16. The chunked head writes its matmuls into buffers, which autocast skips: it
     must cast like F.linear would (it once raised a dtype mismatch), and match the unchunked loss."""
     target, drafter = make(block_size=4)
-    features, embeds, anchors, valid, labels, weights = batch(target, drafter, [30, 18], 6, seed=2)
+    features, embeds, anchors, valid, labels, weights, _ = batch(target, drafter, [30, 18], 6, seed=2)
     head = target.lm_head.weight.detach().bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = drafter(features, embeds[:, :, 0], anchors, valid, scored_only=True,
@@ -286,7 +297,7 @@ def test_blockwise_kept_probabilities_give_the_recomputed_gradients():
     recomputing it: same output and the same gradients of q, k and v, bit for bit."""
     from dataclasses import replace
 
-    from flashdraft.drafter import BlockAttentionPlan, blockwise_attention, query_groups
+    from flashdraft.drafter.attention import BlockAttentionPlan, blockwise_attention, query_groups
 
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, s, n, bs, d = 2, 4, 2, 40, 6, 4, 16
@@ -314,7 +325,7 @@ def test_compiled_flex_serves_changing_batch_shapes_without_recompiling():
     level (graphs handed to the backend), checked against eager flex on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flashdraft.drafter import compile_flex, flex_block_mask
+    from flashdraft.drafter.attention import compile_flex, flex_block_mask
 
     graphs = []
 
@@ -345,18 +356,18 @@ def test_compiled_flex_serves_changing_batch_shapes_without_recompiling():
 def test_only_the_last_layer_keeps_its_probabilities_and_only_when_training(monkeypatch):
     """The drafter asks the last layer's blockwise attention to keep its probabilities (its
     backward comes first); the others recompute, and nothing is kept without autograd."""
-    import flashdraft.drafter as drafter_module
+    import flashdraft.drafter.attention as attention_module
 
     asked = []
-    apply = drafter_module._BlockwiseAttention.apply
+    apply = attention_module._BlockwiseAttention.apply
 
     def spy(*args):
         asked.append(args[-1])
         return apply(*args)
 
-    monkeypatch.setattr(drafter_module._BlockwiseAttention, "apply", spy)
+    monkeypatch.setattr(attention_module._BlockwiseAttention, "apply", spy)
     target, drafter = make(layers=3, block_size=4)
-    features, embeds, anchors, valid, labels, weights = batch(target, drafter, [30, 22], 5, seed=2)
+    features, embeds, anchors, valid, labels, weights, _ = batch(target, drafter, [30, 22], 5, seed=2)
     drafter(features, embeds, anchors, valid, attention="blockwise").sum().backward()
     assert asked == [False, False, True]
     asked.clear()

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from conftest import VOCAB, tiny_llama, tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids, mark_cache, rewind_cache
-from conftest import VOCAB, tiny_llama, tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next
 
 
 def test_default_tap_ids_follow_dflash():
@@ -74,7 +74,8 @@ def test_from_pretrained_loads_a_local_directory(tmp_path):
 def test_heads_only_load_reads_just_the_embedding_and_lm_head(tmp_path, tied, shard):
     """A disaggregated drafter rank's target: embedding and head equal the full load's, tied
     heads stay tied, every decoder layer stays on the meta device, and the forward refuses."""
-    tiny_qwen3(tie_word_embeddings=tied).save_pretrained(tmp_path / "target", **({"max_shard_size": shard} if shard else {}))
+    tiny_qwen3(tie_word_embeddings=tied).save_pretrained(tmp_path / "target",
+                                                         **({"max_shard_size": shard} if shard else {}))
     assert (tmp_path / "target" / "model.safetensors.index.json").is_file() == bool(shard)
     full = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3])
     heads = TargetModel.from_pretrained(tmp_path / "target", target_layer_ids=[1, 3], heads_only=True)
@@ -134,7 +135,8 @@ def test_cache_crop_matches_a_fresh_forward(target):
     torch.testing.assert_close(cropped_taps, taps[:, 12:15], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next], ids=["qwen3", "qwen3_5-hybrid", "qwen3_next-hybrid"])
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next],
+                         ids=["qwen3", "qwen3_5-hybrid", "qwen3_next-hybrid"])
 @pytest.mark.parametrize("kept", [1, 3, 6])  # 6: the whole verified block is kept (nothing to undo)
 def test_rewind_after_a_verification_equals_a_cache_that_never_saw_the_rejected_tokens(build, kept):
     """The draft / verify loop's rollback. A hybrid target's linear-attention layers keep one

@@ -11,16 +11,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from conftest import REPO, final_drafter, make_job, overrides, results, run_ranks, tiny_qwen3_5
+from conftest import REPO, WORKERS, final_drafter, make_job, overrides, results, run_ranks, tiny_qwen3_5
 from flashdraft.config import load_config
-from flashdraft.trainer import Trainer, train
+from flashdraft.train.trainer import Trainer, train
 
 
 def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=30, train__log_every=5, optim__lr="1e-2",
-                                          data__eval_path=tiny_job / "heldout",
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=30, train__log_every=5,
+                                          optim__lr="1e-2", data__eval_path=tiny_job / "heldout",
                                           data__eval_prompts=tiny_job / "prompts.jsonl", train__eval_max_new_tokens=12))
     trainer = Trainer(cfg)
     result = trainer.fit()
@@ -78,6 +79,7 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tiny_job, tmp_path):
     straight = tmp_path / "straight"
     train(load_config(overrides=overrides(tiny_job, straight, train__max_steps=8, train__save_every=4)))
@@ -86,8 +88,8 @@ def test_resume_after_sigkill_is_exact(tiny_job, tmp_path):
 
     resumed = tmp_path / "resumed"
     args = overrides(tiny_job, resumed, train__max_steps=8, train__save_every=4)
-    env = dict(os.environ, PYTHONPATH=str(REPO), FLASHDRAFT_DEBUG_STEP_SLEEP="0.5", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", "train", *args], env=env,
+    env = dict(os.environ, PYTHONPATH=str(REPO), FLASHDRAFT_TEST_STEP_SLEEP="0.5", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(WORKERS), "cli", "train", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     latest = resumed / "checkpoints" / "latest"
     deadline = time.monotonic() + 120

@@ -28,6 +28,7 @@ cursor is read again.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -143,9 +144,8 @@ _MAX_TAIL_STEPS = 16  # tails longer than this many steps are not searched (only
 def _tail_groups(prefix: list[int], start: int, end: int, groups: int, w: int) -> tuple[int, ...] | None:
     """Entries per group cutting [start, end) into ``groups`` contiguous groups of at most ``w``
     entries holding at least ``w`` samples each (so each splits into ``w`` batches), or None."""
-    from functools import lru_cache
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def solve(p: int, g: int):
         left = end - p
         if g == 0:
@@ -240,11 +240,11 @@ class BatchSampler:
             if pos != self.consumed:
                 raise ValueError(f"data cursor consumed={self.consumed} does not fall on a step boundary of epoch "
                                  f"{epoch}'s plan; the cursor does not belong to this data / plan")
-            for k in range(k, len(steps)):
-                entries, batches = steps[k]
+            for i in range(k, len(steps)):
+                entries, batches = steps[i]
                 step = self.step
                 # Advance the cursor before yielding: state_dict() taken now resumes after this batch.
-                if k == len(steps) - 1:
+                if i == len(steps) - 1:
                     self.epoch, self.consumed, self.step, self.segment_start = epoch + 1, 0, 0, 0
                 else:
                     self.consumed, self.step = self.consumed + entries, self.step + 1

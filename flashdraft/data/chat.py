@@ -62,7 +62,8 @@ def _content_text(content: Any, where: str) -> str:
             else:
                 raise SampleError("bad_shape", f"{where}: content part {part!r} is not a text part")
         return "".join(parts)
-    raise SampleError("bad_shape", f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    raise SampleError("bad_shape", f"{where}: content must be a string or a list of text parts, "
+                                   f"got {type(content).__name__}")
 
 
 def normalize_messages(turns: Any, where: str = "sample", *, require_final_assistant: bool = True) -> list[dict]:
@@ -163,9 +164,10 @@ def probe_template(tokenizer, enable_thinking: bool | None = None) -> TemplateIn
     if not end_of_turn:
         end_of_turn = tokenizer.eos_token or ""
     if not end_of_turn or end_of_turn not in tail:
-        raise ValueError(f"cannot find the end-of-turn token after an assistant reply in the chat template "
-                         f"(text after the reply: {tail!r}); the template must end assistant turns with a special token")
-    markers = bool(_GENERATION_MARKER.search(tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""))
+        raise ValueError(f"cannot find the end-of-turn token after an assistant reply in the chat template (text "
+                         f"after the reply: {tail!r}); the template must end assistant turns with a special token")
+    markers = bool(_GENERATION_MARKER.search(tokenizer.chat_template if isinstance(tokenizer.chat_template, str)
+                                             else ""))
     return TemplateInfo(header, end_of_turn, nothink_prefix, markers, kwargs)
 
 
@@ -301,8 +303,8 @@ def tokenize_conversation(tokenizer, messages: list[dict] | None = None, *, text
                                                return_assistant_tokens_mask=True, **dict(info.template_kwargs))
         ours = spans_to_mask(offsets, spans)
         if list(marked["input_ids"]) != ids.tolist() or not np.array_equal(np.asarray(marked["assistant_masks"]), ours):
-            raise SampleError("mask_mismatch", f"{where}: the template's {{% generation %}} mask and the rendered-prefix "
-                                               "mask disagree; check the template's generation markers")
+            raise SampleError("mask_mismatch", f"{where}: the template's {{% generation %}} mask and the "
+                                               "rendered-prefix mask disagree; check the template's generation markers")
     if not supervise_thinking:
         spans = drop_thinking(full, spans)
     mask = spans_to_mask(offsets, spans)

@@ -28,7 +28,7 @@ class Batch:
     attention_mask: torch.Tensor
     lengths: torch.Tensor
 
-    def to(self, device, non_blocking: bool = True) -> "Batch":
+    def to(self, device, non_blocking: bool = True) -> Batch:
         """Copy to ``device``; asynchronous when the source is pinned and non_blocking is set.
 
         The copy reads the source buffers after this call returns: do not refill them (another

@@ -20,8 +20,8 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -55,7 +55,8 @@ def _hf_arrow_files(path: Path) -> list[Path]:
     if (path / "dataset_dict.json").exists():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         if "train" not in splits:
-            raise ValueError(f"{path}: a DatasetDict without a 'train' split ({splits}); pass the split's directory, e.g. {path / splits[0]}" if splits else f"{path}: empty DatasetDict")
+            raise ValueError(f"{path}: a DatasetDict without a 'train' split ({splits}); pass the split's directory, "
+                             f"e.g. {path / splits[0]}" if splits else f"{path}: empty DatasetDict")
         path = path / "train"
     state = json.loads((path / "state.json").read_text())
     return [path / f["filename"] for f in state["_data_files"]]
@@ -157,8 +158,10 @@ def convert_to_shard(path: str | os.PathLike, out_dir: str | os.PathLike, *, pro
             )
         for name in ("input_ids", "loss_mask"):
             field = batch.schema.field(name)
-            value = field.type.value_type if pa.types.is_list(field.type) or pa.types.is_large_list(field.type) else None
-            ok = value is not None and (pa.types.is_integer(value) or (name == "loss_mask" and pa.types.is_boolean(value)))
+            value = (field.type.value_type if pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
+                     else None)
+            ok = value is not None and (pa.types.is_integer(value)
+                                        or (name == "loss_mask" and pa.types.is_boolean(value)))
             if not ok:
                 raise ValueError(
                     f"{files[0]}: column {name!r} has type {field.type}; it must be a list of integers"

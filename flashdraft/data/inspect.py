@@ -18,7 +18,8 @@ from flashdraft.config import DataConfig, ModelConfig
 
 def add_arguments(parser) -> None:
     d, m = DataConfig(), ModelConfig()
-    parser.add_argument("path", help="token shard, HF save_to_disk directory, parquet file or directory of parquet files")
+    parser.add_argument("path",
+                        help="token shard, HF save_to_disk directory, parquet file or directory of parquet files")
     parser.add_argument("--vocab-size", type=int, default=None, help="target vocab size to check ids against")
     parser.add_argument("--max-length", type=int, default=d.max_length, help="data.max_length (truncation)")
     parser.add_argument("--token-budget", type=int, default=d.token_budget, help="data.token_budget")
@@ -48,14 +49,16 @@ def summarize(path, *, vocab_size=None, max_length=3072, token_budget=16384, max
         pct = [0, 1, 10, 50, 90, 99, 100]
         out["supervised_tokens"] = supervised
         out["supervised_share"] = supervised / max(ds.num_tokens, 1)
-        out["length_percentiles"] = dict(zip((f"p{p}" for p in pct), np.percentile(ds.lengths, pct).round().astype(int).tolist()))
+        out["length_percentiles"] = dict(zip((f"p{p}" for p in pct),
+                                             np.percentile(ds.lengths, pct).round().astype(int).tolist()))
         out["mean_length"] = float(ds.lengths.mean())
         t = time.perf_counter()
         try:
             plan = build_batches(ds.lengths, token_budget=token_budget, max_batch_size=max_batch_size, seed=0, epoch=0)
             out["plan"] = {"token_budget": token_budget, "max_batch_size": max_batch_size, "batches": len(plan),
                            "padding_waste": padding_waste(ds.lengths, plan),
-                           "budget_fill": budget_fill(ds.lengths, plan, token_budget), "plan_s": time.perf_counter() - t}
+                           "budget_fill": budget_fill(ds.lengths, plan, token_budget),
+                           "plan_s": time.perf_counter() - t}
         except ValueError as exc:
             out["plan"] = {"error": str(exc)}
     return out

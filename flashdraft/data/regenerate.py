@@ -27,13 +27,12 @@ import http.client
 import json
 import os
 import random
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from flashdraft.data.chat import SampleError, normalize_record
 from flashdraft.data.sources import decode_record, iter_records
@@ -146,8 +145,7 @@ class OpenAIClient:
                 if exc.code not in RETRY_STATUS:
                     raise GenerationError(f"{method} {self.base_url + path}: HTTP {exc.code}: {body}") from None
                 error = f"HTTP {exc.code}: {body}"
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout,
-                    TimeoutError) as exc:
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             if attempt == self.max_retries:
                 raise GenerationError(f"{method} {self.base_url + path}: gave up after {attempt + 1} attempts: {error}")
@@ -280,25 +278,9 @@ def regenerate(inputs, out_path, *, backend: str = "http", base_url: str | None 
     out_path = Path(out_path)
     settings = {"backend": backend, "temperature": float(temperature), "top_p": float(top_p),
                 "max_tokens": int(max_tokens), "seed": seed, "enable_thinking": enable_thinking}
-    if backend == "http":
-        if not base_url:
-            raise ValueError("the http backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
-        client = OpenAIClient(base_url, model=model, api_key=api_key, timeout_s=timeout_s,
-                              max_retries=max_retries, backoff_s=backoff_s)
-        settings["model"] = client.model
-        settings["base_url"] = client.base_url
-    elif backend == "hf":
-        if hf_model is None:
-            if not model_dir:
-                raise ValueError("the hf backend needs --model-dir (a local Hugging Face model directory)")
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            hf_tokenizer = hf_tokenizer or AutoTokenizer.from_pretrained(model_dir)
-            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
-        settings["model"] = model or model_dir or getattr(hf_model.config, "_name_or_path", "") or "in-process"
-        generator = HFGenerator(hf_model, hf_tokenizer, settings)
-    else:
-        raise ValueError(f"unknown backend {backend!r}; use http or hf")
+    client, generator = _make_backend(settings, base_url=base_url, model=model, api_key=api_key, hf_model=hf_model,
+                                      hf_tokenizer=hf_tokenizer, model_dir=model_dir, max_retries=max_retries,
+                                      backoff_s=backoff_s, timeout_s=timeout_s)
 
     done = load_done_ids(out_path)
     counts: collections.Counter = collections.Counter()
@@ -323,13 +305,7 @@ def regenerate(inputs, out_path, *, backend: str = "http", base_url: str | None 
     pending = _pending(inputs, split, done, counts, invalid, errors)
     try:
         if backend == "http":
-            with cf.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate") as pool:
-                in_flight: dict = {}
-                for rid, where, slots in pending:
-                    in_flight[pool.submit(_replay, slots, lambda h: client.chat(h, settings))] = (rid, where)
-                    if len(in_flight) >= 2 * concurrency:  # bounded: inputs are streamed, not queued whole
-                        _drain(in_flight, finish, fail, cf.FIRST_COMPLETED)
-                _drain(in_flight, finish, fail, cf.ALL_COMPLETED)
+            _run_http(pending, client, settings, concurrency, finish, fail)
         else:
             _run_hf(pending, generator, batch_size, finish, fail)
     finally:
@@ -342,6 +318,43 @@ def regenerate(inputs, out_path, *, backend: str = "http", base_url: str | None 
         summary.update(requests=client.num_requests, retries=client.num_retries)
     log(format_summary(summary))
     return summary
+
+
+def _make_backend(settings: dict, *, base_url, model, api_key, hf_model, hf_tokenizer, model_dir, max_retries,
+                  backoff_s, timeout_s) -> tuple[OpenAIClient | None, HFGenerator | None]:
+    """(client, None) for ``settings["backend"] == "http"``, (None, generator) for "hf"; records the
+    model (and the server's base_url) in ``settings``, which every output line carries."""
+    backend = settings["backend"]
+    if backend == "http":
+        if not base_url:
+            raise ValueError("the http backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
+        client = OpenAIClient(base_url, model=model, api_key=api_key, timeout_s=timeout_s,
+                              max_retries=max_retries, backoff_s=backoff_s)
+        settings["model"] = client.model
+        settings["base_url"] = client.base_url
+        return client, None
+    if backend == "hf":
+        if hf_model is None:
+            if not model_dir:
+                raise ValueError("the hf backend needs --model-dir (a local Hugging Face model directory)")
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            hf_tokenizer = hf_tokenizer or AutoTokenizer.from_pretrained(model_dir)
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+        settings["model"] = model or model_dir or getattr(hf_model.config, "_name_or_path", "") or "in-process"
+        return None, HFGenerator(hf_model, hf_tokenizer, settings)
+    raise ValueError(f"unknown backend {backend!r}; use http or hf")
+
+
+def _run_http(pending, client: OpenAIClient, settings: dict, concurrency: int, finish, fail) -> None:
+    """Replay conversations on a thread pool, ``concurrency`` workers, each conversation one task."""
+    with cf.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate") as pool:
+        in_flight: dict = {}
+        for rid, where, slots in pending:
+            in_flight[pool.submit(_replay, slots, lambda h: client.chat(h, settings))] = (rid, where)
+            if len(in_flight) >= 2 * concurrency:  # bounded: inputs are streamed, not queued whole
+                _drain(in_flight, finish, fail, cf.FIRST_COMPLETED)
+        _drain(in_flight, finish, fail, cf.ALL_COMPLETED)
 
 
 def _drain(in_flight: dict, finish, fail, return_when) -> None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -170,7 +170,7 @@ class TokenShardWriter:
         self._mask.close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
-    def __enter__(self) -> "TokenShardWriter":
+    def __enter__(self) -> TokenShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -202,7 +202,8 @@ def read_token_shard(path: str | os.PathLike) -> tuple[dict, np.ndarray, np.ndar
     path = Path(path)
     meta_file = path / META
     if not meta_file.is_file():
-        raise FileNotFoundError(f"{path}: not a flashdraft token shard (no {META}); write one with `flashdraft prepare`")
+        raise FileNotFoundError(f"{path}: not a flashdraft token shard (no {META}); "
+                                "write one with `flashdraft prepare`")
     try:
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from flashdraft.data.chat import SampleError
 

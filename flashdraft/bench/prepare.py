@@ -1,11 +1,14 @@
-"""Measure `flashdraft prepare` throughput on synthetic conversations, 1 worker vs all cores.
+"""`flashdraft bench prepare`: `flashdraft prepare` throughput on synthetic conversations, 1
+worker vs all cores.
 
-    PYTHONPATH=. python scripts/bench_prepare.py --samples 100000 --workdir /tmp/bench-prepare
+    flashdraft bench prepare --samples 100000 --workdir /tmp/bench-prepare
 
 Prints one JSON line per run (samples/s, tokens/s, seconds) and the speed-up. The machine's
 load average and the CPU seconds used (main process + workers) are printed too: on a shared
 machine other jobs change the wall-clock numbers.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -24,13 +27,15 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=100_000)
-    ap.add_argument("--workdir", default="/tmp/bench-prepare")
-    ap.add_argument("--workers", default=f"1,{os.cpu_count()}")
-    ap.add_argument("--vocab", type=int, default=4096)
-    args = ap.parse_args()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=int, default=100_000, help="synthetic conversations to prepare")
+    parser.add_argument("--workdir", default="/tmp/bench-prepare",
+                        help="where the chats, the tokenizer (both reused across runs) and the shards go")
+    parser.add_argument("--workers", default=f"1,{os.cpu_count()}", help="comma list of worker counts, one run each")
+    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary size of the toy BPE tokenizer")
+
+
+def run(args) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     data = work / f"chats-{args.samples}.jsonl"
@@ -60,7 +65,4 @@ def main() -> None:
     if len(ws) > 1:
         print(json.dumps({"speedup": round(results[ws[0]]["seconds"] / results[ws[-1]]["seconds"], 2)}))
         # On a shared machine wall time depends on other jobs; CPU time per sample does not.
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,56 +1,39 @@
-"""Soak test: thousands of tiny CPU training steps with periodic checkpoints and evals, recording
-process RSS, open file descriptors and thread count over time (docs/reliability.md has figures).
+"""`flashdraft bench soak`: thousands of tiny CPU training steps with periodic checkpoints and
+evals, recording process RSS, open file descriptors and thread count over time
+(docs/reliability.md has figures).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/soak.py --steps 3000 --out /tmp/soak
+    OMP_NUM_THREADS=1 flashdraft bench soak --steps 3000 --out /tmp/soak
 
-A leak shows as RSS, fds or threads growing with the step count after warm-up; the script
-prints the samples and a summary and writes them to OUT/soak.json. Exit 1 if fds or threads
-grew, or RSS grew by more than --max-rss-growth-mb after warm-up.
+A leak shows as RSS, fds or threads growing with the step count after warm-up; it prints the
+samples and a summary and writes them to OUT/soak.json. Exit 1 if fds or threads grew, or RSS
+grew by more than --max-rss-growth-mb after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 
+from flashdraft.bench.jobs import soak_job
 from flashdraft.config import load_config
-from flashdraft.data.shards import write_token_shard
-from flashdraft.evaluate import write_prompts
-from flashdraft.trainer import Trainer
-
-
-def make_job(root: Path, seed: int = 0) -> None:
-    """A tiny Qwen3 target and random tokenized conversations (prompt 6 tokens, 34 supervised)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
-    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
-    rng = np.random.default_rng(seed)
-    mask = np.r_[np.zeros(6), np.ones(34)]
-    write_token_shard(root / "data", [(rng.integers(0, 298, 40), mask) for _ in range(64)], vocab_size=300)
-    write_token_shard(root / "heldout", [(rng.integers(0, 298, 40), mask) for _ in range(8)], vocab_size=300)
-    write_prompts(root / "prompts.jsonl", rng.integers(0, 298, (4, 6)).tolist())
+from flashdraft.train.trainer import Trainer
 
 
 def sample(step: int, t0: float) -> dict:
     proc = psutil.Process()
-    return {"step": step, "elapsed_s": round(time.monotonic() - t0, 1), "rss_mb": round(proc.memory_info().rss / 2**20, 1),
-            "fds": proc.num_fds(), "threads": threading.active_count(), "os_threads": proc.num_threads()}
+    return {"step": step, "elapsed_s": round(time.monotonic() - t0, 1),
+            "rss_mb": round(proc.memory_info().rss / 2**20, 1), "fds": proc.num_fds(),
+            "threads": threading.active_count(), "os_threads": proc.num_threads()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--every", type=int, default=100, help="sample the process every this many steps")
     parser.add_argument("--save-every", type=int, default=200)
@@ -58,10 +41,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=500, help="steps before the RSS baseline is taken")
     parser.add_argument("--max-rss-growth-mb", type=float, default=25.0)
     parser.add_argument("--out", default="runs/soak")
-    args = parser.parse_args()
+
+
+def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    make_job(out)
+    soak_job(out)
     torch.set_num_threads(1)
     config = load_config(overrides=[
         f"model.target={out / 'target'}", "model.mask_token_id=299", "model.num_draft_layers=1", "model.block_size=4",
@@ -75,16 +60,13 @@ def main() -> int:
     samples: list[dict] = []
     t0 = time.monotonic()
 
-    class Soak(Trainer):
-        def train_step(self, micro, stats):
-            norm = super().train_step(micro, stats)
-            if (self.step + 1) % args.every == 0 or self.step == 0:
-                samples.append(sample(self.step + 1, t0))
-                print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
-            return norm
+    def after_step(trainer) -> None:
+        if trainer.step % args.every == 0 or trainer.step == 1:
+            samples.append(sample(trainer.step, t0))
+            print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
 
-    trainer = Soak(config)
-    trainer.fit()
+    trainer = Trainer(config)
+    trainer.fit(on_step=after_step)
     samples.append(sample(trainer.step, t0))
     base = next(s for s in samples if s["step"] >= min(args.warmup, trainer.step))
     last = samples[-1]
@@ -105,7 +87,3 @@ def main() -> int:
     leaked = (last["fds"] > base["fds"] or last["threads"] > base["threads"] or last["os_threads"] > base["os_threads"]
               or summary["rss_growth_mb_after_baseline"] > args.max_rss_growth_mb)
     return 1 if leaked else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

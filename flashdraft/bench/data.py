@@ -1,6 +1,11 @@
-"""`flashdraft bench data`: the seed pipeline's data path against flashdraft's, in one run.
+"""`flashdraft bench data`: a naive data path against flashdraft's, in one run.
 
-Builds a synthetic tokenized dataset (long-tailed lengths) in the seed's form -- a `datasets`
+The naive baseline (called "seed" in the output) is the straightforward way to feed a
+tokenized `datasets` dataset to training: preload every sample as its own tensor, fetch samples
+one by one, and pad each batch with Python lists. The comparison shows what the token shard,
+the batch plan and ``pad_batch`` save over it.
+
+Builds a synthetic tokenized dataset (long-tailed lengths) in the baseline's form -- a `datasets`
 save_to_disk directory with int64 list columns input_ids / loss_mask / seq_len -- converts it
 once to flashdraft's token shard through ``open_dataset`` (the same path training uses), then
 measures, each in a fresh subprocess with a warm page cache:
@@ -59,7 +64,8 @@ def run(args) -> int:
     ds = open_dataset(hf_dir, cache_dir=cache, progress=True)
     convert_s = time.perf_counter() - t
     shard = ds.path
-    print(f"[bench data] flashdraft shard {shard} ({'converted' if fresh else 'cached'} in {convert_s:.1f} s)", flush=True)
+    print(f"[bench data] flashdraft shard {shard} ({'converted' if fresh else 'cached'} in {convert_s:.1f} s)",
+          flush=True)
     del ds
     _warm_page_cache([*hf_dir.glob("*.arrow"), *shard.glob("*.bin")])
 
@@ -93,7 +99,7 @@ def lognormal_lengths(n: int, mean: int, max_length: int, seed: int = 0) -> np.n
 
 
 def make_hf_dataset(out: Path, n: int, mean: int, max_length: int, vocab: int, chunk: int = 50_000) -> bool:
-    """Write the seed's form: a `datasets` save_to_disk dir, int64 lists. False if already there.
+    """Write the naive baseline's form: a `datasets` save_to_disk dir, int64 lists. False if already there.
 
     Built a chunk of samples at a time into one Arrow stream file, which `datasets` then
     memory-maps and saves; peak memory is one chunk, not the dataset.
@@ -105,7 +111,8 @@ def make_hf_dataset(out: Path, n: int, mean: int, max_length: int, vocab: int, c
 
     lengths = lognormal_lengths(n, mean, max_length)
     rng = np.random.default_rng(1)
-    schema = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
+    schema = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+                        ("seq_len", pa.int64())])
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_name(out.name + ".raw.arrow")
     with pa.OSFile(str(raw), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
@@ -200,7 +207,8 @@ for _ in range(3):
 plans = []
 for epoch in range(3):
     t = time.perf_counter()
-    plan = build_batches(ds.lengths, token_budget=P["token_budget"], max_batch_size=P["max_batch_size"], seed=0, epoch=epoch)
+    plan = build_batches(ds.lengths, token_budget=P["token_budget"], max_batch_size=P["max_batch_size"], seed=0,
+                         epoch=epoch)
     plans.append(time.perf_counter() - t)
 waste = padding_waste(ds.lengths, plan)
 rows = np.array([len(b) for b in plan])
@@ -217,8 +225,8 @@ for b in pick:
     t = time.perf_counter(); pad_batch(ds, b, buffers=buffers); times.append(time.perf_counter() - t)
 print(json.dumps({
     "imports_s": t_imports, "ready_first_s": t_first, "ready_median_s": float(np.median(opens)),
-    "ready_via_source_s": float(np.median(via)), "rss_growth_mb": rss1 - rss0, "samples": len(ds), "tokens": ds.num_tokens,
-    "dropped": ds.report.dropped, "truncated": ds.report.truncated,
+    "ready_via_source_s": float(np.median(via)), "rss_growth_mb": rss1 - rss0,
+    "samples": len(ds), "tokens": ds.num_tokens, "dropped": ds.report.dropped, "truncated": ds.report.truncated,
     "plan_s": float(np.median(plans)), "batches": len(plan), "padding_waste": waste,
     "mean_rows": float(rows.mean()), "collate_batches": len(pick),
     "collate_rows_mean": float(np.mean([len(b) for b in pick])),
@@ -251,7 +259,7 @@ hf = datasets.load_from_disk(P["hf"])
 t_load = time.perf_counter() - t
 n = len(hf)
 
-# 1. The seed's first fix: preload every sample as tensors, one torch.tensor per sample.
+# 1. The baseline's preload: every sample as its own tensors, one torch.tensor per sample.
 k = min(P["subset"], n)
 t = time.perf_counter()
 sub = hf.select(range(k))
@@ -278,7 +286,8 @@ def seed_pad(samples, pad_id=0):
     mask = [x + [0] * (width - len(x)) for x in mask]
     return torch.tensor(ids), torch.tensor(mask), torch.tensor(attn)
 
-ds = open_dataset(P["shard"], vocab_size=P["vocab_size"], max_length=P["max_length"], min_supervised=P["min_supervised"])
+ds = open_dataset(P["shard"], vocab_size=P["vocab_size"], max_length=P["max_length"],
+                  min_supervised=P["min_supervised"])
 plan = build_batches(ds.lengths, token_budget=P["token_budget"], max_batch_size=P["max_batch_size"], seed=0, epoch=0)
 padded = np.array([len(b) * int(ds.lengths[b].max()) for b in plan])
 full = [plan[i] for i in np.flatnonzero(padded >= 0.9 * P["token_budget"])]
@@ -346,7 +355,8 @@ def format_table(r: dict) -> str:
          f"{ms(fd['plan_s'])} ({fd['batches']:,} batches, padding waste {fd['padding_waste']:.2%})", ""),
         ("RSS growth from opening (after imports)", "", f"{fd['rss_growth_mb']:.1f} MB", ""),
         ("Peak RSS of the process (VmHWM)", f"{sd['peak_rss_mb']:,.0f} MB (preload of {sd['preload_subset']:,} "
-         f"samples only, + the HF batches)", f"{fd['peak_rss_mb']:,.0f} MB (open + plan + {fd['collate_batches']} batches)", ""),
+         f"samples only, + the HF batches)",
+         f"{fd['peak_rss_mb']:,.0f} MB (open + plan + {fd['collate_batches']} batches)", ""),
         ("RSS at the end: anonymous / file-backed",
          f"{sd['end_rss_anon_mb']:,.0f} MB / {sd['end_rss_file_mb']:,.0f} MB",
          f"{fd['end_rss_anon_mb']:,.0f} MB / {fd['end_rss_file_mb']:,.0f} MB (file-backed = page-cache pages of the "
@@ -354,9 +364,9 @@ def format_table(r: dict) -> str:
         ("Imports / interpreter start", f"{ms(sd['imports_s'])} / {ms(r['python_start_s'])}",
          f"{ms(fd['imports_s'])} / {ms(r['python_start_s'])}", ""),
     ]
-    head = (f"Synthetic data: {fd['samples']:,} samples, {fd['tokens']:,} tokens (mean {fd['tokens'] / fd['samples']:.0f}, "
-            f"lognormal, max {a['max_length']}), vocab {a['vocab_size']:,}; budget {a['token_budget']:,} tokens, "
-            f"max batch {a['max_batch_size']}. Machine: {r['machine']}.")
+    head = (f"Synthetic data: {fd['samples']:,} samples, {fd['tokens']:,} tokens "
+            f"(mean {fd['tokens'] / fd['samples']:.0f}, lognormal, max {a['max_length']}), vocab {a['vocab_size']:,}; "
+            f"budget {a['token_budget']:,} tokens, max batch {a['max_batch_size']}. Machine: {r['machine']}.")
     if r.get("convert_s") is not None:
         head += f" One-time conversion of the seed-form dataset: {r['convert_s']:.1f} s."
     lines = [head, "", "| Measure | Seed data path | flashdraft | Ratio |", "|---|---|---|---|"]

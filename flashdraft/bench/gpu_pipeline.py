@@ -1,4 +1,5 @@
-"""GPU check of the pipeline (one prepared run, <= 8 minutes on one H200; NOT run yet).
+"""`flashdraft bench gpu-pipeline`: GPU check of the pipeline (one prepared run, <= 8 minutes on
+one H200; NOT run yet).
 
 Trains a DFlash drafter against a random-weight Qwen3-0.6B-shaped target in bf16: 3 discarded
 warm-up steps (flex_attention compiles), then sequential (pipeline.enabled=false) and
@@ -7,9 +8,9 @@ tokens/s, GPU busy share (nvidia-smi utilization sampled every 100 ms), the trai
 timing and the pipeline's busy / starved / blocked split with its bound; and whether the two
 modes gave the same losses. Writes JSON to $OUT/gpu_pipeline.json (or ./gpu_pipeline.json).
 
-    PYTHONPATH=. python benchmarks/gpu_pipeline.py [--steps 40] [--layers 28]
+    flashdraft bench gpu-pipeline [--steps 40] [--layers 28]
 
-``--smoke`` runs the same script on CPU at toy sizes in seconds (tests/test_gpu_scripts.py),
+``--smoke`` runs the same benchmark on CPU at toy sizes in seconds (tests/test_gpu_scripts.py),
 so the one GPU run a session may get is not spent on a broken script.
 """
 
@@ -25,53 +26,28 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from flashdraft.bench.jobs import StepClock, gpu_job, trainer_for
 
 
 def gpu_sampler(stop: threading.Event, samples: list[tuple[float, float]]) -> None:
     """(time, GPU utilization %) every 100 ms (nvidia-smi: no extra Python dependency)."""
     while not stop.is_set():
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True, timeout=5).stdout
+            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                  "-i", "0"], capture_output=True, text=True, timeout=5).stdout
             samples.append((time.perf_counter(), float(out.strip().splitlines()[0])))
         except Exception:  # noqa: BLE001 - utilization is best effort
             return
         stop.wait(0.1)
 
 
-def make_job(root: Path, layers: int, samples: int, length: int, vocab: int = 151936, hidden: int = 1024) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from flashdraft.data.shards import write_token_shard
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=128,
-                      max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16")
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "target")
-    rng = np.random.default_rng(0)
-    mask = np.r_[np.zeros(length // 4), np.ones(length - length // 4)]
-    write_token_shard(root / "data", [(rng.integers(0, vocab - 2, length), mask) for _ in range(samples)],
-                      vocab_size=vocab)
-
-
 def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "cuda", budget: int = 16384,
              anchors: int = 512, name: str = "") -> dict:
     from transformers import AutoConfig
 
-    from flashdraft.config import load_config
     from flashdraft.target import default_target_layer_ids
-    from flashdraft.trainer import Trainer
-
-    stamps: list[float] = []
-
-    class Timed(Trainer):
-        def train_step(self, micro, stats):
-            norm = super().train_step(micro, stats)
-            stamps.append(time.perf_counter())
-            return norm
 
     taps = default_target_layer_ids(layers, 5)  # DFlash's spread, as for Qwen3-8B
     vocab = AutoConfig.from_pretrained(root / "target").vocab_size  # the last id is the MASK token
@@ -83,16 +59,16 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
         "train.output_dir": root / (name or f"run_{enabled}"), "train.resume": "never", "train.device": device,
         "pipeline.enabled": str(enabled).lower(),
     }
-    trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
+    trainer, clock = trainer_for(overrides), StepClock()
     util: list[tuple[float, float]] = []
     stop = threading.Event()
     sampler = threading.Thread(target=gpu_sampler, args=(stop, util), daemon=True)
     sampler.start()
-    trainer.fit()
+    trainer.fit(on_step=clock)
     stop.set()
     sampler.join(2)
     skip = min(5, steps // 3)  # warm-up: allocator, cuBLAS handles, first-call overheads
-    rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
+    stamps, rate = clock.stamps, clock.steady_rate(skip)
     util = [u for t, u in util if stamps[skip] <= t <= stamps[-1]]  # the timed steps only
     tokens_per_step = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch
     report = trainer.pipeline_report
@@ -106,14 +82,16 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--layers", type=int, default=28, help="target layers (Qwen3-0.6B: 28)")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes (overrides --steps, --layers, --samples, --length): check the script itself in seconds")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes (overrides --steps, --layers, --samples, "
+                        "--length): check the benchmark itself in seconds")
+
+
+def run(args) -> int:
     if args.smoke:
         args.steps, args.layers, args.samples, args.length = 6, 8, 8, 128
         sizes = dict(vocab=512, hidden=128)
@@ -126,7 +104,7 @@ def main() -> None:
     results = {"device": device_name, "torch": torch.__version__, "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_job(root, args.layers, args.samples, args.length, **sizes)
+        gpu_job(root, args.layers, args.samples, args.length, **sizes)
         # A few discarded steps first: flex_attention's compile (forward and backward, ~1 min)
         # and cuBLAS / allocator warm-up would otherwise land in the first mode's stage split.
         run_mode(root, True, 3, args.layers, name="warm_up", **mode)
@@ -135,7 +113,8 @@ def main() -> None:
                 gc.collect()  # the previous mode's trainer
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            results["pipelined" if enabled else "sequential"] = r = run_mode(root, enabled, args.steps, args.layers, **mode)
+            results["pipelined" if enabled else "sequential"] = r = run_mode(root, enabled, args.steps, args.layers,
+                                                                             **mode)
             print(f"{'pipelined' if enabled else 'sequential'}: {r['steps_per_s']:.3f} steps/s, "
                   f"{r['tokens_per_s']:.0f} tok/s, GPU busy {r['gpu_busy_share']}, {r['pipeline']['bound']}\n"
                   f"{r['pipeline']['table']}", flush=True)
@@ -144,8 +123,6 @@ def main() -> None:
     # bf16 on GPU: same seed and data, but kernels may differ in reduction order across streams.
     results["max_loss_diff"] = max(abs(a - b) for a, b in zip(seq["losses"], pipe["losses"]))
     (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=1))
-    print(f"speedup {results['speedup']:.2f}x, max loss diff {results['max_loss_diff']:.3g} -> {out / 'gpu_pipeline.json'}")
-
-
-if __name__ == "__main__":
-    main()
+    print(f"speedup {results['speedup']:.2f}x, max loss diff {results['max_loss_diff']:.3g} -> "
+          f"{out / 'gpu_pipeline.json'}")
+    return 0

@@ -1,8 +1,10 @@
 """`flashdraft bench step`: forward + backward time and peak memory of the drafter step.
 
 The drafter step is everything after the target forward: fusion, the drafter layers over
-N anchored blocks, the target's LM head and the weighted CE, and their backward. Two
-variants run side by side on identical weights and inputs:
+N anchored blocks, the target's LM head and the weighted CE, and their backward. What is
+timed is the trainer's own micro-step, ``flashdraft.train.step.forward_backward`` (block
+embedding included), so the figures describe training. Two variants run side by side on
+identical weights and inputs:
 
 - ``fast``: the drafter's per-device attention (``auto``: "blockwise" on CPU, block-sparse
   flex_attention on CUDA), the chunked LM head + CE (``--chunk`` slots), slot 0 skipped in
@@ -12,7 +14,8 @@ variants run side by side on identical weights and inputs:
 - ``reference``: the straightforward step, the tests' oracle: one SDPA over keys
   [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
   computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
-  RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``).
+  RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``); ``block_loss``'s
+  oracle switches (``scored_only=False, distinct_rows=False``).
 
 Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
 stepped alternately (the min is robust to other processes on a shared host). Memory: every
@@ -36,6 +39,7 @@ import resource
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -77,21 +81,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one point, JSON in
 
 
-def build(point: dict):
-    """Drafter, frozen LM head and one step's inputs for ``point`` (deterministic)."""
-    from transformers import Qwen3Config
+class Heads(torch.nn.Module):
+    """The two parts of a target the drafter step uses, frozen: the input embedding (``embed``)
+    and the LM head (``lm_head``), as TargetModel exposes them."""
 
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor):
+        super().__init__()
+        self.embed = torch.nn.Embedding.from_pretrained(embed, freeze=True)
+        self.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False, device=head.device, dtype=head.dtype)
+        self.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+
+
+def build(point: dict):
+    """Drafter, frozen target heads and one micro-batch's inputs for ``point`` (deterministic).
+    The target is only a Qwen3 config (the drafter's shapes follow it); its features, embeddings
+    and LM head are random tensors, so a Qwen3-8B-sized point needs no 8B weights."""
     from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
-    from flashdraft.objective import block_labels_and_weights, default_gamma
+    from flashdraft.objective import Blocks, block_labels_and_weights, default_gamma
+    from flashdraft.toy import causal_lm_config
 
     device, dtype = torch.device(point["device"]), getattr(torch, point["dtype"])
-    hidden, seq, n, bs, vocab, b = point["hidden"], point["seq"], point["anchors"], point["block"], point["vocab"], point["batch"]
+    hidden, seq, n, bs, vocab, b = (point["hidden"], point["seq"], point["anchors"], point["block"], point["vocab"],
+                                    point["batch"])
     heads = max(1, hidden // point.get("head_dim", 64))
     kv_heads = max(1, heads // 4)
-    tcfg = Qwen3Config(
-        hidden_size=hidden, intermediate_size=point.get("intermediate", 3 * hidden), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=hidden // heads, num_hidden_layers=max(point["taps"], 2),
-        vocab_size=vocab, max_position_embeddings=max(4096, seq + bs),
+    tcfg = causal_lm_config(
+        vocab, "qwen3", num_layers=max(point["taps"], 2), hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        intermediate=point.get("intermediate", 3 * hidden), max_position_embeddings=max(4096, seq + bs),
     )
     cfg = drafter_config_from_target(
         tcfg, num_layers=point["layers"], block_size=bs, mask_token_id=vocab - 1,
@@ -120,31 +136,26 @@ def build(point: dict):
     labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, default_gamma(bs))
     block_ids = torch.full((b, n, bs), vocab - 1, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
-    if fast:  # DFlash blocks are [anchor, MASK, ...]: the fast path embeds the anchors and MASK once
-        embeds, mask_embed = embed[block_ids[:, :, 0]], embed[vocab - 1]
-    else:
-        embeds, mask_embed = embed[block_ids], None
-    return drafter, head, (features, embeds, anchors, valid, labels, weights, mask_embed)
+    return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights))
 
 
-def step_fn(point: dict, drafter, head, inputs):
-    from flashdraft.objective import drafter_step
+def step_fn(point: dict, drafter, heads, inputs):
+    """The timed step: the trainer's own micro-step (``forward_backward``) on ``inputs``. The
+    reference variant turns off every saving (``block_loss``'s oracle switches)."""
+    from flashdraft.train.step import forward_backward
 
     fast = point["variant"] == "fast"
-
-    *tensors, mask_embed = inputs
-
-    autocast = torch.autocast(point["device"], dtype=getattr(torch, point["dtype"]), enabled=bool(point.get("autocast")))
+    features, blocks = inputs
+    autocast = torch.autocast(point["device"], dtype=getattr(torch, point["dtype"]),
+                              enabled=bool(point.get("autocast")))
+    options = {} if fast else {"scored_only": False, "distinct_rows": False}  # the reference: every slot, in full
 
     def step():
         drafter.zero_grad(set_to_none=True)
-        with autocast:
-            return drafter_step(
-                drafter, head, *tensors, mask_embed=mask_embed,
-                chunk_size=point["chunk"] if fast else 0,
-                anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0,
-                scored_only=fast,  # the reference computes every slot, the never-scored slot 0 too
-            )
+        outs = forward_backward(drafter, heads, features, blocks, chunk_size=point["chunk"] if fast else 0,
+                                anchors_per_slice=point["anchors_per_microbatch"] if fast else 0, autocast=autocast,
+                                **options)
+        return SimpleNamespace(loss=torch.stack([o.loss.detach() for o in outs]).sum())
 
     return step
 
@@ -169,8 +180,8 @@ def measure(point: dict) -> dict:
     if point["threads"]:
         torch.set_num_threads(point["threads"])
     cuda = point["device"] == "cuda"
-    drafter, head, inputs = build(point)
-    step = step_fn(point, drafter, head, inputs)
+    drafter, heads, inputs = build(point)
+    step = step_fn(point, drafter, heads, inputs)
     step().loss.item()  # warm-up: lazy initialisation is not the step's memory
     drafter.zero_grad(set_to_none=True)
     if cuda:
@@ -256,7 +267,7 @@ def time_interleaved(points: list[dict]) -> list[list[float] | str]:
 def run_point(point: dict) -> dict:
     """``measure`` in a fresh subprocess (clean RSS high-water); OOM / crash reported, not raised."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flashdraft.benchmarks.step", "--worker", json.dumps(point)],
+        [sys.executable, "-m", "flashdraft.bench.step", "--worker", json.dumps(point)],
         capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
     )
     if proc.returncode != 0:
@@ -337,7 +348,8 @@ def run(args) -> int:
     else:
         grid = {name: DEFAULT_GRID[name] for name in args.sweeps.split(",") if name}
     print(f"drafter step (forward + backward): layers={args.layers} block={args.block} vocab={args.vocab} "
-          f"batch={args.batch} device={args.device} dtype={args.dtype}{' (autocast)' if args.autocast else ''} threads={args.threads or torch.get_num_threads()} "
+          f"batch={args.batch} device={args.device} dtype={args.dtype}{' (autocast)' if args.autocast else ''} "
+          f"threads={args.threads or torch.get_num_threads()} "
           f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
     results, seen = [], {}
     for sweep, points in grid.items():

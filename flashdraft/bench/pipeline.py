@@ -28,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from flashdraft.bench.jobs import real_run, tiny_job, tiny_job_taps
 from flashdraft.feature_cache import full_cache_bytes
 from flashdraft.metrics import format_bytes
 from flashdraft.pipeline import Pipeline, Stage
@@ -46,14 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts for the real part")
     parser.add_argument("--target-layers", type=int, default=8,
                         help="real part: the tiny target's depth (8: target-bound, ~2x the drafter step; 4: balanced)")
-    parser.add_argument("--config", default="", help="a flashdraft train config: its target, data, taps and feature-cache "
-                        "budgets, for the feature-cache size estimate (the options below override it)")
+    parser.add_argument("--config", default="",
+                        help="a flashdraft train config: its target, data, taps and feature-cache budgets, for the "
+                        "feature-cache size estimate (the options below override it)")
     parser.add_argument("--target", default="", help="a HF target dir, for the feature-cache size estimate")
     parser.add_argument("--data", default="", help="training data, for the feature-cache size estimate")
-    parser.add_argument("--num-taps", type=int, default=None, help="tapped layers, for the feature-cache size estimate (5)")
-    parser.add_argument("--feature-cache-bytes", type=float, default=None, help="RAM budget to compare with the estimate")
-    parser.add_argument("--feature-cache-disk-bytes", type=float, default=None, help="disk budget to compare with the estimate")
-    parser.add_argument("--estimate-only", action="store_true", help="only the feature-cache size estimate (skip the runs)")
+    parser.add_argument("--num-taps", type=int, default=None,
+                        help="tapped layers, for the feature-cache size estimate (5)")
+    parser.add_argument("--feature-cache-bytes", type=float, default=None,
+                        help="RAM budget to compare with the estimate")
+    parser.add_argument("--feature-cache-disk-bytes", type=float, default=None,
+                        help="disk budget to compare with the estimate")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="only the feature-cache size estimate (skip the runs)")
     parser.add_argument("--json", default="", help="also write the results as JSON to this file")
 
 
@@ -115,7 +120,8 @@ def run_synthetic(args) -> list[dict]:
         rows.append(row)
         print(f"\nsynthetic stages, work={kind}, costs (data, target, drafter) = {costs} ms, {args.items} items, "
               f"median of {args.repeats}")
-        print(f"  sequential  {row['sequential_per_s']:7.2f} items/s   (1/(a+b+c) = {row['ideal_sequential_per_s']:.2f})")
+        print(f"  sequential  {row['sequential_per_s']:7.2f} items/s   "
+              f"(1/(a+b+c) = {row['ideal_sequential_per_s']:.2f})")
         print(f"  pipelined   {row['pipelined_per_s']:7.2f} items/s   (runs: {row['pipelined_runs']})")
         print(f"  bound       {row['bound']}, ideal 1/max(a,b,c) = {row['ideal_per_s']:.2f} items/s")
         print(f"  efficiency  {row['efficiency']:.3f}   (pipelined / ideal; acceptance >= 0.90)")
@@ -125,67 +131,6 @@ def run_synthetic(args) -> list[dict]:
 
 
 # ---- the real trainer on CPU ---------------------------------------------------------------
-
-
-def tiny_job(root: Path, *, layers: int = 8, hidden: int = 256, samples: int = 64, length: int = 256) -> Path:
-    """A random Qwen3-shaped target and a token dataset (random tokens: speed only, not quality)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from flashdraft.data.shards import write_token_shard
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=1024, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=4096)
-    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
-    rng = np.random.default_rng(0)
-    mask = np.r_[np.zeros(length // 4), np.ones(length - length // 4)]
-    write_token_shard(root / "data", [(rng.integers(0, 1000, length), mask) for _ in range(samples)], vocab_size=1024)
-    return root
-
-
-def tiny_job_taps(layers: int) -> list[int]:
-    """The 4 layers the tiny job's drafter taps, spread to the top: 8 layers [1, 3, 5, 7], 4
-    [0, 1, 2, 3] (DFlash's own spread repeats layers on targets this shallow)."""
-    if layers < 4:
-        raise SystemExit(f"a {layers}-layer tiny target: it needs 4 or more layers (the drafter taps 4 of them)")
-    return [round((i + 1) * layers / 4) - 1 for i in range(4)]
-
-
-def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, capacity: int,
-             feature_cache_bytes: int = 0, keep_freed_host_memory: bool = True) -> dict:
-    from transformers import AutoConfig
-
-    from flashdraft.config import load_config
-    from flashdraft.trainer import Trainer
-
-    torch.set_num_threads(threads)
-    stamps: list[float] = []
-
-    class Timed(Trainer):
-        def train_step(self, micro, stats):
-            norm = super().train_step(micro, stats)
-            stamps.append(time.perf_counter())
-            return norm
-
-    overrides = {
-        "model.target": job / "target", "model.mask_token_id": 1023, "model.num_draft_layers": 1,
-        "model.block_size": 8, "model.target_layer_ids": json.dumps(tiny_job_taps(AutoConfig.from_pretrained(job / "target").num_hidden_layers)), "data.path": job / "data",
-        "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
-        "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
-        "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
-        "pipeline.capacity": capacity, "train.resume": "never", "pipeline.feature_cache_bytes": feature_cache_bytes,
-        "train.keep_freed_host_memory": str(keep_freed_host_memory).lower(),
-    }
-    trainer = Timed(load_config(overrides=[f"{k}={v}" for k, v in overrides.items()]))
-    trainer.fit()
-    skip = min(3, steps // 3)  # warm-up steps (allocator, first-call overheads)
-    rate = (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip])
-    tokens = int(trainer.dataset.lengths.sum()) / trainer.sampler.batches_per_epoch  # mean tokens per step
-    per_epoch = trainer.sampler.batches_per_epoch
-    epochs = [stamps[e : e + per_epoch] for e in range(0, len(stamps), per_epoch)]
-    epoch_rates = [(len(t) - 1) / (t[-1] - t[0]) for t in epochs if len(t) > 1]  # each epoch's own steps
-    return {"steps_per_s": rate, "tokens_per_s": rate * tokens, "report": trainer.pipeline_report,
-            "epoch_steps_per_s": epoch_rates, "steps_per_epoch": per_epoch}
 
 
 def run_real(args) -> list[dict]:
@@ -202,8 +147,9 @@ def run_real(args) -> list[dict]:
             results = {False: [], True: []}
             for r in range(args.repeats):  # ABBA order, so that drift in the machine's load hits both alike
                 for enabled in ((False, True) if r % 2 == 0 else (True, False)):
-                    results[enabled].append(real_run(job, Path(tmp) / f"run{enabled}{threads}{r}", steps=args.real_steps,
-                                                     enabled=enabled, threads=threads, capacity=args.capacity))
+                    results[enabled].append(real_run(job, Path(tmp) / f"run{enabled}{threads}{r}",
+                                                     steps=args.real_steps, enabled=enabled, threads=threads,
+                                                     capacity=args.capacity))
             row = {"threads": threads,
                    "sequential_steps_per_s": statistics.median(r["steps_per_s"] for r in results[False]),
                    "pipelined_steps_per_s": statistics.median(r["steps_per_s"] for r in results[True]),
@@ -228,7 +174,8 @@ def run_real(args) -> list[dict]:
             print("  pipelined stage split (last run):")
             print("    " + pipe_report.format().replace("\n", "\n    "))
         cache = feature_cache_estimate(str(job / "target"), str(job / "data"), 4)
-        print(f"\n  full feature cache for the tiny job: {cache['human']} ({cache['tokens']} tokens x {cache['per_token']} B)")
+        print(f"\n  full feature cache for the tiny job: {cache['human']} "
+              f"({cache['tokens']} tokens x {cache['per_token']} B)")
     return rows
 
 
@@ -244,7 +191,8 @@ def feature_cache_estimate(target: str, data: str, num_taps: int, dtype_bytes: i
     hidden = int(AutoConfig.from_pretrained(target).hidden_size)
     tokens = int(open_dataset(data, progress=False).lengths.sum())
     total = full_cache_bytes(tokens, num_taps * hidden, dtype_bytes)
-    return {"tokens": tokens, "per_token": num_taps * hidden * dtype_bytes, "bytes": total, "human": format_bytes(total)}
+    return {"tokens": tokens, "per_token": num_taps * hidden * dtype_bytes, "bytes": total,
+            "human": format_bytes(total)}
 
 
 def cache_budget_verdict(need: int, ram_bytes: float, disk_bytes: float) -> str:
@@ -252,7 +200,8 @@ def cache_budget_verdict(need: int, ram_bytes: float, disk_bytes: float) -> str:
     budget = ram_bytes + disk_bytes
     held = f"RAM {format_bytes(ram_bytes)} + disk {format_bytes(disk_bytes)}"
     if budget <= 0:
-        return f"the feature cache is off ({held}); set pipeline.feature_cache_bytes (RAM) and/or feature_cache_disk_bytes"
+        return (f"the feature cache is off ({held}); set pipeline.feature_cache_bytes (RAM) and/or "
+                "feature_cache_disk_bytes")
     if budget >= need:
         return f"the budget ({held}) covers it: from epoch 2 on, every target forward is a cache read (one process)"
     return (f"the budget ({held}) holds {100 * budget / need:.0f}% of it: later epochs hit about that share of "

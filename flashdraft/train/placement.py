@@ -1,4 +1,11 @@
-"""Disaggregated placement: target ranks compute the features, drafter ranks train on them.
+"""Placement strategies: where a step's features come from. Each is a plain function of
+explicit arguments that yields the step inputs as a Pipeline (the owner of the threads).
+
+Colocated (``colocated_feed``): every rank runs the data and target stages of its own batch
+plan, pipelined with its drafter step.
+
+Disaggregated (``drafter_feed`` / ``serve_features``): target ranks compute the features,
+drafter ranks train on them.
 
 ``pipeline.placement=disaggregated pipeline.target_ranks=T`` on a job of W ranks
 (``distributed.role_layout``): ranks ``[0, D)``, D = W - T, are drafter ranks (DDP, logging,
@@ -39,11 +46,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashdraft import distributed
+from flashdraft.config import Config
+from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import Batch
 from flashdraft.pipeline import BufferPool, Pipeline, Stage
+from flashdraft.train.runtime import GracefulStop
+from flashdraft.train.stages import FeatureStages, Micro, StepInput, batch_sampler
 
 if TYPE_CHECKING:
-    from flashdraft.trainer import StepInput, Trainer
+    from flashdraft.distributed import Dist
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +107,37 @@ class Header:
 
 
 @contextlib.contextmanager
-def drafter_pipeline(trainer: Trainer):
+def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, output, dist: Dist):
+    """This rank's own next ``num_steps`` steps: data (plan + collate into pooled pinned buffers)
+    and target (H2D + frozen forward) stages, in a Pipeline whose consumer is the caller's loop
+    (the drafter step, on this thread). pipeline.enabled=false runs the same stages inline (the
+    sequential baseline). Yields (pipeline, buffer pool); closing joins every thread."""
+    pcfg = stages.config.pipeline
+    pool = stages.buffer_pool()
+    if pcfg.enabled and num_steps > 0:
+        stages.warm_up()
+    stages.open_cache(output, dist.is_main, dist.world_size)
+    pipe = Pipeline(stages.step_inputs(sampler, pool, num_steps), [stages.target_stage()], capacity=pcfg.capacity,
+                    threaded=pcfg.enabled, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
+    try:
+        yield pipe, pool
+    finally:
+        pipe.close()
+
+
+@contextlib.contextmanager
+def drafter_feed(config: Config, dist: Dist, device: torch.device, timer, sampler: BatchSampler, start_step: int,
+                 total_steps: int):
     """Drafter rank: the steps its target rank sends, as a (sequential) Pipeline whose source
     stage "recv" receives them on this thread. Yields ``(pipeline, buffer pool)`` like
-    ``Trainer._pipeline``. Its busy time is the time spent waiting for and receiving features
+    ``colocated_feed``. Its busy time is the time spent waiting for and receiving features
     (``recv-bound``: supply-bound); the main thread's breakdown splits it into
     ``wait_features`` (the target ranks are still computing) and ``recv_features`` (transfer)."""
-    link = _DrafterLink(trainer)
-    link.hello()
-    pool = BufferPool([[]], trainer.device)  # received tensors are fresh per step: the slot only paces
-    pipe = Pipeline(link.steps(pool), [], capacity=1, threaded=False, source_name="recv", pools=[pool])
-    trainer._pipe = pipe
-    trainer._data_state = trainer.sampler.state_dict()
+    link = _DrafterLink(Header(config.train.grad_accum, config.data.max_batch_size), dist, device, timer)
+    link.hello(sampler.state_dict(), start_step, total_steps)
+    pool = BufferPool([[]], device)  # received tensors are fresh per step: the slot only paces
+    pipe = Pipeline(link.steps(pool, total_steps - start_step), [], capacity=1, threaded=False, source_name="recv",
+                    pools=[pool])
     try:
         yield pipe, pool
     except BaseException as exc:
@@ -117,57 +147,50 @@ def drafter_pipeline(trainer: Trainer):
         link.finish()
     finally:
         pipe.close()
-        trainer.pipeline_report = pipe.report(window=False)
-        trainer._pipe = None
 
 
 class _DrafterLink:
     """A drafter rank's end of its link to its target rank (main thread only)."""
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-        self.peer = trainer.dist.peers[0]
-        self.header = Header(trainer.config.train.grad_accum, trainer.config.data.max_batch_size)
-        self.expected = trainer.total_steps - trainer.step
+    def __init__(self, header: Header, dist: Dist, device: torch.device, timer):
+        self.header, self.dist, self.device, self.timer = header, dist, device, timer
+        self.peer = dist.peers[0]
+        self.expected = 0
         self.received = 0
         self.control_sent = False
 
     def _device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.trainer.device)
+        return t.to(self.device)
 
-    def hello(self) -> None:
+    def hello(self, cursor: dict, start_step: int, total_steps: int) -> None:
         """Tell the target rank where to start: this rank's plan and the (resumed) cursor."""
-        t, d = self.trainer, self.trainer.dist
-        cursor = t.sampler.state_dict()
-        msg = torch.tensor([t.step, t.total_steps, d.rank, d.world_size] + [int(cursor[k]) for k in CURSOR_KEYS])
+        d = self.dist
+        msg = torch.tensor([start_step, total_steps, d.rank, d.world_size] + [int(cursor[k]) for k in CURSOR_KEYS])
         distributed.isend(self._device(msg), self.peer).wait()
 
-    def steps(self, pool: BufferPool):
-        """The remaining steps as StepInputs (device tensors, host lengths / sample ids)."""
-        for _ in range(self.expected):
+    def steps(self, pool: BufferPool, expected: int):
+        """The remaining ``expected`` steps as StepInputs (device tensors, host lengths / sample ids)."""
+        self.expected = expected
+        for _ in range(expected):
             slot = pool.acquire()
             yield self._receive(slot)
         self._send_control(DONE)  # as soon as the last step is in: the target rank may leave
 
     def _receive(self, slot) -> StepInput:
-        from flashdraft.trainer import StepInput
-
-        with self.trainer.timer.stage("wait_features"):
+        with self.timer.stage("wait_features"):
             h = self._receive_header()
         if int(h[0]) == END:
             raise RuntimeError(f"target rank {self.peer} ended the stream after {self.received} of {self.expected} "
                                "steps; check its log")
-        with self.trainer.timer.stage("recv_features"):
+        with self.timer.stage("recv_features"):
             micro = self._receive_payload(h)
         self.received += 1
         return StepInput(micro, slot, {k: int(v) for k, v in zip(CURSOR_KEYS, h[4 : Header.FIXED].tolist())})
 
-    def _receive_payload(self, h: torch.Tensor) -> list:
+    def _receive_payload(self, h: torch.Tensor) -> list[Micro]:
         """The micro-batches whose shapes the header ``h`` gives (device tensors; host lengths
         and sample ids from the header)."""
-        from flashdraft.trainer import Micro
-
-        layout, device = self.header, self.trainer.device
+        layout, device = self.header, self.device
         width, dtype = int(h[2]), FEATURE_DTYPES[int(h[3])]
         micro, transfers = [], []
         for j in range(layout.grad_accum):
@@ -178,7 +201,8 @@ class _DrafterLink:
             transfers += [distributed.irecv(t, self.peer) for t in (*fields.values(), features)]
             lengths = h[o + 2 : o + 2 + rows].clone()
             ids = h[o + 2 + layout.max_rows : o + 2 + layout.max_rows + rows].numpy().copy()
-            micro.append(Micro(Batch(**fields, lengths=lengths), ids, device_batch=Batch(**fields, lengths=lengths.to(device)),
+            micro.append(Micro(Batch(**fields, lengths=lengths), ids,
+                               device_batch=Batch(**fields, lengths=lengths.to(device)),
                                device_ids=torch.from_numpy(ids).to(device), features=features))
         for transfer in transfers:
             transfer.wait()
@@ -191,7 +215,7 @@ class _DrafterLink:
         if int(h[0]) == ABORT:
             text = self._device(torch.empty(int(h[1]), dtype=torch.uint8))
             distributed.irecv(text, self.peer).wait()
-            raise RuntimeError(f"target rank {self.peer} failed, so drafter rank {self.trainer.dist.rank} stops: "
+            raise RuntimeError(f"target rank {self.peer} failed, so drafter rank {self.dist.rank} stops: "
                                f"{bytes(text.cpu().tolist()).decode(errors='replace')}")
         if int(h[0]) not in (DATA, END):
             raise RuntimeError(f"unexpected message kind {int(h[0])} from target rank {self.peer}: a version mismatch?")
@@ -221,31 +245,29 @@ class _DrafterLink:
 # ---- target ranks ------------------------------------------------------------------------------
 
 
-def serve_features(trainer: Trainer) -> dict:
+def serve_features(stages: FeatureStages, dist: Dist) -> tuple[dict, object]:
     """Target rank: run the data and target stages for each served drafter rank and send every
     step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
 
-    The data and target stages are ``Trainer``'s, in a Pipeline (``pipeline.enabled``) whose
-    consumer, this thread, is the "send" stage: its busy time is time spent waiting for the
-    drafter ranks to take the features (``send-bound``: drafter-bound). A drafter's ABORT, or
-    an exception here (sent on as ABORT), raises. Returns ``{"steps": steps sent per link}``."""
-    from flashdraft.trainer import GracefulStop
-
-    cfg = trainer.config
-    links = [_TargetLink(trainer, d) for d in trainer.dist.peers]
+    The stages run in a Pipeline (``pipeline.enabled``) whose consumer, this thread, is the
+    "send" stage: its busy time is time spent waiting for the drafter ranks to take the
+    features (``send-bound``: drafter-bound). A drafter's ABORT, or an exception here (sent on as
+    ABORT), raises. Returns ``({"steps": steps sent per link}, the whole run's PipelineReport)``."""
+    cfg = stages.config
+    links = [_TargetLink(cfg, stages, d) for d in dist.peers]
     for link in links:
         link.hello()
     num_steps = links[0].num_steps
     if any(link.num_steps != num_steps for link in links):
-        raise RuntimeError(f"target rank {trainer.dist.global_rank}: its drafter ranks asked for different step counts "
+        raise RuntimeError(f"target rank {dist.global_rank}: its drafter ranks asked for different step counts "
                            f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
     threaded = cfg.pipeline.enabled
-    pool = trainer.buffer_pool(extra_slots=cfg.pipeline.capacity * len(links))  # + the steps links hold unreceived
+    pool = stages.buffer_pool(extra_slots=cfg.pipeline.capacity * len(links))  # + the steps links hold unreceived
     if threaded and num_steps > 0:
-        trainer._warm_up_target()
-    target = Stage("target", lambda pair: (pair[0], trainer._target_stage(pair[1])), device=trainer.device,
-                   h2d=lambda pair: (pair[0], trainer._h2d_stage(pair[1])))
-    pipe = Pipeline(_step_inputs(trainer, links, pool, num_steps), [target], capacity=cfg.pipeline.capacity,
+        stages.warm_up()
+    target = Stage("target", lambda pair: (pair[0], stages.forward(pair[1])), device=stages.device,
+                   h2d=lambda pair: (pair[0], stages.h2d(pair[1])))
+    pipe = Pipeline(_step_inputs(stages, links, pool, num_steps), [target], capacity=cfg.pipeline.capacity,
                     threaded=threaded, consumer_name="send", pools=[pool], join_timeout_s=cfg.pipeline.join_timeout_s)
     sent = 0  # steps sent to every link
     try:
@@ -260,18 +282,16 @@ def serve_features(trainer: Trainer) -> dict:
                     continue
                 sent += 1
                 if sent % cfg.train.log_every == 0:
-                    log.info("target rank %d: step %d/%d sent; %s", trainer.dist.global_rank, sent, num_steps,
+                    log.info("target rank %d: step %d/%d sent; %s", dist.global_rank, sent, num_steps,
                              _busy(pipe.report()))
             for link in links:
                 link.finish(pool)
     except BaseException as exc:
         _abort(links, exc)
         raise
-    finally:
-        trainer.pipeline_report = pipe.report(window=False)
-    log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", trainer.dist.global_rank, sent,
-             _busy(trainer.pipeline_report))
-    return {"steps": sent}
+    report = pipe.report(window=False)
+    log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", dist.global_rank, sent, _busy(report))
+    return {"steps": sent}, report
 
 
 def _busy(report) -> str:
@@ -280,32 +300,32 @@ def _busy(report) -> str:
     return f"{parts} busy ms per item (one drafter rank's step), {report.bound}"
 
 
-def _step_inputs(trainer: Trainer, links: list[_TargetLink], pool: BufferPool, num_steps: int):
+def _step_inputs(stages: FeatureStages, links: list[_TargetLink], pool: BufferPool, num_steps: int):
     """Data stage: each served drafter rank's next step in turn, as ``(link index, StepInput)``."""
     for _ in range(num_steps):
         for k, link in enumerate(links):
-            yield k, trainer.collate_step(link.batches, pool.acquire(), link.sampler)
+            yield k, stages.collate_step(link.batches, pool.acquire(), link.sampler)
 
 
 class _TargetLink:
     """A target rank's end of its link to one drafter rank (main thread only)."""
 
-    def __init__(self, trainer: Trainer, peer: int):
-        self.trainer, self.peer = trainer, peer
-        self.capacity = trainer.config.pipeline.capacity
-        self.header = Header(trainer.config.train.grad_accum, trainer.config.data.max_batch_size)
+    def __init__(self, config: Config, stages: FeatureStages, peer: int):
+        self.config, self.stages, self.peer, self.device = config, stages, peer, stages.device
+        self.capacity = config.pipeline.capacity
+        self.header = Header(config.train.grad_accum, config.data.max_batch_size)
         self.pending: deque = deque()  # (transfers, item) sent but not yet received, oldest first
-        self.control = torch.zeros(1, dtype=torch.int64, device=trainer.device)
+        self.control = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.control_transfer = None
         self.ended = False
 
     def hello(self) -> None:
         """Receive the drafter rank's start (step, plan, cursor); build its sampler; post the
         receive of its one control message."""
-        msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64, device=self.trainer.device)
+        msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64, device=self.device)
         distributed.irecv(msg, self.peer).wait()
         start, total, rank, world_size, *cursor = msg.tolist()
-        self.sampler = self.trainer.batch_sampler(rank, world_size)
+        self.sampler = batch_sampler(self.stages.dataset, self.config, rank, world_size)
         self.sampler.load_state_dict(dict(zip(CURSOR_KEYS, cursor)))
         self.batches = iter(self.sampler)
         self.num_steps = total - start
@@ -326,7 +346,7 @@ class _TargetLink:
         while len(self.pending) >= self.capacity:
             self._complete_oldest(pool)
         header, payload = self.header.step(item)
-        device = self.trainer.device
+        device = self.device
         transfers = [distributed.isend(t, self.peer) for t in (header.to(device), *payload)]
         self.pending.append((transfers, item))
 
@@ -351,7 +371,7 @@ class _TargetLink:
 
     def start_control(self, kind: int, message: str = "") -> list:
         header, payload = self.header.control(kind, message)
-        return [distributed.isend(t.to(self.trainer.device), self.peer) for t in (header, *payload)]
+        return [distributed.isend(t.to(self.device), self.peer) for t in (header, *payload)]
 
 
 def _abort(links: list[_TargetLink], exc: BaseException) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.benchmarks.pipeline import real_run, tiny_job
+from flashdraft.bench.jobs import real_run, tiny_job
 
 
 def add_arguments(parser) -> None:

@@ -1,1 +1,0 @@
-"""Benchmarks of flashdraft's hot paths (each module: add_arguments(parser), run(args))."""

@@ -1,0 +1,402 @@
+"""The drafter's training attention: which implementation runs, and all of them.
+
+Block queries [B, Hq, Q, D] (Q = N blocks * bs slots) attend [context | block slots]: a valid
+block anchored at a sees context positions j < a and its own bs slots, a padded block only its
+own slots. Four implementations compute that same function (tests/test_step_equivalence.py):
+"dense" (the oracle: one SDPA under a full bool mask), "split" (groups of blocks folded into the
+batch, one SDPA), "blockwise" (groups over their context prefix, matmuls, a custom autograd
+Function) and "flex" (flex_attention under a block-sparse BlockMask, compiled on CUDA).
+``resolve_attention`` picks one, ``attention_plan`` builds the masks every layer of one forward
+shares (a BlockAttentionPlan), and ``attend`` runs a layer's attention under that plan.
+
+Only torch is imported here (no transformers), so the config can import ``ATTENTION_IMPLS``
+without loading the model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from flashdraft.autocast import autocast_suspended
+
+ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")
+
+
+def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
+    """Pick the concrete training-attention implementation for ``impl`` on ``device``.
+
+    "auto": "flex" on CUDA when flex_attention imports (block-sparse, fused, one kernel per
+    layer), else "blockwise" (groups of blocks over their context prefix, matmuls). "flex"
+    asked for where it cannot run backward (CPU with grad) falls back to "blockwise":
+    flex_attention has no CPU backward.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
+    if impl in ("auto", "flex"):
+        if device.type == "cuda" and _flex_available():
+            return "flex"
+        if impl == "flex" and not needs_grad:
+            return "flex"  # forward-only flex runs (unfused) on CPU: used by the tests
+        return "blockwise"
+    return impl
+
+
+def _flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Bool attention mask [B, 1, Q, S + Q] over [context | all blocks] (Q = N * bs).
+
+    A valid block anchored at a sees context positions j < a and its own bs slots. A padded
+    (invalid) block sees only its own slots (so its softmax stays finite; it has zero weight).
+    """
+    b, n = anchors.shape
+    q = n * block_size
+    ctx_pos = torch.arange(seq_len, device=anchors.device)
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors))  # invalid blocks: no context
+    sees_ctx = ctx_pos.view(1, 1, 1, -1) < limit.view(b, n, 1, 1)  # [B, N, 1, S]
+    sees_ctx = sees_ctx.expand(b, n, block_size, seq_len).reshape(b, q, seq_len)
+    block_id = torch.arange(q, device=anchors.device) // block_size
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, q, q)
+    return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
+
+
+@dataclass
+class BlockAttentionPlan:
+    """How each layer's block queries [B, Hq, Q, D] attend, built once per training forward.
+
+    dense: ``mask`` [B, 1, Q, S + Q] over [context | all blocks] (the oracle).
+    split: blocks in ``num_groups`` groups of ``group_blocks`` consecutive blocks (N padded to
+      num_groups * group_blocks), groups folded into the batch: one SDPA over
+      [B * num_groups, H, g*bs queries, S + g*bs keys] where a group's keys are [context | the
+      group's own slots] and ``mask`` [B * num_groups, 1, g*bs, S + g*bs] keeps j < anchor and
+      the block's own slots. Work per query is S + g*bs instead of S + N*bs; no host sync.
+    blockwise: ``groups``, consecutive blocks (anchors sorted ascending) whose queries attend
+      [context prefix up to the group's last anchor | the group's own slots]: a block's work is
+      ~ its group's last anchor + g*bs keys instead of S + N*bs (see blockwise_attention).
+    flex: ``block_mask`` a flex_attention BlockMask over [context | all blocks]; tiles the
+      mask excludes are skipped by the kernel.
+
+    ``keep_probs`` (blockwise): save each group's softmax probabilities for the backward
+    instead of recomputing them from q and k (one score matmul and one softmax fewer; memory:
+    ~ heads * Q * (mean context + group rows) floats, until the backward).
+    """
+
+    impl: str
+    keep_probs: bool = False
+    mask: torch.Tensor | None = None
+    group_blocks: int = 0
+    num_groups: int = 0
+    num_blocks: int = 0
+    block_mask: object = None
+    groups: list[QueryGroup] = field(default_factory=list)
+
+
+def split_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int
+) -> torch.Tensor:
+    """Bool mask [B * G, 1, g*bs, S + g*bs] of the "split" attention (G = ceil(N / g) groups).
+
+    Row r of group gi is slot r % bs of block gi*g + r // bs: it sees context j < anchor (none
+    for padded blocks and for the pad blocks added to fill the last group) and the slots of its
+    own block. Every row sees at least its own slots, so no softmax row is empty.
+    """
+    b, n = anchors.shape
+    num_groups = -(-n // group_blocks)
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)
+    limit = F.pad(limit, (0, num_groups * group_blocks - n))  # [B, G*g]
+    gq = group_blocks * block_size
+    limit = limit.view(b * num_groups, group_blocks, 1).expand(-1, -1, block_size).reshape(-1, gq, 1)
+    sees_ctx = torch.arange(seq_len, device=anchors.device).view(1, 1, -1) < limit  # [B*G, gq, S]
+    block_id = torch.arange(gq, device=anchors.device) // block_size
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b * num_groups, gq, gq)
+    return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
+
+
+def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, enable_gqa: bool) -> torch.Tensor:
+    """The "split" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v [B, Hkv, Q, D],
+    context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask attention exactly."""
+    b, hq, q_len, d = q.shape
+    hkv, s = k_ctx.shape[1], k_ctx.shape[2]
+    g, gq = plan.num_groups, plan.group_blocks * (q_len // plan.num_blocks)
+    pad = g * gq - q_len
+
+    def grouped(t):  # [B, H, Q, D] -> [B, G, H, gq, D]
+        t = F.pad(t, (0, 0, 0, pad)) if pad else t
+        return t.view(b, t.shape[1], g, gq, d).transpose(1, 2)
+
+    def keys(ctx, blk):  # [B*G, H, S + gq, D]: the context repeated per group, then the group's slots
+        ctx = ctx.unsqueeze(1).expand(b, g, hkv, s, d)
+        return torch.cat([ctx, grouped(blk)], dim=3).reshape(b * g, hkv, s + gq, d)
+
+    out = F.scaled_dot_product_attention(
+        grouped(q).reshape(b * g, hq, gq, d), keys(k_ctx, k_blk), keys(v_ctx, v_blk),
+        attn_mask=plan.mask, enable_gqa=enable_gqa,
+    )
+    out = out.view(b, g, hq, gq, d).transpose(1, 2).reshape(b, hq, g * gq, d)
+    return out[:, :, :q_len] if pad else out
+
+
+@dataclass
+class QueryGroup:
+    """``groups`` groups of whole blocks, together rows ``start:stop`` of the block queries, that
+    attend side by side (one batched matmul): each group its keys [context[:context] | its own
+    slots] under ``bias`` [B, 1, groups, 1, rows, context + rows], 0 where a key is visible and
+    -inf where not (context j >= the row's anchor, another block's slot). An additive bias, not a
+    bool mask: masked_fill_ with a broadcast mask is ~30x slower than add_ on CPU (measured)."""
+
+    start: int
+    stop: int
+    context: int
+    groups: int
+    bias: torch.Tensor
+
+
+def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int,
+                 groups_per_call: int = 1, dtype: torch.dtype = torch.float32) -> list[QueryGroup]:
+    """The "blockwise" plan: groups of ``group_blocks`` consecutive blocks, ``groups_per_call`` of
+    them per batched call, context cut at the call's largest anchor over the batch (one host
+    sync, for the key lengths). Exact whatever the anchor order; cheapest with sorted anchors
+    (sample_anchors sorts them). Small groups waste fewer block keys; several per call keep
+    the number of (CPU-thread-synchronising) ops per layer low."""
+    b, n = anchors.shape
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)  # padded blocks: no context
+    spans, first = [], 0  # (first block, groups, blocks per group)
+    while first < n:
+        k = min(groups_per_call, (n - first) // group_blocks)
+        spans.append((first, k, group_blocks) if k else (first, 1, n - first))
+        first += spans[-1][1] * spans[-1][2]
+    lengths = torch.stack([limit[:, i:i + k * g].amax() for i, k, g in spans]).tolist()
+    calls = []
+    for (i, k, g), length in zip(spans, lengths):
+        rows = g * block_size
+        row_limit = limit[:, i:i + k * g].view(b, k, g).repeat_interleave(block_size, dim=2).unsqueeze(-1)
+        sees_ctx = torch.arange(length, device=anchors.device) < row_limit  # [B, k, rows, L]
+        block_id = torch.arange(rows, device=anchors.device) // block_size
+        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, k, rows, rows)
+        bias = torch.cat([torch.where(sees, 0.0, float("-inf")) for sees in (sees_ctx, same_block)], dim=-1)
+        calls.append(QueryGroup(i * block_size, (i + k * g) * block_size, length, k,
+                                bias.to(dtype).view(b, 1, k, 1, rows, -1)))
+    return calls
+
+
+def _to_groups(t: torch.Tensor, g: QueryGroup, kv_heads: int) -> torch.Tensor:
+    """Rows g.start:g.stop of t [B, H, Q, D] -> [B, Hkv, groups, H/Hkv * rows, D]: the query
+    heads that share a KV head stacked as rows, so GQA needs no repeated K/V."""
+    b, h, _, d = t.shape
+    t = t[:, :, g.start:g.stop].reshape(b, kv_heads, h // kv_heads, g.groups, -1, d)
+    return t.transpose(2, 3).reshape(b, kv_heads, g.groups, -1, d)
+
+
+def _from_groups(x: torch.Tensor, dst: torch.Tensor, g: QueryGroup) -> None:
+    """Write x [B, Hkv, groups, H/Hkv * rows, D] into rows g.start:g.stop of dst [B, H, Q, D]."""
+    b, h, _, d = dst.shape
+    hkv = x.shape[1]
+    x = x.reshape(b, hkv, g.groups, h // hkv, -1, d).transpose(2, 3)
+    dst[:, :, g.start:g.stop].view(b, hkv, h // hkv, g.groups, -1, d).copy_(x)
+
+
+def _group_kv(ctx: torch.Tensor, blk: torch.Tensor, g: QueryGroup) -> torch.Tensor:
+    """Each group's keys (or values) [B, Hkv, groups, context + rows, D]."""
+    b, hkv, _, d = ctx.shape
+    prefix = ctx[:, :, None, :g.context].expand(b, hkv, g.groups, g.context, d)
+    return torch.cat([prefix, _to_groups(blk, g, hkv)], dim=3)
+
+
+def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup) -> torch.Tensor:
+    """Attention probabilities [B, Hkv, groups, rep * rows, context + rows] (qg pre-scaled)."""
+    s = qg @ kg.transpose(-1, -2)
+    b, hkv, k, _, keys = s.shape
+    s.view(b, hkv, k, -1, g.bias.shape[-2], keys).add_(g.bias)
+    return torch.softmax(s, dim=-1)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Softmax attention of each group over its own keys, calls of groups one after another.
+
+    Saved: q, k, v and the output, plus each call's probabilities with ``keep_probs`` (else the
+    backward recomputes them per call); no score matrix of another call, no per-group K/V copy
+    outlives its loop iteration, no repeated KV heads. Every query row sees its own slots, so
+    no row is empty.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls, keep_probs):
+        hkv = k_ctx.shape[1]
+        out, q_scaled = torch.empty_like(q), q * q.shape[-1] ** -0.5
+        probs = []
+        for g in calls:
+            p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g)
+            _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
+            if keep_probs:
+                probs.append(p)
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *probs)
+        ctx.calls = calls
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_ctx, v_ctx, k_blk, v_blk, out, *probs = ctx.saved_tensors
+        hkv = k_ctx.shape[1]
+        scale = q.shape[-1] ** -0.5
+        dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
+        dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
+        delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_j dp_j, per query row
+        q_scaled = q * scale
+        for i, g in enumerate(ctx.calls):
+            qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
+            p = probs[i] if probs else _group_probs(qg, kg, g)
+            do = _to_groups(dout, g, hkv)
+            ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
+            dv = p.transpose(-1, -2) @ do
+            dk = ds.transpose(-1, -2) @ qg
+            _from_groups((ds @ kg).mul_(scale), dq, g)
+            n = g.context
+            dk_ctx[:, :, :n] += dk[:, :, :, :n].sum(2)
+            dv_ctx[:, :, :n] += dv[:, :, :, :n].sum(2)
+            _from_groups(dk[:, :, :, n:], dk_blk, g)
+            _from_groups(dv[:, :, :, n:], dv_blk, g)
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None
+
+
+def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
+    """The "blockwise" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v
+    [B, Hkv, Q, D], context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask
+    attention exactly (one softmax over each row's allowed keys; the keys cut away are masked).
+    Under autocast its inputs are cast to the autocast dtype and it runs with autocast off (its
+    backward runs outside autocast, so mixed dtypes would meet there)."""
+    tensors, calls = (q, k_ctx, v_ctx, k_blk, v_blk), plan.groups
+    with autocast_suspended(q.device.type) as dtype:
+        if dtype is not None:
+            tensors = [t.to(dtype) for t in tensors]
+            calls = [replace(g, bias=g.bias.to(dtype)) for g in calls]
+        keep = plan.keep_probs and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return _BlockwiseAttention.apply(*tensors, calls, keep)
+
+
+def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
+    """flex_attention BlockMask over keys [context S | all N*bs slots], same pattern as dense_block_mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchors.shape
+    q = n * block_size
+    limit = torch.where(valid, anchors, torch.zeros_like(anchors))
+
+    def mask_mod(bi, hi, q_idx, kv_idx):
+        blk = q_idx // block_size
+        sees_ctx = kv_idx < limit[bi, blk]  # limit <= S, so this is inside the context part
+        own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        return sees_ctx | own
+
+    return create_block_mask(mask_mod, b, None, q, seq_len + q, device=anchors.device)
+
+
+_compiled_flex = None
+
+# Compiles of flex_attention allowed per process (dynamo's default is 8). A batch of size 1 and
+# grad / no-grad (training / eval) are compiled apart even with dynamic shapes; past the limit
+# dynamo would run flex eagerly, which materialises the whole score matrix (OOM at 8B sizes).
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def compile_flex(backend: str = "inductor"):
+    """flex_attention compiled with dynamic shapes. The trainer's batches change B and S from
+    step to step; a static compile (``dynamic=False``) recompiles for every new shape and, past
+    dynamo's recompile limit, silently falls back to eager flex. Dynamic: one compile serves
+    every S, B and N (tests/test_step_equivalence.py counts them)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+    return torch.compile(flex_attention, dynamic=True, backend=backend)
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)  # unfused, tests only
+    if _compiled_flex is None:
+        _compiled_flex = compile_flex()  # once per process: eager flex materialises the full score matrix
+    with autocast_suspended(q.device.type) as dtype:
+        # One dtype for q, k and v, as autocast would give a matmul: under autocast the stock
+        # q / k norms return fp32 while v is bf16, and the compiled kernel gets what it is given.
+        if dtype is not None:
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        try:
+            return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a compile / Triton failure on this GPU and torch: name the way out
+            raise RuntimeError(
+                f"the drafter's compiled flex_attention failed on {torch.cuda.get_device_name(q.device)} "
+                f"(torch {torch.__version__}, q {tuple(q.shape)} {q.dtype}): {type(exc).__name__}: {exc}. "
+                "Set model.drafter_attention=blockwise to train with the exact matmul attention instead "
+                "(slower, more memory), and report the error"
+            ) from exc
+
+
+def attention_plan(
+    impl: str, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int = 0,
+    needs_grad: bool = True, dtype: torch.dtype = torch.float32,
+) -> BlockAttentionPlan:
+    """The masks every layer of one training forward shares (see BlockAttentionPlan), for blocks
+    of ``block_size`` slots anchored at ``anchors`` [B, N] (``valid`` [B, N]) over ``seq_len``
+    context positions. ``impl``: one of ATTENTION_IMPLS, resolved on the anchors' device
+    (resolve_attention); ``group_blocks``: blocks per group for "split" and "blockwise" (0: auto);
+    ``dtype``: the blockwise bias dtype (the queries')."""
+    impl = resolve_attention(impl, anchors.device, needs_grad)
+    bs = block_size
+    if impl == "dense":
+        return BlockAttentionPlan("dense", mask=dense_block_mask(anchors, valid, seq_len, bs))
+    if impl == "flex":
+        return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs))
+    n = anchors.shape[1]
+    if impl == "blockwise":
+        # Default: 64 query rows per group (4 blocks of 16), 4 groups per batched call.
+        group = min(group_blocks if group_blocks > 0 else max(1, 64 // bs), n)
+        groups = query_groups(anchors, valid, seq_len, bs, group, max(1, 256 // (group * bs)), dtype)
+        return BlockAttentionPlan("blockwise", groups=groups, num_blocks=n)
+    # Default: 8 groups. More groups cut the wasted g*bs block keys per query but repeat
+    # the context K/V once per group (memory G * S * Hkv * D per layer); 8 measured best here.
+    group = group_blocks if group_blocks > 0 else -(-n // 8)
+    group = min(group, n)
+    return BlockAttentionPlan(
+        "split", mask=split_mask(anchors, valid, seq_len, bs, group),
+        group_blocks=group, num_groups=-(-n // group), num_blocks=n,
+    )
+
+
+def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
+    """One layer's attention of the block queries q [B, Hq, Q, D] over [context k / v [B, Hkv, S, D]
+    | block k / v [B, Hkv, Q, D]] as ``plan`` says -> [B, Hq, Q, D]. A "dense" plan whose ``mask``
+    is None lets every query see every key (inference: one block after its whole context).
+    Hq may be a multiple of Hkv (GQA)."""
+    if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
+        return blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan)
+    heads, kv_heads = q.shape[1], k_blk.shape[1]
+    gqa = kv_heads != heads
+    if gqa and q.device.type == "cpu":
+        # The CPU SDPA kernel's enable_gqa backward is ~7x slower than plain MHA (torch
+        # 2.13, measured): repeat the KV heads instead (same values, grads sum back).
+        rep = heads // kv_heads
+        k_ctx, v_ctx = k_ctx.repeat_interleave(rep, dim=1), v_ctx.repeat_interleave(rep, dim=1)
+        k_blk, v_blk = k_blk.repeat_interleave(rep, dim=1), v_blk.repeat_interleave(rep, dim=1)
+        gqa = False
+    if plan.impl == "split":
+        return split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan, gqa)
+    k = torch.cat([k_ctx, k_blk], dim=2)
+    v = torch.cat([v_ctx, v_blk], dim=2)
+    if plan.impl == "flex":
+        return _flex_attention(q, k, v, plan.block_mask, gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, enable_gqa=gqa)

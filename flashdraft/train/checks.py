@@ -1,0 +1,110 @@
+"""Start-up checks of the run's inputs: everything a run can refuse before it trains a step.
+
+Each check raises ValueError naming the file (or field) and the fix, so a mistake costs
+seconds at start-up rather than hours into a run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from flashdraft.config import Config
+from flashdraft.evaluate import prompts_from_dataset, read_prompts
+
+
+@functools.lru_cache(maxsize=1)
+def target_tokenizer(target_dir: str):
+    """The target directory's tokenizer, loaded once per start-up for the MASK-id lookup and the
+    data's tokenizer check (a 152K-entry tokenizer takes about a second). Failures are not cached."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
+    """The configured id, else the tokenizer's <|MASK|> (DFlash's convention) or mask_token."""
+    if configured is not None:
+        return configured
+    try:
+        tokenizer = target_tokenizer(str(target_dir))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{target_dir}: no tokenizer to find the mask token in ({exc}); "
+                         "set model.mask_token_id") from None
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab:
+        return vocab["<|MASK|>"]
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    raise ValueError(
+        f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set model.mask_token_id to an unused id "
+        "inside the target's embedding table (Qwen3: 151669, the id <|MASK|> gets when added)"
+    )
+
+
+def check_paths(cfg: Config) -> None:
+    if not cfg.model.target:
+        raise ValueError("config model.target is empty: give the Hugging Face target directory (model.target=DIR)")
+    if not cfg.data.path:
+        raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
+
+
+def check_tokenizer(target_dir: str, *datasets) -> None:
+    """Data prepared with another tokenizer than the target's has ids that mean other tokens;
+    it trains without error when they fit the vocabulary. `prepare` records its vocabulary's
+    fingerprint; compared here with the target directory's tokenizer, where both exist."""
+    from flashdraft.data.prepare import vocab_fingerprint
+
+    fingerprint = None
+    for dataset in datasets:
+        wanted = getattr(dataset, "meta", {}).get("source", {}).get("vocab_sha256") if dataset is not None else None
+        if wanted is None:
+            continue
+        if fingerprint is None:
+            try:
+                fingerprint = vocab_fingerprint(target_tokenizer(str(target_dir)))
+            except (OSError, ValueError):  # a target directory without a tokenizer: nothing to compare
+                return
+        if fingerprint != wanted:
+            prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")
+            raise ValueError(
+                f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs from "
+                f"model.target's ({target_dir}): its token ids mean other tokens. Re-run flashdraft prepare with "
+                f"--tokenizer {target_dir}"
+            )
+
+
+def check_lengths(dataset, cfg: Config, target_config) -> None:
+    """Refuse samples no batch (or no target position) can hold."""
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{dataset.report.source}: no usable samples ({dataset.report.to_dict()}); check the data "
+            f"(`flashdraft inspect {dataset.report.source}`) or lower data.min_supervised"
+        )
+    longest = int(dataset.lengths.max())
+    if longest > cfg.data.token_budget:
+        raise ValueError(
+            f"{dataset.report.source}: data.token_budget={cfg.data.token_budget} is smaller than the longest sample "
+            f"({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
+            f"data.token_budget to at least {longest} or lower data.max_length to {cfg.data.token_budget}"
+        )
+    max_pos = getattr(target_config, "max_position_embeddings", None)
+    if max_pos and longest > max_pos:
+        raise ValueError(
+            f"{dataset.report.source}: samples of up to {longest} tokens exceed the target's "
+            f"max_position_embeddings={max_pos}; lower data.max_length to {max_pos} (longer samples are truncated)"
+        )
+
+
+def load_eval_prompts(cfg: Config, eval_dataset, vocab_size: int) -> list[list[int]]:
+    """Held-out prompts for tau, read and checked at start-up (not at the first eval)."""
+    if cfg.data.eval_prompts:
+        prompts = read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
+    elif eval_dataset is not None:
+        prompts = prompts_from_dataset(eval_dataset, cfg.train.eval_prompts)
+    else:
+        return []
+    for n, ids in enumerate(prompts):
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"{cfg.data.eval_prompts or cfg.data.eval_path}: prompt {n} has token ids outside "
+                             f"[0, {vocab_size}) (the target's vocabulary); re-tokenize it with the target's tokenizer")
+    return prompts

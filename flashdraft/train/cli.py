@@ -1,0 +1,26 @@
+"""`flashdraft train`: the command line of the trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="YAML config file (sections model, data, objective, optim, train, pipeline)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
+
+
+def run(args) -> int:
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = load_config(args.config, args.overrides)
+    result = train(config)
+    if int(os.environ.get("RANK", "0")) == 0:  # the process group is already torn down here
+        keys = ("loss", "acc", "tau_sim", "eval_loss", "eval_tau", "tokens_per_s", "skipped_steps")
+        print("final: " + " ".join(f"{k} {result[k]:.4g}" for k in keys if isinstance(result.get(k), (int, float))),
+              file=sys.stderr)
+    return 0

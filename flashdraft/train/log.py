@@ -1,0 +1,85 @@
+"""The run's log: per-step loss statistics, throughput, where the step time goes, and when
+all that is reduced and written (every ``train.log_every`` steps and at the end)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict
+
+import torch
+
+from flashdraft import distributed
+from flashdraft.feature_cache import CacheStats
+from flashdraft.metrics import Progress, Throughput, format_line, open_metrics, peak_memory_bytes
+from flashdraft.train.step import StepStats
+
+
+class TrainLog:
+    """Accumulates on the device between log lines (no host sync per step); ``after_step``
+    decides when to reduce over ranks and write: metrics.jsonl (and the other sinks) on the main
+    rank, a human line through ``Progress``, and ``history``, the recent records for callers and
+    tests (bounded, so a days-long run's memory stays flat; metrics.jsonl holds them all)."""
+
+    def __init__(self, config, dist, device: torch.device, timer, block_size: int, total_steps: int, start_step: int):
+        self.config, self.dist, self.device, self.timer = config, dist, device, timer
+        self.block_size, self.total_steps = block_size, total_steps
+        self.metrics = open_metrics(config.train.output_dir, config.train.metrics, is_main=dist.is_main,
+                                    config=config.to_dict())
+        self.progress = Progress(total_steps, start_step, enabled=dist.is_main)
+        self.speed = Throughput()
+        self.speed.update(start_step)
+        self.stats = StepStats.zeros(block_size, device)
+        self.history: collections.deque[dict] = collections.deque(maxlen=1000)
+        self.record: dict = {}  # the last log record
+
+    def after_step(self, step: int, tokens: int, grad_norm, lr: float, skipped_steps: int, pipe, cache) -> None:
+        """Count a finished step (``tokens``: its host token count); log when due."""
+        self.speed.update(step, tokens)
+        self.progress.update(step)
+        if step % self.config.train.log_every == 0 or step >= self.total_steps:
+            self.record = self._log(step, grad_norm, lr, skipped_steps, pipe, cache)
+            self.stats = StepStats.zeros(self.block_size, self.device)
+
+    def _log(self, step: int, grad_norm, lr: float, skipped_steps: int, pipe, cache) -> dict:
+        values = self.stats.reduce()  # deliberate sync: log time only
+        timing = self.timer.summary()
+        # per-stage busy/starved/blocked since the last log
+        pipe_metrics = pipe.report().as_metrics() if pipe is not None else {}
+        speed = self.speed
+        record = {**values, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": speed.tokens_per_s or 0.0,
+                  "s_per_step": speed.s_per_step or 0.0, "skipped_steps": skipped_steps, **timing.as_metrics(),
+                  **pipe_metrics, **self._cache_metrics(cache)}
+        self.history.append({"step": step, **record})
+        self.metrics.log(step, record)
+        self.progress.write(format_line(
+            step, self.total_steps, {"loss": values["loss"], "acc": values["acc"], "tau~": values["tau_sim"], "lr": lr},
+            tokens_per_s=speed.tokens_per_s, s_per_step=speed.s_per_step, eta_s=speed.eta_s(self.total_steps),
+            shares=timing.share, peak_mem_bytes=peak_memory_bytes(self.device),
+        ))
+        return record
+
+    def _cache_metrics(self, cache) -> dict:
+        """The feature cache's counters summed over ranks (since the start; every rank logs at
+        the same steps, so the all-reduce lines up). Empty when the cache is off."""
+        if cache is None:
+            return {}
+        mine = asdict(cache.stats())
+        total = distributed.all_reduce(torch.tensor(list(mine.values()), dtype=torch.float64, device=self.device),
+                                       "sum").tolist()  # deliberate sync: log time
+        return CacheStats(**{k: int(v) for k, v in zip(mine, total)}).as_metrics()
+
+    def eval_result(self, step: int, result: dict) -> None:
+        """Write an evaluation's result (main rank)."""
+        if not result:
+            return
+        self.metrics.log(step, result)
+        self.history.append({"step": step, **result})
+        self.progress.write(f"eval step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in result.items()
+                                                          if isinstance(v, float)))
+
+    def write(self, line: str) -> None:
+        self.progress.write(line)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

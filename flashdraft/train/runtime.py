@@ -1,0 +1,120 @@
+"""The training process's runtime: what a run holds for its whole life besides the model.
+
+- :func:`output_lock`: one run per ``train.output_dir`` (an flock, released by the kernel
+  whatever way the process ends).
+- :class:`GracefulStop`: SIGTERM / SIGINT ask the loop to stop at the end of the step.
+- :func:`keep_freed_host_memory`: glibc keeps freed activations for reuse (CPU training).
+- :class:`ProcessRNG`: the torch / numpy / python (/ CUDA) generators as one checkpointable
+  component.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def output_lock(output: Path):
+    """Hold an exclusive lock on OUTPUT/.lock while a run trains there: a second run on the same
+    train.output_dir fails at once instead of interleaving its checkpoints and metrics with the
+    first one's. Released by the kernel whatever way the process ends (flock), so a crash never
+    leaves a stale lock."""
+    output.mkdir(parents=True, exist_ok=True)
+    with open(output / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ValueError(f"{output}: another flashdraft run ({f.read().strip() or 'unknown process'}) is training "
+                             "in this train.output_dir; wait for it to end, or use another directory") from None
+        except OSError as exc:  # a file system without flock: run unlocked rather than not at all
+            log.warning("%s: cannot lock the output directory (%s); make sure no other run uses it", output, exc)
+            yield
+            return
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT set ``requested``; the loop checkpoints at the end of the step and exits 0.
+    A second Ctrl-C stops at once. Installed only on the main thread (Python delivers signals there)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def keep_freed_host_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the OS.
+
+    A training step frees and re-allocates the same multi-MB activations every step. By default
+    glibc unmaps large freed blocks at once and trims the heap's top, so the next step
+    page-faults them back in: 3-18 thousand faults per drafter step of the bench point, ~8 %
+    of the CPU trainer's steps/s (docs/benchmarks.md). This is the host-side counterpart of
+    CUDA's caching allocator, for CPU training (``train.keep_freed_host_memory``). It is
+    process-wide and stays for the process's life: resident memory stays at its peak instead
+    of shrinking between steps. Blocks up to 1 GiB are kept (glibc <= 2.34 accepts at most
+    32 MiB; then that). Skipped where the user set glibc's own malloc tunables
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc.* in GLIBC_TUNABLES), and off
+    glibc. Returns whether it took effect."""
+    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ) or \
+            "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    kept = mallopt(m_trim_threshold, 2**31 - 1)
+    return bool(kept and (mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20)))
+
+
+class ProcessRNG:
+    """This process's random generators (torch, numpy, python and, where present, CUDA) as a
+    checkpoint component. Per rank: each rank saves and restores its own."""
+
+    def state_dict(self) -> dict:
+        state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])

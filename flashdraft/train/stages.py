@@ -1,0 +1,172 @@
+"""The feature stages: what produces a training step's inputs, up to the target's features.
+
+    data (plan + collate into pooled pinned buffers)  ->  h2d  ->  target forward (+ feature cache)
+
+:class:`FeatureStages` holds what these stages share (the dataset, the frozen target, the
+feature cache, the lock that serialises target forwards) and gives each stage as a plain
+method; the placement strategies (flashdraft.train.placement) wire them into a Pipeline,
+which owns the threads. Each stage runs exactly once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.config import Config
+from flashdraft.data.batching import BatchSampler
+from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
+from flashdraft.feature_cache import CacheLookup, CacheStats, FeatureCache, full_cache_bytes
+from flashdraft.metrics import format_bytes
+from flashdraft.pipeline import BufferPool, Stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Micro:
+    """One micro-batch on its way through the stages. Iterates as ``(batch, sample_ids)``.
+
+    batch / sample_ids: host data (``batch`` is a view of a pooled CollateBuffers slot).
+    device_batch / device_ids: filled by the h2d stage; features: by the target stage.
+    cached: the feature cache's rows of this micro-batch (h2d part), when the cache is on.
+    """
+
+    batch: Batch
+    sample_ids: np.ndarray
+    device_batch: Batch | None = None
+    device_ids: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    cached: CacheLookup | None = None
+
+    def __iter__(self):
+        return iter((self.batch, self.sample_ids))
+
+
+@dataclass
+class StepInput:
+    """What the data stage produces per optimizer step: ``grad_accum`` micro-batches, the
+    pooled buffer slot they live in, and the data cursor right after them (for checkpoints
+    taken while the data thread is already ahead)."""
+
+    micro: list[Micro]
+    slot: list[CollateBuffers]
+    sampler_state: dict
+
+
+def batch_sampler(dataset, config: Config, rank: int, world_size: int) -> BatchSampler:
+    """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated target
+    rank builds the plan of each drafter rank it feeds)."""
+    data = config.data
+    return BatchSampler(dataset.lengths, token_budget=data.token_budget, max_batch_size=data.max_batch_size,
+                        seed=config.train.seed, rank=rank, world_size=world_size)
+
+
+class FeatureStages:
+    """The data, h2d and target stages of one rank (see module doc)."""
+
+    def __init__(self, config: Config, dataset, target, device: torch.device, timer):
+        self.config, self.dataset, self.target, self.device, self.timer = config, dataset, target, device, timer
+        # Serialises target forwards across threads: training forwards (target thread) vs eval
+        # (main thread). Its hooks are per-module, and Triton autotuners (fla) are not thread-safe.
+        self.target_lock = threading.Lock()
+        self.cache: FeatureCache | None = None  # open while a pipeline runs (open_cache / close_cache)
+
+    def buffer_pool(self, extra_slots: int = 0) -> BufferPool:
+        """Pooled collate buffers, one slot (``grad_accum`` micro-batches) per step that can be in
+        flight: data filling + channel + target + channel + consumer when pipelined, else one;
+        plus ``extra_slots`` (steps a consumer holds on to, e.g. sent but not yet received)."""
+        pcfg = self.config.pipeline
+        num_slots = (2 * pcfg.capacity + 3 if pcfg.enabled else 1) + extra_slots
+        return BufferPool([[CollateBuffers() for _ in range(self.config.train.grad_accum)] for _ in range(num_slots)],
+                          self.device)
+
+    # ---- stage 1: data ------------------------------------------------------------------------
+
+    def collate_step(self, batches, slot: list[CollateBuffers], sampler: BatchSampler) -> StepInput:
+        """One step: the next ``grad_accum`` batches of the plan iterator ``batches`` padded into
+        the pooled ``slot``, with ``sampler``'s cursor after them."""
+        micro = []
+        for buffers in slot:
+            _, _, idx = next(batches)
+            micro.append(Micro(pad_batch(self.dataset, idx, buffers=buffers), idx))
+        return StepInput(micro, slot, sampler.state_dict())
+
+    def step_inputs(self, sampler: BatchSampler, pool: BufferPool, num_steps: int):
+        """The data stage (data thread): plan + collate ``num_steps`` steps into pooled buffers."""
+        batches = iter(sampler)
+        for _ in range(num_steps):
+            slot = pool.acquire()
+            with self.timer.stage("data"):
+                item = self.collate_step(batches, slot, sampler)
+            yield item
+
+    # ---- stage 2: h2d + target ---------------------------------------------------------------
+
+    def h2d(self, item: StepInput) -> StepInput:
+        """Copy the step's micro-batches to the device (non_blocking from pinned buffers), and
+        look their samples up in the feature cache. Any thread."""
+        with self.timer.stage("h2d"):
+            for m in item.micro:
+                m.device_batch = m.batch.to(self.device)
+                m.device_ids = torch.from_numpy(m.sample_ids).to(self.device, non_blocking=True)
+                if self.cache is not None:
+                    m.cached = self.cache.lookup(m.sample_ids, m.batch.lengths, self.device)
+        return item
+
+    def forward(self, item: StepInput) -> StepInput:
+        """The frozen target's packed features of each micro-batch. Any thread; never a collective."""
+        for m in item.micro:
+            with self.target_lock, self.timer.stage("target"):
+                if m.cached is not None:  # the cache's rows; the target runs on the rest, if any
+                    m.features = self.cache.complete(m.cached, self.target, m.device_batch, m.sample_ids,
+                                                     m.batch.lengths)
+                    m.cached = None
+                else:
+                    m.features = self.target.features(m.device_batch.input_ids, m.device_batch.attention_mask)
+        return item
+
+    def target_stage(self) -> Stage:
+        return Stage("target", self.forward, device=self.device, h2d=self.h2d)
+
+    def warm_up(self) -> None:
+        """One target forward on this thread before the target thread starts: kernel autotuning
+        (Triton / flash-linear-attention autotuners are not thread-safe) and lazy init happen
+        here, serially. Later forwards are also serialised by ``target_lock``."""
+        n = int(min(self.dataset.lengths.max(), 64))
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        with self.target_lock:
+            self.target.features(ids, torch.ones_like(ids))
+
+    # ---- the feature cache -----------------------------------------------------------------
+
+    def open_cache(self, output: Path, is_main: bool, world_size: int) -> None:
+        """Open this run's target-feature cache (pipeline.feature_cache_*), when on. Always
+        starts empty: it is an optimisation, never part of a checkpoint."""
+        pcfg = self.config.pipeline
+        if not pcfg.feature_cache_bytes and not pcfg.feature_cache_disk_bytes:
+            return
+        directory = Path(pcfg.feature_cache_dir) if pcfg.feature_cache_dir else output / "feature_cache"
+        self.cache = FeatureCache(feature_size=self.target.feature_size, dtype=self.target.dtype,
+                                  ram_bytes=pcfg.feature_cache_bytes, disk_bytes=pcfg.feature_cache_disk_bytes,
+                                  directory=directory)
+        if is_main:
+            need = full_cache_bytes(int(self.dataset.lengths.sum()), self.cache.feature_size, self.cache.itemsize)
+            log.info("feature cache: RAM %s + disk %s per rank; the features of every sample take %s (each rank "
+                     "sees a different 1/%d of them every epoch; docs/pipeline.md)",
+                     format_bytes(self.cache.ram_budget), format_bytes(self.cache.disk_budget), format_bytes(need),
+                     world_size)
+
+    def close_cache(self) -> CacheStats | None:
+        """Close the cache (after the pipeline: no stage thread uses it any more); its final counters."""
+        if self.cache is None:
+            return None
+        stats = self.cache.stats()
+        self.cache.close()
+        self.cache = None
+        return stats

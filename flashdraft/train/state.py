@@ -1,0 +1,160 @@
+"""What survives a restart, and when it is saved: the run's checkpoint components, resume and
+the identity checks that keep a resume from silently training something else.
+
+A run's state is a set of named components, each with ``state_dict`` / ``load_state_dict``:
+the drafter, the optimizer, the LR scheduler and :class:`TrainState` (step counters and the
+data cursor), identical on every rank, plus each rank's :class:`~flashdraft.train.runtime.ProcessRNG`.
+:class:`RunCheckpoints` saves them through the :class:`~flashdraft.checkpoint.CheckpointManager`
+(the only owner of checkpoint files), decides when a save is due, and restores them on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flashdraft.checkpoint import CheckpointManager
+from flashdraft.config import Config
+from flashdraft.data.batching import BatchSampler
+
+log = logging.getLogger(__name__)
+
+# Config fields a resume must find unchanged: they change what is trained or in which order.
+RESUME_KEYS = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
+                                       "mask_token_id")]
+               + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
+
+
+def run_identity(target, mask_token_id: int, dataset) -> dict:
+    """What a resume must find unchanged behind the config's paths: the target model, the
+    resolved MASK id and the training data (another target or dataset under the same path would
+    resume silently, the sampler's cursor pointing into other samples)."""
+    config = target.config
+    return {"target": {"model_type": str(config.model_type), "vocab_size": int(config.vocab_size),
+                       "hidden_size": target.hidden_size, "num_layers": target.num_layers},
+            "mask_token_id": mask_token_id,
+            "data": {"samples": len(dataset), "tokens": int(dataset.num_tokens)}}
+
+
+class TrainState:
+    """The loop's progress: optimizer steps taken, steps skipped for non-finite values, and the
+    data cursor after the last TRAINED step (the data thread reads ahead of it). Saved as the
+    checkpoint part "trainer", with the world size and the run's identity beside it."""
+
+    def __init__(self, sampler: BatchSampler, world_size: int, identity: dict):
+        self.sampler, self.world_size, self.identity = sampler, world_size, identity
+        self.step = 0
+        self.skipped_steps = 0
+        self.cursor: dict | None = None  # None: the sampler's own position (nothing read ahead)
+        self.saved_world_size = world_size  # of the checkpoint resumed from
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "skipped_steps": self.skipped_steps,
+                "sampler": self.cursor or self.sampler.state_dict(), "world_size": self.world_size,
+                "identity": self.identity}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.sampler.load_state_dict(state["sampler"])  # re-split when the world size changed
+        self.cursor = None
+        self.saved_world_size = int(state["world_size"])
+
+    def rewind_read_ahead(self) -> None:
+        """Put the sampler back at the cursor (after the data thread stopped reading ahead)."""
+        if self.cursor is not None:
+            self.sampler.load_state_dict(self.cursor)
+
+
+class RunCheckpoints:
+    """The run's checkpoints under ``train.output_dir/checkpoints``: when to save, what, and
+    resuming from them. ``components`` and ``per_rank`` map part names to objects with
+    ``state_dict`` / ``load_state_dict``; ``export_fn(dir)`` writes the serving export into
+    each checkpoint."""
+
+    def __init__(self, config: Config, components: Mapping[str, Any], per_rank: Mapping[str, Any],
+                 export_fn: Callable[[Path], None]):
+        self.config = config
+        self.manager = CheckpointManager(Path(config.train.output_dir) / "checkpoints", config.train.keep_last)
+        self.components, self.per_rank, self.export_fn = dict(components), dict(per_rank), export_fn
+        self.last_saved: int | None = None
+
+    def due(self, step: int, done: bool, stopping: bool) -> bool:
+        """Whether to save right after ``step``: on a stop request and every ``train.save_every``
+        steps. The last step is saved by ``final_due`` instead, after the final eval."""
+        every = self.config.train.save_every
+        return stopping or (bool(every) and step % every == 0 and not done)
+
+    def final_due(self, step: int) -> bool:
+        """Whether the end of the run still needs a save (``step`` was not just saved)."""
+        return self.last_saved != step
+
+    def save(self, step: int) -> Path:
+        """Atomic checkpoint of every component (collective) with the serving export inside."""
+        path = self.manager.save(
+            step, {name: c.state_dict() for name, c in self.components.items()},
+            per_rank_parts={name: c.state_dict() for name, c in self.per_rank.items()},
+            config=self.config.to_dict(), export_fn=self.export_fn,
+        )
+        self.last_saved = step
+        return path
+
+    def resume(self, identity: dict, world_size: int, is_main: bool) -> bool:
+        """Load the checkpoint ``train.resume`` names (auto: the newest complete one) into every
+        component; False when there is none to resume from. Refuses, naming the difference and
+        the fix, a checkpoint of another config, target or dataset."""
+        mode = self.config.train.resume
+        if mode == "never":
+            if existing := self.manager.checkpoints():
+                # Starting over here would overwrite the earlier run's export and prune its
+                # checkpoints (they are newer than the fresh run's first one): refuse instead.
+                raise ValueError(
+                    f"train.resume=never, but {self.manager.root} holds checkpoints of an earlier run (newest "
+                    f"{existing[0].name}), which a fresh run there would overwrite and prune; use another "
+                    f"train.output_dir, or delete {self.config.train.output_dir} yourself to start over"
+                )
+            return False
+        loaded = self.manager.load_latest() if mode == "auto" else self.manager.load(mode)
+        if loaded is None:
+            return False
+        self._check_compatible(loaded.config or {})
+        parts = loaded.parts
+        saved = parts["trainer"]["identity"]
+        if saved != identity:
+            diffs = [f"{k}: checkpoint {saved.get(k)} vs now {identity[k]}" for k in identity
+                     if saved.get(k) != identity[k]]
+            raise ValueError(f"cannot resume from {self.manager.root}: the target or the data behind the config's "
+                             f"paths changed ({'; '.join(diffs)}); point model.target / data.path at what the run was "
+                             "trained with, or start a fresh run with another train.output_dir")
+        for name, component in self.components.items():
+            self._load(name, component, parts[name])
+        if int(parts["trainer"]["world_size"]) == world_size:  # else every rank re-seeds its generators
+            for name, component in self.per_rank.items():
+                if name in parts:
+                    component.load_state_dict(parts[name])
+        self.last_saved = loaded.step
+        if is_main:
+            log.warning("resumed from step %d (%s)", loaded.step, self.manager.root)
+        return True
+
+    def _load(self, name: str, component, state) -> None:
+        try:
+            component.load_state_dict(state)
+        except RuntimeError as exc:  # e.g. another target (hidden size) behind the same model.target path
+            if name != "drafter":
+                raise
+            raise ValueError(f"cannot resume from {self.manager.root}: its drafter does not fit "
+                             f"this target/config ({str(exc).splitlines()[0]} ...); use the target it was trained "
+                             "with, or start a fresh run with another train.output_dir") from None
+
+    def _check_compatible(self, saved: dict) -> None:
+        """A resume must not silently change what is being trained."""
+        mine = self.config.to_dict()
+        diffs = [f"{s}.{k}: checkpoint {saved.get(s, {}).get(k)!r} vs now {mine[s][k]!r}"
+                 for s, k in RESUME_KEYS if saved.get(s, {}).get(k) != mine[s][k]]
+        if diffs:
+            raise ValueError(
+                f"cannot resume from {self.manager.root}: the config changed ({'; '.join(diffs)}); restore those "
+                "values, or start a fresh run with another train.output_dir"
+            )

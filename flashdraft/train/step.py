@@ -1,0 +1,196 @@
+"""The training step: one optimizer step of the drafter over a step's micro-batches.
+
+``DrafterStep.__call__`` is the whole step (main thread, features already computed by the
+target stage): draw every micro-batch's anchored blocks, agree on the GLOBAL loss normaliser
+(one tiny all-reduce), forward + loss + backward per micro-batch (``forward_backward``; DDP
+syncs the gradients on the last backward of the step only), then clip, check for non-finite
+values (all ranks agree), step and schedule. ``forward_backward`` is also what
+``flashdraft bench step`` times and what the equivalence tests check against the oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from flashdraft import distributed
+from flashdraft.config import Config
+from flashdraft.objective import Blocks, LossOutput, block_loss, make_blocks
+
+# The default ``autocast`` of forward_backward: a nullcontext can be entered repeatedly.
+_NO_AUTOCAST = contextlib.nullcontext()
+
+
+def _stage(timer, name: str):
+    return timer.stage(name) if timer is not None else contextlib.nullcontext()
+
+
+def forward_backward(
+    model, target, features: torch.Tensor, blocks: Blocks, *, normalizer: torch.Tensor | None = None,
+    chunk_size: int = 0, anchors_per_slice: int = 0, sync: bool = True, timer=None,
+    autocast=_NO_AUTOCAST, **options,
+) -> list[LossOutput]:
+    """Forward, loss and backward of one micro-batch's ``blocks``; gradients accumulate in .grad.
+
+    The anchors run in slices of ``anchors_per_slice`` (0: all at once), each a forward +
+    backward, so only one slice's activations live at a time; every slice is normalised by
+    ``normalizer`` (default: the micro-batch's sum of weights), so the loss and gradients equal
+    the one-pass step. ``sync=False`` keeps a DDP ``model`` from all-reducing on any of these
+    backwards (the step syncs on its last one only). ``timer`` (a StageTimer) times the
+    "drafter" (forward + loss, under ``autocast``) and "backward" stages; ``options`` go to
+    ``block_loss`` (the oracle's switches). Returns one LossOutput per slice."""
+    if normalizer is None:
+        normalizer = blocks.weight_sum
+    parts = blocks.slices(anchors_per_slice)
+    outs = []
+    for i, part in enumerate(parts):
+        syncs = sync and i == len(parts) - 1
+        no_sync = model.no_sync() if isinstance(model, DDP) and not syncs else contextlib.nullcontext()
+        with no_sync:
+            with _stage(timer, "drafter"), autocast, distributed.collective_errors("DDP forward"):
+                out = block_loss(model, target, features, part, chunk_size=chunk_size, normalizer=normalizer, **options)
+            # includes DDP's overlapped gradient all-reduce: a dead peer surfaces here
+            with _stage(timer, "backward"), distributed.collective_errors("DDP gradient all-reduce (backward)"):
+                out.loss.backward()
+        outs.append(out)
+    return outs
+
+
+@dataclass
+class StepStats:
+    """Device-side sums since the last log (no host sync until logging)."""
+
+    loss_total: torch.Tensor
+    weight_total: torch.Tensor
+    hits: torch.Tensor  # [bs - 1]
+    counts: torch.Tensor  # [bs - 1]
+
+    @classmethod
+    def zeros(cls, block_size: int, device) -> StepStats:
+        z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
+        return cls(z(()), z(()), z(block_size - 1), z(block_size - 1))
+
+    def add(self, out: LossOutput) -> None:
+        self.loss_total += out.total.double()
+        self.weight_total += out.weight_sum.double()
+        self.hits += (out.correct & out.scored).flatten(0, 1).sum(0)[1:].double()
+        self.counts += out.scored.flatten(0, 1).sum(0)[1:].double()
+
+    def reduce(self) -> dict:
+        """All-reduce over ranks and return host floats (deliberate sync: log time only)."""
+        return self._values(distributed.all_reduce(self._packed(), "sum"))
+
+    def reduce_local(self) -> dict:
+        """This rank's values only (used by rank-0 evaluation)."""
+        return self._values(self._packed())
+
+    def _packed(self) -> torch.Tensor:
+        return torch.cat([self.loss_total.view(1), self.weight_total.view(1), self.hits, self.counts])
+
+    def _values(self, packed: torch.Tensor) -> dict:
+        packed = packed.cpu()
+        n = self.hits.numel()
+        acc = packed[2 : 2 + n] / packed[2 + n :].clamp(min=1)
+        return {
+            "loss": float(packed[0] / packed[1].clamp(min=1e-12)),
+            "acc": float(acc.mean()),
+            "acc_first": float(acc[0]),
+            "tau_sim": float(1 + acc.cumprod(0).sum()),
+        }
+
+
+@dataclass
+class NonFinite:
+    """A skipped step's evidence, on the device until it is reported: per micro-batch, which
+    samples' target features were finite [B] and whether its loss was."""
+
+    grad_norm: torch.Tensor
+    checks: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DrafterStep:
+    """The optimizer step, built once per run from the trainer's parts (see module doc)."""
+
+    def __init__(self, model, drafter, target, optimizer, scheduler, cfg: Config, gamma: float | None, timer,
+                 autocast, world_size: int):
+        self.model, self.drafter, self.target = model, drafter, target
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.cfg, self.gamma, self.timer, self.autocast, self.world_size = cfg, gamma, timer, autocast, world_size
+
+    def blocks(self, micro, step: int) -> list[Blocks]:
+        """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only."""
+        cfg = self.cfg
+        return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
+                            block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
+                            num_anchors=cfg.objective.num_anchors, gamma=self.gamma,
+                            seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids)
+                for m in micro]
+
+    def __call__(self, micro, step: int, stats: StepStats) -> tuple[torch.Tensor, NonFinite | None]:
+        """One optimizer step over ``micro`` (their features computed); returns the grad norm
+        (device) and, when the step was skipped for non-finite values, their evidence."""
+        obj = self.cfg.objective
+        blocks = self.blocks(micro, step)
+        with _stage(self.timer, "sync"):
+            # The global normaliser makes any split of the batch (ranks x micro-batches) give the
+            # same gradient; DDP averages over ranks, hence the world_size factor.
+            normalizer = distributed.all_reduce(torch.stack([blk.weight_sum for blk in blocks]).sum(), "sum")
+            normalizer = normalizer / self.world_size
+        outs = [forward_backward(self.model, self.target, m.features, blk, normalizer=normalizer,
+                                 chunk_size=obj.loss_chunk_size, anchors_per_slice=obj.anchors_per_microbatch,
+                                 sync=k == len(micro) - 1, timer=self.timer, autocast=self.autocast)
+                for k, (m, blk) in enumerate(zip(micro, blocks))]
+        # Device-side, read only when the step turns out non-finite: which samples' target
+        # features were non-finite, and whether each micro-batch's loss was.
+        checks = [(torch.isfinite(m.features).flatten(1).all(1),
+                   torch.isfinite(torch.stack([o.total for o in mo])).all())
+                  for m, mo in zip(micro, outs)]
+        for m in micro:
+            m.features = None  # drop the references early: memory
+        return self._apply([o for mo in outs for o in mo], checks, stats)
+
+    def _apply(self, outs: list[LossOutput], checks, stats: StepStats) -> tuple[torch.Tensor, NonFinite | None]:
+        with _stage(self.timer, "optim"):
+            clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
+            bad = (~torch.isfinite(grad_norm) | ~torch.stack([loss_ok for _, loss_ok in checks]).all()).float()
+            # All ranks must agree to skip (a local NaN loss need not reach every rank's gradients).
+            # Deliberate sync: never let a non-finite loss or gradient into the weights.
+            skipped = None
+            if distributed.all_reduce(bad, "max").item() == 0:
+                self.optimizer.step()
+                for out in outs:  # a skipped step's NaNs stay out of the logged loss too
+                    stats.add(out)
+            else:
+                skipped = NonFinite(grad_norm, checks)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        return grad_norm, skipped
+
+
+def describe_nonfinite(found: NonFinite, micro, dataset, step: int, rank: int, skipped_so_far: int) -> str:
+    """Where a skipped step's non-finite values came from, naming the samples (rows of the
+    source file, not plan indices) and the fix."""
+    rows = [dataset.source_index[m.sample_ids] for m in micro]
+    stage = None
+    for k, (features_ok, _) in enumerate(found.checks):
+        bad = rows[k][~features_ok.cpu().numpy()]
+        if len(bad):
+            stage = (f"target forward: non-finite target features for samples {bad[:16].tolist()} of "
+                     f"{dataset.report.source} (micro-batch {k}); check those samples and the target's weights")
+            break
+    bad_loss = [k for k, (_, loss_ok) in enumerate(found.checks) if not bool(loss_ok)]
+    if stage is None and bad_loss:
+        stage = f"drafter forward: non-finite loss in micro-batch {bad_loss[0]} (features were finite)"
+    elif stage is None and not torch.isfinite(found.grad_norm):
+        stage = "backward: non-finite gradients (loss and features were finite)"
+    elif stage is None:
+        stage = "another rank's (this rank's features, loss and gradients were finite)"
+    samples = np.concatenate(rows).tolist()
+    return (f"step {step}: non-finite values on rank {rank} (grad norm {float(found.grad_norm)}), "
+            f"stage {stage}; step skipped, weights unchanged ({skipped_so_far} skipped so far); batch samples "
+            f"{samples[:16]}{'...' if len(samples) > 16 else ''}")

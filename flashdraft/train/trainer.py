@@ -1,0 +1,263 @@
+"""The online trainer: `flashdraft train`.
+
+``Trainer(config)`` builds the run's parts; ``fit()`` is the loop. Each optimizer step the
+feature stages (flashdraft.train.stages, wired by a placement strategy) deliver ``grad_accum``
+micro-batches with the frozen target's features, and ``DrafterStep`` (flashdraft.train.step)
+trains the drafter on them. Every "when" has its owner: the log decides when to write, the
+validator when to evaluate, the checkpoints when to save; the loop asks them in that order.
+One code path for 1 process and N (torchrun); the frozen target never enters a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from flashdraft import distributed
+from flashdraft.config import Config, save_config
+from flashdraft.data.dataset import open_dataset
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.metrics import StageTimer
+from flashdraft.objective import default_gamma
+from flashdraft.target import TargetModel
+from flashdraft.train import checks, placement
+from flashdraft.train.log import TrainLog
+from flashdraft.train.optim import build_optimizer
+from flashdraft.train.runtime import GracefulStop, ProcessRNG, keep_freed_host_memory, output_lock
+from flashdraft.train.stages import FeatureStages, batch_sampler
+from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
+from flashdraft.train.step import DrafterStep, describe_nonfinite
+from flashdraft.train.validation import Validator
+
+log = logging.getLogger(__name__)
+
+StepHook = Callable[["Trainer"], None]
+
+
+class Trainer:
+    """Builds everything from a Config; ``fit()`` runs the loop and returns the final metrics."""
+
+    def __init__(self, config: Config):
+        cfg = self.config = config
+        disaggregated = cfg.pipeline.placement == "disaggregated"
+        self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
+                                                 num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0)
+        self.device = self.dist.device
+        if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
+            log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        checks.check_paths(cfg)
+        self.output = Path(cfg.train.output_dir)
+        self._build_models()
+        self._open_data()
+        self.sampler = batch_sampler(self.dataset, cfg, self.dist.rank, self.dist.world_size)
+        steps_per_epoch = max(1, self.sampler.batches_per_epoch // cfg.train.grad_accum)
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+        self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim, self.total_steps,
+                                                         self.device)
+        self.state = TrainState(self.sampler, self.dist.world_size,
+                                run_identity(self.target, self.drafter.mask_token_id, self.dataset))
+        self.checkpoints = RunCheckpoints(
+            cfg, {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                  "trainer": self.state}, {"rng": ProcessRNG()},
+            export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
+        self.timer = StageTimer(self.device, owner_only=True)  # main thread; the pipeline reports the rest
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else contextlib.nullcontext())
+        self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
+        self.step_fn = DrafterStep(self.model, self.drafter, self.target, self.optimizer, self.scheduler, cfg,
+                                   self.gamma, self.timer, self.autocast, self.dist.world_size)
+        self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
+                                   self.device, self.autocast, self.stages.target_lock, self.dist.is_main)
+        self.pipeline_report = None  # the whole run's PipelineReport (per-stage busy/starved/blocked)
+        self.feature_cache_stats = None  # the feature cache's final CacheStats, when it was on
+        self.log: TrainLog | None = None
+
+    def _build_models(self) -> None:
+        """The frozen target and the drafter (fp32 master weights; DDP over the drafter ranks)."""
+        cfg, bs = self.config, self.config.model.block_size
+        # A drafter rank of a disaggregated job gets its features from a target rank: the embedding
+        # and the LM head are all the loss needs of the target (the rank that runs evals loads it all).
+        evaluates = self.dist.is_main and bool(cfg.data.eval_path or cfg.data.eval_prompts)
+        self.target = TargetModel.from_pretrained(
+            cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
+            device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code, heads_only=self.dist.role == "drafter" and not evaluates,
+        )
+        self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
+        self.drafter = DFlashDrafter.for_target(
+            self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
+            mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
+            attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
+        )
+        self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
+        self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
+        self.model = self.drafter
+        if self.dist.world_size > 1 and self.dist.role != "target":
+            # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
+            # them would add a collective to every forward. process_group: the drafter ranks only.
+            self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                             gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
+
+    def _open_data(self) -> None:
+        """The training and held-out data and prompts, checked now rather than hours into the run."""
+        cfg = self.config
+        min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * cfg.model.block_size
+        open_kw = dict(vocab_size=self.target.config.vocab_size, max_length=cfg.data.max_length,
+                       min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
+        self.dataset = open_dataset(cfg.data.path, **open_kw)
+        self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
+        checks.check_tokenizer(cfg.model.target, self.dataset, self.eval_dataset)
+        for dataset in (self.dataset, self.eval_dataset):
+            if dataset is not None:
+                checks.check_lengths(dataset, cfg, self.target.config)
+        self.eval_prompt_ids = checks.load_eval_prompts(cfg, self.eval_dataset, int(self.target.config.vocab_size))
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.state.skipped_steps
+
+    @property
+    def history(self):
+        return self.log.history if self.log is not None else ()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def fit(self, on_step: StepHook | None = None) -> dict:
+        """Train to the end (or to a stop request); ``on_step(trainer)``, if given, runs on the
+        main thread after every optimizer step. Returns the last log record and the final eval."""
+        if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
+            result, self.pipeline_report = placement.serve_features(self.stages, self.dist)
+            return result
+        with output_lock(self.output) if self.dist.is_main else contextlib.nullcontext():
+            return self._fit(on_step)
+
+    def _fit(self, on_step: StepHook | None) -> dict:
+        cfg, main, state = self.config, self.dist.is_main, self.state
+        self.checkpoints.resume(state.identity, self.dist.world_size, main)  # before anything is written
+        if main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.output / "config.yaml")
+        self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.drafter.block_size, self.total_steps,
+                            state.step)
+        stopping, final = False, {}
+        self.drafter.train()
+        with GracefulStop() as stop:
+            with self._feed() as (pipe, pool):
+                for item in pipe:
+                    stopping = self._train_one(item, pipe, pool, stop, on_step)
+                    if stopping:
+                        break
+            # Still under GracefulStop: a SIGTERM during the final eval/save must not kill the save.
+            state.rewind_read_ahead()
+            if state.step >= self.total_steps:
+                if not stopping:  # a stop request skips the (possibly long) final eval
+                    final = self._validate()
+                if self.checkpoints.final_due(state.step):
+                    self.checkpoints.save(state.step)
+                if main:
+                    self.drafter.save_pretrained(self.output / "drafter")
+        self.log.close()
+        return {**self.log.record, **final}
+
+    def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> bool:
+        """One optimizer step on ``item``, then its log line, hook, eval and checkpoint when due.
+        Returns whether the run stops here (a stop request, agreed by every rank)."""
+        state = self.state
+        tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
+        grad_norm, nonfinite = self.step_fn(item.micro, state.step, self.log.stats)
+        if nonfinite is not None:
+            self._skip(nonfinite, item.micro)
+        pool.release(item.slot)  # after the step: its event orders the slot's reuse after it
+        state.cursor = item.sampler_state
+        state.step += 1
+        self.timer.step_done()
+        done = state.step >= self.total_steps
+        self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0], state.skipped_steps,
+                            pipe, self.stages.cache)
+        if on_step is not None:
+            on_step(self)
+        stopping = self._stop_agreed(stop)  # before the periodic eval: a stop never waits for one
+        if self.validator.due(state.step, done, stopping):
+            self._validate()
+        if self.checkpoints.due(state.step, done, stopping):
+            self.checkpoints.save(state.step)
+        if stopping:
+            self.log.write(f"stopped by signal at step {state.step}; checkpoint saved")
+        return stopping
+
+    @contextlib.contextmanager
+    def _feed(self):
+        """The remaining steps' inputs from this rank's placement; the whole run's pipeline
+        report (and the feature cache's counters) are kept once it closes."""
+        state, remaining = self.state, self.total_steps - self.state.step
+        state.cursor = self.sampler.state_dict()  # before the data thread moves the sampler
+        if self.dist.role == "drafter":
+            feed = placement.drafter_feed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
+                                          self.total_steps)
+        else:
+            feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.output, self.dist)
+        pipe = None
+        try:
+            with feed as (pipe, pool):
+                yield pipe, pool
+        finally:
+            if pipe is not None:
+                self.pipeline_report = pipe.report(window=False)  # the whole run's stage split
+            self.feature_cache_stats = self.stages.close_cache()
+            if self.feature_cache_stats is not None and self.pipeline_report is not None:
+                self.pipeline_report.notes.append(self.feature_cache_stats.format())
+
+    def _stop_agreed(self, stop: GracefulStop) -> bool:
+        """Whether any rank was asked to stop (every rank stops at the same step)."""
+        if self.dist.world_size == 1:
+            return stop.requested
+        return bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item())
+
+    def _validate(self) -> dict:
+        result = self.validator.run()
+        if self.dist.is_main:
+            self.log.eval_result(self.state.step, result)
+        self.drafter.train()
+        return result
+
+    def _skip(self, nonfinite, micro) -> None:
+        """Count a skipped step and say where its non-finite values came from; raise past the limit."""
+        state, limit = self.state, self.config.train.max_nonfinite_steps
+        state.skipped_steps += 1
+        msg = describe_nonfinite(nonfinite, micro, self.dataset, state.step, self.dist.rank, state.skipped_steps)
+        if state.skipped_steps > limit:
+            raise FloatingPointError(
+                msg + f". More than train.max_nonfinite_steps={limit} skipped: stopping. Check those samples, "
+                "lower optim.lr, or use model.dtype=float32 to rule out overflow."
+            )
+        log.warning(msg)
+
+    def release_ddp(self) -> None:
+        """Drop the DDP wrapper while the process group is still alive. Call before
+        ``distributed.teardown()``: a DDP reducer that outlives the group and is the last owner of
+        a gloo group destroys it from its destructor while holding the GIL, and a gloo thread it
+        joins waits for the GIL -- the process hangs at exit (seen in ~1 of 3 two-rank CPU runs)."""
+        self.model = self.drafter
+        self.step_fn.model = self.drafter
+        gc.collect()
+
+
+def train(config: Config, on_step: StepHook | None = None) -> dict:
+    trainer = Trainer(config)
+    try:
+        return trainer.fit(on_step)
+    finally:
+        trainer.release_ddp()
+        distributed.teardown()

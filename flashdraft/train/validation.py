@@ -1,0 +1,79 @@
+"""Validation during training: held-out loss / accuracy and the REAL tau (draft/verify decoding
+on held-out prompts), and when to run them."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft import distributed
+from flashdraft.config import Config
+from flashdraft.data.batching import BatchSampler
+from flashdraft.data.collate import CollateBuffers, pad_batch
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.evaluate import eos_ids_of, evaluate_tau
+from flashdraft.objective import block_loss, make_blocks
+from flashdraft.train.step import StepStats
+
+
+class Validator:
+    """Runs on the main rank (the others wait at a barrier) under ``target_lock`` (no target
+    forward of the pipeline's target thread runs meanwhile)."""
+
+    def __init__(self, config: Config, drafter: DFlashDrafter, target, eval_dataset, prompts: list[list[int]],
+                 gamma: float | None, device: torch.device, autocast, target_lock, is_main: bool):
+        self.config, self.drafter, self.target = config, drafter, target
+        self.eval_dataset, self.prompts, self.gamma = eval_dataset, prompts, gamma
+        self.device, self.autocast, self.target_lock, self.is_main = device, autocast, target_lock, is_main
+
+    def due(self, step: int, done: bool, stopping: bool) -> bool:
+        """Every ``train.eval_every`` steps, not on the last one (the final eval covers it) and
+        never while stopping (a stop request must not wait for an eval)."""
+        every = self.config.train.eval_every
+        return bool(every) and step % every == 0 and not done and not stopping
+
+    @torch.no_grad()
+    def run(self) -> dict:
+        """Held-out loss / accuracy and real tau (rank 0; others wait). Leaves the drafter in
+        eval mode; the caller puts it back in training mode."""
+        result: dict = {}
+        with self.target_lock:  # the target thread waits: no concurrent target forwards
+            if self.is_main:
+                self.drafter.eval()
+                if self.eval_dataset is not None:
+                    result.update(self.eval_loss())
+                if self.prompts:
+                    with self.autocast:
+                        report = evaluate_tau(self.target, self.shipped_drafter(), self.prompts,
+                                              max_new_tokens=self.config.train.eval_max_new_tokens,
+                                              eos_ids=eos_ids_of(self.config.model.target, self.target.config),
+                                              check_lossless=False)
+                    result.update(eval_tau=report["tau"], eval_acceptance=report["per_position_acceptance"])
+            distributed.barrier()
+        return result
+
+    def shipped_drafter(self) -> DFlashDrafter:
+        """The drafter as the serving export holds it (weights rounded to bf16), for tau: the
+        eval measures what users will serve, and equals `flashdraft eval` on the export."""
+        shipped = DFlashDrafter(self.drafter.config, attention=self.drafter.attention)
+        shipped.load_state_dict({k: v.to(torch.bfloat16) for k, v in self.drafter.state_dict().items()})
+        return shipped.to(self.device).eval()
+
+    def eval_loss(self, max_batches: int = 8) -> dict:
+        """Weighted CE / accuracy / simulated tau on the held-out set (fixed anchors: seed 0)."""
+        cfg, bs = self.config, self.drafter.block_size
+        stats = StepStats.zeros(bs, self.device)
+        plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
+                            max_batch_size=cfg.data.max_batch_size, seed=0)
+        buffers = CollateBuffers()
+        for n, (_, _, idx) in enumerate(plan):
+            if n >= min(max_batches, plan.batches_per_epoch):
+                break
+            batch = pad_batch(self.eval_dataset, idx, buffers=buffers).to(self.device)
+            blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
+                              mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
+                              gamma=self.gamma, seed=0, sample_ids=torch.from_numpy(idx).to(self.device))
+            with self.autocast:
+                features = self.target.features(batch.input_ids, batch.attention_mask)
+                out = block_loss(self.drafter, self.target, features, blk, chunk_size=cfg.objective.loss_chunk_size)
+            stats.add(out)
+        return {f"eval_{k}": v for k, v in stats.reduce_local().items()}

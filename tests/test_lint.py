@@ -1,0 +1,16 @@
+"""The code passes the project's linter (ruff; rules in pyproject.toml)."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+
+def test_ruff_finds_nothing():
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]' installs it)")
+    proc = subprocess.run([ruff, "check", "flashdraft", "tests"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
