@@ -31,8 +31,9 @@ import re
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -43,7 +44,10 @@ from flashdraft import __version__, distributed
 log = logging.getLogger(__name__)
 
 FORMAT = "flashdraft-checkpoint"
-VERSION = 1
+# 2: the training state records the run's identity (target, data, MASK id); 1 did not.
+# Reading an older version is the caller's to adapt (flashdraft.train.state.upgrade_parts).
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 LATEST = "latest"
@@ -264,8 +268,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
             or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{mpath}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{mpath}: format version {manifest.get('version')} unsupported (this is {VERSION})")
+    if manifest.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{mpath}: format version {manifest.get('version')} unsupported (this version of "
+                              f"flashdraft reads {', '.join(map(str, READABLE_VERSIONS))})")
     files = manifest["files"]
     for rel, meta in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(meta, dict) \
@@ -288,12 +293,18 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
 # Manager
 # --------------------------------------------------------------------------------------------
 
-class Loaded(NamedTuple):
-    """What load / load_latest return: unpack as ``step, parts, config = ...``."""
+@dataclass(frozen=True)
+class Loaded:
+    """What load / load_latest return: unpack as ``step, parts, config = ...``; ``version`` is
+    the checkpoint's format version (parts of an older version may need adapting)."""
 
     step: int
     parts: dict[str, Any]
     config: dict | None
+    version: int = VERSION
+
+    def __iter__(self):
+        return iter((self.step, self.parts, self.config))
 
 
 class CheckpointManager:
@@ -529,7 +540,7 @@ class CheckpointManager:
             config = json.loads((path / CONFIG).read_text()) if CONFIG in manifest["files"] else None
         except (OSError, ValueError, KeyError, safetensors.SafetensorError) as exc:
             raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
-        return Loaded(step=int(manifest["step"]), parts=parts, config=config)
+        return Loaded(step=int(manifest["step"]), parts=parts, config=config, version=int(manifest["version"]))
 
     def _remove_stale_tmp(self) -> None:
         if not self.root.is_dir():

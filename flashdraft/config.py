@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from flashdraft.data.dataset import ON_INVALID
-from flashdraft.distributed import DEVICES
+from flashdraft.distributed import DEVICES, PLACEMENTS
 from flashdraft.drafter.attention import ATTENTION_IMPLS
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 
@@ -161,8 +161,8 @@ class PipelineConfig:
 
     def __post_init__(self):
         _check(self.capacity >= 1, "pipeline.capacity", f"{self.capacity}", "use 1 or more (2 is enough to overlap)")
-        _check(self.placement in ("colocated", "disaggregated"), "pipeline.placement", self.placement,
-               "use colocated or disaggregated")
+        _check(self.placement in PLACEMENTS, "pipeline.placement", self.placement,
+               f"use {' or '.join(PLACEMENTS)}")
         _check(self.target_ranks >= 1, "pipeline.target_ranks", f"{self.target_ranks}",
                "use 1 or more target ranks (with pipeline.placement=disaggregated)")
         _check(self.feature_cache_bytes >= 0, "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",

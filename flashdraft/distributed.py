@@ -78,6 +78,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, else CPU
+# pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (role_layout)
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 def _pick_device(device_type: str, local_rank: int) -> torch.device:

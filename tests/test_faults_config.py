@@ -114,6 +114,38 @@ def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(
         Trainer(load_config(overrides=overrides(job, out))).fit()
 
 
+def test_a_version_1_checkpoint_resumes_and_a_newer_format_is_refused(tiny_job, tmp_path, monkeypatch, caplog):
+    """Checkpoint format 1 did not record the run's identity: such a checkpoint still resumes
+    (saying that the target and data cannot be checked); a format this code does not know is
+    refused with the reason."""
+    import logging
+
+    from flashdraft import checkpoint
+
+    out = tmp_path / "run"
+    first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=3)))
+    full_state = first.state.state_dict
+    with monkeypatch.context() as m:  # what a version-1 run wrote: no identity in the "trainer" part
+        m.setattr(checkpoint, "VERSION", 1)
+        m.setattr(first.state, "state_dict", lambda: {k: v for k, v in full_state().items() if k != "identity"})
+        path = first.checkpoints.save(1)
+    manifest = json.loads((path / MANIFEST).read_text())
+    saved_keys = [key for key, _ in json.loads((path / "trainer.json").read_text())["dict"]]
+    assert manifest["version"] == 1 and "step" in saved_keys and "identity" not in saved_keys
+    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=3)))
+    with caplog.at_level(logging.WARNING):
+        resumed.fit()
+    assert "does not record the target and data it was trained on" in caplog.text
+    assert "resumed from step 1" in caplog.text and resumed.step == 3
+
+    newest = CheckpointManager(out / "checkpoints").latest_complete()
+    manifest = json.loads((newest / MANIFEST).read_text())
+    assert manifest["version"] == checkpoint.VERSION == 2
+    (newest / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
+    with pytest.raises(CheckpointError, match="format version 99 unsupported"):
+        CheckpointManager(out / "checkpoints").load(newest)
+
+
 def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tiny_job, tmp_path):  # noqa: F811
     """train.resume=never in a directory that holds checkpoints would prune them (they are newer
     than the fresh run's first save) and overwrite the export: it is refused, nothing touched."""

@@ -88,7 +88,8 @@ class Heads(torch.nn.Module):
     def __init__(self, embed: torch.Tensor, head: torch.Tensor):
         super().__init__()
         self.embed = torch.nn.Embedding.from_pretrained(embed, freeze=True)
-        self.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False, device=head.device, dtype=head.dtype)
+        # built on the meta device: its own [V, H] weight would be allocated only to be replaced
+        self.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")
         self.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
 
 

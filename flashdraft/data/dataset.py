@@ -18,10 +18,10 @@ import numpy as np
 
 from flashdraft.data.shards import read_num_supervised, read_token_shard
 
-# Problem kinds, in the order they are checked (a sample is counted under the first that hits).
-# Each maps to the fix printed with it.
 ON_INVALID = ("raise", "drop")  # data.on_invalid: what a bad sample does
 
+# Problem kinds, in the order they are checked (a sample is counted under the first that hits).
+# Each maps to the fix printed with it.
 FIXES: dict[str, str] = {
     "null_row": "remove the null row from the source, or pass data.on_invalid=drop to skip such samples",
     "mask_length_mismatch": (

@@ -111,7 +111,8 @@ def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int,
     """This rank's own next ``num_steps`` steps: data (plan + collate into pooled pinned buffers)
     and target (H2D + frozen forward) stages, in a Pipeline whose consumer is the caller's loop
     (the drafter step, on this thread). pipeline.enabled=false runs the same stages inline (the
-    sequential baseline). Yields (pipeline, buffer pool); closing joins every thread."""
+    sequential baseline). Yields (pipeline, buffer pool); closing joins every thread, then closes
+    the feature cache (its final counters stay in ``stages.cache_stats``)."""
     pcfg = stages.config.pipeline
     pool = stages.buffer_pool()
     if pcfg.enabled and num_steps > 0:
@@ -123,6 +124,7 @@ def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int,
         yield pipe, pool
     finally:
         pipe.close()
+        stages.close_cache()  # after close: no stage thread uses it any more
 
 
 @contextlib.contextmanager
@@ -245,14 +247,15 @@ class _DrafterLink:
 # ---- target ranks ------------------------------------------------------------------------------
 
 
-def serve_features(stages: FeatureStages, dist: Dist) -> tuple[dict, object]:
+def serve_features(stages: FeatureStages, dist: Dist) -> dict:
     """Target rank: run the data and target stages for each served drafter rank and send every
     step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
 
     The stages run in a Pipeline (``pipeline.enabled``) whose consumer, this thread, is the
     "send" stage: its busy time is time spent waiting for the drafter ranks to take the
     features (``send-bound``: drafter-bound). A drafter's ABORT, or an exception here (sent on as
-    ABORT), raises. Returns ``({"steps": steps sent per link}, the whole run's PipelineReport)``."""
+    ABORT), raises. Returns ``{"steps": steps sent per link}``; the whole run's PipelineReport is
+    left in ``stages.report``, failed or not."""
     cfg = stages.config
     links = [_TargetLink(cfg, stages, d) for d in dist.peers]
     for link in links:
@@ -289,9 +292,11 @@ def serve_features(stages: FeatureStages, dist: Dist) -> tuple[dict, object]:
     except BaseException as exc:
         _abort(links, exc)
         raise
-    report = pipe.report(window=False)
-    log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", dist.global_rank, sent, _busy(report))
-    return {"steps": sent}, report
+    finally:
+        stages.report = pipe.report(window=False)
+    log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", dist.global_rank, sent,
+             _busy(stages.report))
+    return {"steps": sent}
 
 
 def _busy(report) -> str:
@@ -317,7 +322,6 @@ class _TargetLink:
         self.pending: deque = deque()  # (transfers, item) sent but not yet received, oldest first
         self.control = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.control_transfer = None
-        self.ended = False
 
     def hello(self) -> None:
         """Receive the drafter rank's start (step, plan, cursor); build its sampler; post the

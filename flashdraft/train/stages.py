@@ -33,7 +33,8 @@ class Micro:
     """One micro-batch on its way through the stages. Iterates as ``(batch, sample_ids)``.
 
     batch / sample_ids: host data (``batch`` is a view of a pooled CollateBuffers slot).
-    device_batch / device_ids: filled by the h2d stage; features: by the target stage.
+    device_batch / device_ids: filled by the h2d stage, features by the target stage (on a
+    disaggregated drafter rank, all three arrive from its target rank).
     cached: the feature cache's rows of this micro-batch (h2d part), when the cache is on.
     """
 
@@ -76,6 +77,8 @@ class FeatureStages:
         # (main thread). Its hooks are per-module, and Triton autotuners (fla) are not thread-safe.
         self.target_lock = threading.Lock()
         self.cache: FeatureCache | None = None  # open while a pipeline runs (open_cache / close_cache)
+        self.cache_stats: CacheStats | None = None  # the cache's final counters, once closed
+        self.report = None  # a target rank's whole-run PipelineReport (serve_features)
 
     def buffer_pool(self, extra_slots: int = 0) -> BufferPool:
         """Pooled collate buffers, one slot (``grad_accum`` micro-batches) per step that can be in
@@ -162,11 +165,11 @@ class FeatureStages:
                      format_bytes(self.cache.ram_budget), format_bytes(self.cache.disk_budget), format_bytes(need),
                      world_size)
 
-    def close_cache(self) -> CacheStats | None:
-        """Close the cache (after the pipeline: no stage thread uses it any more); its final counters."""
+    def close_cache(self) -> None:
+        """Close the cache, keeping its final counters in ``cache_stats`` (call once no stage
+        thread uses it any more)."""
         if self.cache is None:
-            return None
-        stats = self.cache.stats()
+            return
+        self.cache_stats = self.cache.stats()
         self.cache.close()
         self.cache = None
-        return stats

@@ -38,6 +38,15 @@ def run_identity(target, mask_token_id: int, dataset) -> dict:
             "data": {"samples": len(dataset), "tokens": int(dataset.num_tokens)}}
 
 
+def upgrade_parts(parts: dict, version: int) -> dict:
+    """The parts of a checkpoint of format ``version`` as the current version has them: the one
+    place that knows older formats. Version 1 predates the run identity in the "trainer" part;
+    its identity becomes None (resume then cannot check the target and data, and says so)."""
+    if version < 2:
+        parts = {**parts, "trainer": {"identity": None, **parts["trainer"]}}
+    return parts
+
+
 class TrainState:
     """The loop's progress: optimizer steps taken, steps skipped for non-finite values, and the
     data cursor after the last TRAINED step (the data thread reads ahead of it). Saved as the
@@ -48,7 +57,6 @@ class TrainState:
         self.step = 0
         self.skipped_steps = 0
         self.cursor: dict | None = None  # None: the sampler's own position (nothing read ahead)
-        self.saved_world_size = world_size  # of the checkpoint resumed from
 
     def state_dict(self) -> dict:
         return {"step": self.step, "skipped_steps": self.skipped_steps,
@@ -59,7 +67,6 @@ class TrainState:
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
         self.sampler.load_state_dict(state["sampler"])  # re-split when the world size changed
         self.cursor = None
-        self.saved_world_size = int(state["world_size"])
 
     def rewind_read_ahead(self) -> None:
         """Put the sampler back at the cursor (after the data thread stopped reading ahead)."""
@@ -119,9 +126,12 @@ class RunCheckpoints:
         if loaded is None:
             return False
         self._check_compatible(loaded.config or {})
-        parts = loaded.parts
+        parts = upgrade_parts(loaded.parts, loaded.version)
         saved = parts["trainer"]["identity"]
-        if saved != identity:
+        if saved is None:
+            log.warning("%s (format version %d) does not record the target and data it was trained on: resuming "
+                        "without checking them", self.manager.root, loaded.version)
+        elif saved != identity:
             diffs = [f"{k}: checkpoint {saved.get(k)} vs now {identity[k]}" for k in identity
                      if saved.get(k) != identity[k]]
             raise ValueError(f"cannot resume from {self.manager.root}: the target or the data behind the config's "

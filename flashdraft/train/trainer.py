@@ -55,7 +55,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         checks.check_paths(cfg)
         self.output = Path(cfg.train.output_dir)
-        self._build_models()
+        model = self._build_models()
         self._open_data()
         self.sampler = batch_sampler(self.dataset, cfg, self.dist.rank, self.dist.world_size)
         steps_per_epoch = max(1, self.sampler.batches_per_epoch // cfg.train.grad_accum)
@@ -72,16 +72,16 @@ class Trainer:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else contextlib.nullcontext())
         self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
-        self.step_fn = DrafterStep(self.model, self.drafter, self.target, self.optimizer, self.scheduler, cfg,
-                                   self.gamma, self.timer, self.autocast, self.dist.world_size)
+        self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
+                                   self.timer, self.autocast, self.dist.world_size)
         self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
                                    self.device, self.autocast, self.stages.target_lock, self.dist.is_main)
         self.pipeline_report = None  # the whole run's PipelineReport (per-stage busy/starved/blocked)
-        self.feature_cache_stats = None  # the feature cache's final CacheStats, when it was on
         self.log: TrainLog | None = None
 
-    def _build_models(self) -> None:
-        """The frozen target and the drafter (fp32 master weights; DDP over the drafter ranks)."""
+    def _build_models(self) -> torch.nn.Module:
+        """The frozen target and the drafter (fp32 master weights); returns the module the step
+        trains: the drafter, DDP-wrapped over the drafter ranks in a multi-rank job."""
         cfg, bs = self.config, self.config.model.block_size
         # A drafter rank of a disaggregated job gets its features from a target rank: the embedding
         # and the LM head are all the loss needs of the target (the rank that runs evals loads it all).
@@ -99,12 +99,12 @@ class Trainer:
         )
         self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
-        self.model = self.drafter
-        if self.dist.world_size > 1 and self.dist.role != "target":
-            # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
-            # them would add a collective to every forward. process_group: the drafter ranks only.
-            self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                             gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
+        if self.dist.world_size == 1 or self.dist.role == "target":
+            return self.drafter
+        # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
+        # them would add a collective to every forward. process_group: the drafter ranks only.
+        return DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
 
     def _open_data(self) -> None:
         """The training and held-out data and prompts, checked now rather than hours into the run."""
@@ -119,6 +119,16 @@ class Trainer:
             if dataset is not None:
                 checks.check_lengths(dataset, cfg, self.target.config)
         self.eval_prompt_ids = checks.load_eval_prompts(cfg, self.eval_dataset, int(self.target.config.vocab_size))
+
+    @property
+    def model(self):
+        """The drafter as the step trains it: DDP-wrapped in a multi-rank job, else the drafter."""
+        return self.step_fn.model
+
+    @property
+    def feature_cache_stats(self):
+        """The feature cache's final CacheStats, once the run ended (None when it was off)."""
+        return self.stages.cache_stats
 
     @property
     def step(self) -> int:
@@ -136,10 +146,14 @@ class Trainer:
 
     def fit(self, on_step: StepHook | None = None) -> dict:
         """Train to the end (or to a stop request); ``on_step(trainer)``, if given, runs on the
-        main thread after every optimizer step. Returns the last log record and the final eval."""
+        main thread right after every optimizer step (``trainer.step`` counts it), before its log
+        line, eval and checkpoint. Returns the last log record and the final eval (a disaggregated
+        target rank: ``{"steps": steps sent to each drafter rank}``)."""
         if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
-            result, self.pipeline_report = placement.serve_features(self.stages, self.dist)
-            return result
+            try:
+                return placement.serve_features(self.stages, self.dist)
+            finally:
+                self.pipeline_report = self.stages.report
         with output_lock(self.output) if self.dist.is_main else contextlib.nullcontext():
             return self._fit(on_step)
 
@@ -172,7 +186,7 @@ class Trainer:
         return {**self.log.record, **final}
 
     def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> bool:
-        """One optimizer step on ``item``, then its log line, hook, eval and checkpoint when due.
+        """One optimizer step on ``item``, then the hook, and its log line, eval and checkpoint when due.
         Returns whether the run stops here (a stop request, agreed by every rank)."""
         state = self.state
         tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
@@ -183,11 +197,11 @@ class Trainer:
         state.cursor = item.sampler_state
         state.step += 1
         self.timer.step_done()
+        if on_step is not None:
+            on_step(self)
         done = state.step >= self.total_steps
         self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0], state.skipped_steps,
                             pipe, self.stages.cache)
-        if on_step is not None:
-            on_step(self)
         stopping = self._stop_agreed(stop)  # before the periodic eval: a stop never waits for one
         if self.validator.due(state.step, done, stopping):
             self._validate()
@@ -200,7 +214,7 @@ class Trainer:
     @contextlib.contextmanager
     def _feed(self):
         """The remaining steps' inputs from this rank's placement; the whole run's pipeline
-        report (and the feature cache's counters) are kept once it closes."""
+        report (with the feature cache's counters) is kept once it closes."""
         state, remaining = self.state, self.total_steps - self.state.step
         state.cursor = self.sampler.state_dict()  # before the data thread moves the sampler
         if self.dist.role == "drafter":
@@ -215,9 +229,8 @@ class Trainer:
         finally:
             if pipe is not None:
                 self.pipeline_report = pipe.report(window=False)  # the whole run's stage split
-            self.feature_cache_stats = self.stages.close_cache()
-            if self.feature_cache_stats is not None and self.pipeline_report is not None:
-                self.pipeline_report.notes.append(self.feature_cache_stats.format())
+                if self.stages.cache_stats is not None:
+                    self.pipeline_report.notes.append(self.stages.cache_stats.format())
 
     def _stop_agreed(self, stop: GracefulStop) -> bool:
         """Whether any rank was asked to stop (every rank stops at the same step)."""
@@ -249,7 +262,6 @@ class Trainer:
         ``distributed.teardown()``: a DDP reducer that outlives the group and is the last owner of
         a gloo group destroys it from its destructor while holding the GIL, and a gloo thread it
         joins waits for the GIL -- the process hangs at exit (seen in ~1 of 3 two-rank CPU runs)."""
-        self.model = self.drafter
         self.step_fn.model = self.drafter
         gc.collect()
 
