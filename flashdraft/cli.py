@@ -15,7 +15,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("flashdraft.quickstart", "the whole job on a built-in tiny default, in minutes on a CPU"),
     "prepare": ("flashdraft.data.prepare", "chats -> chat template + assistant loss mask -> token shard"),
     "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
+    "config": ("flashdraft.config", "print the resolved training config as documented YAML (no arguments: defaults)"),
     "train": ("flashdraft.train.cli", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
+    "export": ("flashdraft.export", "write the serving-format drafter of a checkpoint (newest by default), verified"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
     "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
     "bench": ("flashdraft.bench",
@@ -50,24 +52,39 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(parser.parse_args(rest)) or 0)
 
 
-def entry() -> int:
+def entry(argv: list[str] | None = None) -> int:
     """The console script (and ``python -m flashdraft.cli``, which torchrun launches): ``main``
     with a user's mistake -- a bad config value, a missing file, a refused resume, whose
-    messages name the fix -- printed as one line instead of a traceback (exit status 2).
-    FLASHDRAFT_TRACEBACK=1 shows the traceback; anything else propagates as usual."""
+    messages name the fix -- printed as one line instead of a traceback (exit status 2), and a
+    run stopped by SIGTERM / SIGINT reported as one line saying what was saved (exit status
+    128 + the signal, as a shell reports a process the signal ended). FLASHDRAFT_TRACEBACK=1 shows
+    the traceback of a mistake; anything else propagates as usual."""
     import os
 
     from flashdraft.checkpoint import CheckpointError
+    from flashdraft.train.runtime import Stopped
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else ""
     try:
-        return main()
+        return main(argv)
+    except Stopped as exc:
+        return stopped(command, exc)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which turns it into Stopped)
+        print(f"flashdraft {command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError) as exc:
         if os.environ.get("FLASHDRAFT_TRACEBACK"):
             raise
-        command = sys.argv[1] if len(sys.argv) > 1 else ""
         print(f"flashdraft {command}: error: {exc}\n(FLASHDRAFT_TRACEBACK=1 shows where it was raised)",
               file=sys.stderr)
         return 2
+
+
+def stopped(command: str, exc) -> int:
+    """Report a signal-stopped run (a ``Stopped``) as one line; its exit status."""
+    print(f"flashdraft {command}: {exc}", file=sys.stderr)
+    return exc.exit_code
 
 
 if __name__ == "__main__":

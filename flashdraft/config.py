@@ -9,8 +9,14 @@ YAML next to every output (``save_config``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import io
 import os
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -322,8 +328,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Resolve a Config from defaults < ``base`` < YAML file < dotted overrides."""
     values = dict(base or {})
     if path:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); give an existing YAML file, "
+                             "e.g. one written by `flashdraft config > run.yaml`") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix the file "
+                             "(`flashdraft config` prints a valid one)") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must be a YAML mapping of sections (model, data, optim, ...)")
         values = _merge(values, loaded)
@@ -336,4 +352,76 @@ def config_from_dict(values: dict) -> Config:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """The resolved config as documented YAML (``to_yaml``): what ``--config`` reads back."""
+    Path(path).write_text(to_yaml(config))
+
+
+# ---- the fields' documentation: the comments on the fields above, read from this source -------
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """Each field of the config dataclass ``cls`` -> its one-line doc: the comment on the field's
+    line, then any comment lines right above it (the source is the documentation, so help texts
+    cannot drift from it)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0]
+    docs, previous_end = {}, body.lineno
+    for node in body.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above = [comments[line] for line in range(previous_end + 1, node.lineno) if line in comments]
+            docs[node.target.id] = "; ".join(c for c in [comments.get(node.end_lineno, ""), *above] if c)
+        previous_end = node.end_lineno
+    return docs
+
+
+def _sections() -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(Config)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(Config)]
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as one flow-style YAML scalar or list (what ``load_config`` parses back)."""
+    return yaml.safe_dump({"v": _to_plain(value)}, default_flow_style=True, width=10**9).strip()[4:-1]
+
+
+def describe_fields() -> str:
+    """Every field of every section: ``section.field: type = default`` and its doc (for --help)."""
+    lines = ["config fields (in a --config YAML file, or as section.field=value overrides):"]
+    for section, cls in _sections():
+        docs = field_docs(cls)
+        lines.append(f"\n  {section}:")
+        for f in dataclasses.fields(cls):
+            lines.append(f"    {section}.{f.name}: {f.type} = {_yaml_value(getattr(cls(), f.name))}")
+            lines.append(f"        {docs[f.name]}")
+    return "\n".join(lines)
+
+
+def to_yaml(config: Config) -> str:
+    """The config as YAML with each field's doc as a comment; ``load_config`` reads it back to ``config``."""
+    lines = ["# flashdraft run config (`flashdraft config` prints the defaults; edit, then --config FILE)"]
+    for section, cls in _sections():
+        docs = field_docs(cls)
+        lines.append(f"{section}:")
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {f.name}: {_yaml_value(getattr(getattr(config, section), f.name))}  # {docs[f.name]}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- `flashdraft config` --------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = describe_fields()
+    parser.add_argument("--config", help="YAML config file to start from (sections model, data, objective, ...)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
+
+
+def run(args) -> int:
+    """Print the resolved, validated config as documented YAML: `flashdraft config > run.yaml`."""
+    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0

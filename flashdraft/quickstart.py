@@ -217,7 +217,11 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     from transformers import AutoTokenizer
 
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output {out}: cannot use it as the output directory ({exc.strerror or exc}); give a "
+                         "directory that is, or can be created, writable") from None
     watch = _Stopwatch()
     train_files, train_pairs, heldout_pairs = _corpus(budget)
     watch.lap("corpus")
@@ -354,7 +358,8 @@ def _drafter_config(out: Path, budget: Budget, seed: int, target_dir: Path, mask
         # features after its first forward (RAM; the whole dataset fits) so later epochs skip the target.
         "pipeline": {"feature_cache_bytes": full_cache_bytes(num_tokens, feature_size, 4)},
         "train": {"output_dir": str(out / "run"), "max_steps": budget.drafter_steps, "seed": seed,
-                  "log_every": max(1, budget.drafter_steps // 12), "save_every": 0, "resume": "never",
+                  # resume: a quickstart stopped by a signal saved its step; run again, it goes on from there
+                  "log_every": max(1, budget.drafter_steps // 12), "save_every": 0, "resume": "auto",
                   # In-training evals use every prompt of the final eval, so the plot and the summary
                   # agree: tau varies a lot by prompt (the first 4 alone: 2.47, all 12: 3.21, the same
                   # drafter); 32 new tokens each keeps them cheap.

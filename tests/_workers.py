@@ -168,6 +168,7 @@ def pace_steps(seconds: float) -> None:
 
     def paced(self, *args, **kwargs):
         out = step(self, *args, **kwargs)
+        print("[paced] optimizer step done", file=sys.stderr, flush=True)  # tests wait for this line
         time.sleep(seconds)
         return out
 
@@ -178,12 +179,16 @@ def cli(*argv: str) -> None:
     """``flashdraft ARGV...`` exactly as the console script runs it; exits with its status."""
     import signal
 
-    from flashdraft.cli import main
+    from flashdraft.cli import main, stopped
+    from flashdraft.train.runtime import Stopped
 
     if os.environ.get("FLASHDRAFT_TEST_IGNORE_SIGXFSZ"):  # a file-size limit then fails writes (EFBIG), like ENOSPC
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     pace_steps(float(os.environ.get("FLASHDRAFT_TEST_STEP_SLEEP", "0")))
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except Stopped as exc:  # as the console script reports it (flashdraft.cli.entry)
+        code = stopped(argv[0], exc)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

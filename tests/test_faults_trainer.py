@@ -89,7 +89,7 @@ def _spawn_train(server, args: list[str], sleep: float, **env: str) -> tuple[int
 # ---- preemption ---------------------------------------------------------------------------
 
 
-def test_sigterm_at_a_random_step_checkpoints_exits_0_and_resumes_exactly(tiny_job, straight, tmp_path,  # noqa: F811
+def test_sigterm_at_a_random_step_checkpoints_exits_143_and_resumes_exactly(tiny_job, straight, tmp_path,  # noqa: F811
                                                                           trainer_forkserver):
     rng = random.Random(int(os.environ.get("FLASHDRAFT_FAULT_SEED", time.time_ns())))
     after_step, delay = rng.randint(1, STEPS - 3), rng.uniform(0, 0.3)
@@ -103,16 +103,20 @@ def test_sigterm_at_a_random_step_checkpoints_exits_0_and_resumes_exactly(tiny_j
     code = trainer_forkserver.wait(pid, GRACE_S)
     waited = time.monotonic() - sent
     text = read_log(log)
-    assert code == 0, f"exit {code} after SIGTERM (after step {after_step} + {delay:.2f} s):\n{text[-3000:]}"
+    assert code == 128 + signal.SIGTERM, \
+        f"exit {code} after SIGTERM (after step {after_step} + {delay:.2f} s):\n{text[-3000:]}"
     assert waited < GRACE_S
     stopped = _last_step(out)
     assert f"stopped by signal at step {stopped}; checkpoint saved" in text
+    saved = out / "checkpoints" / f"step_{stopped:08d}"
+    assert (f"flashdraft train: stopped by SIGTERM at step {stopped} of {STEPS}: checkpoint {saved} saved; run the "
+            "same command again to resume from it") in text
     assert CheckpointManager(out / "checkpoints").load_latest().step == stopped < STEPS
     train(load_config(overrides=args))  # the restarted job
     _assert_same_as_straight(out, straight)
 
 
-def test_sigterm_during_the_final_eval_still_saves_and_exits_0(tiny_job, tmp_path, trainer_forkserver):  # noqa: F811
+def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_path, trainer_forkserver):  # noqa: F811
     """The final eval and save run after the loop; a preemption there used to kill the process
     (default SIGTERM action) before the final checkpoint."""
     out = tmp_path / "run"
@@ -122,9 +126,11 @@ def test_sigterm_during_the_final_eval_still_saves_and_exits_0(tiny_job, tmp_pat
     _wait_for(lambda: _last_step(out) >= 2, 120, "the last step", log)
     os.kill(pid, signal.SIGTERM)
     code = trainer_forkserver.wait(pid, GRACE_S)
-    assert code == 0, read_log(log)[-3000:]
+    text = read_log(log)
+    assert code == 128 + signal.SIGTERM, text[-3000:]
     assert CheckpointManager(out / "checkpoints").load_latest().step == 2
     assert (out / "drafter" / "model.safetensors").is_file()
+    assert "stopped by SIGTERM after the last step (2)" in text and "the run is complete" in text
 
 
 # ---- crashes ------------------------------------------------------------------------------

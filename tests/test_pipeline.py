@@ -16,6 +16,7 @@ from conftest import overrides
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage
+from flashdraft.train.runtime import Stopped
 from flashdraft.train.trainer import Trainer
 
 
@@ -317,7 +318,9 @@ def test_sigterm_stops_the_pipeline_and_writes_the_final_checkpoint(tiny_job, tm
         return step_fn(micro, step, stats)
 
     trainer.step_fn = signalled
-    trainer.fit()
+    with pytest.raises(Stopped, match=r"stopped by SIGTERM at step 3 of 20: checkpoint .*step_00000003 saved") as info:
+        trainer.fit()
+    assert info.value.exit_code == 143
     assert trainer.step == 3 and pipeline_threads() == []
     loaded = CheckpointManager(out / "checkpoints").load_latest()
     assert loaded.step == 3

@@ -73,10 +73,10 @@ def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path,
     assert any("target rank 2 failed" in d["error"] and "injected target failure" in d["error"] for d in (d0, d1)), logs
 
 
-def test_sigterm_to_every_rank_checkpoints_exits_0_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
+def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
     """Preemption as torchrun delivers it (SIGTERM to every worker) in the middle of a
     disaggregated job: target and drafter ranks agree on a stop step, the checkpoint is
-    written, every rank exits 0, and the restarted job ends exactly where an uninterrupted one
+    written, every rank exits 143 (128 + SIGTERM), and the restarted job ends exactly where an uninterrupted one
     does."""
     server = trainer_forkserver
     straight = run_ranks(server, "cli", "train", *disaggregated(tiny_job, tmp_path / "straight", train__max_steps=8),
@@ -95,7 +95,7 @@ def test_sigterm_to_every_rank_checkpoints_exits_0_and_resumes_exactly(tiny_job,
         os.kill(pid, signal.SIGTERM)
     codes = [server.wait(pid, 60) for pid, _ in workers]
     logs = "\n".join(read_log(o) for _, o in workers)
-    assert codes == [0, 0, 0], logs
+    assert codes == [128 + signal.SIGTERM] * 3, logs
     stopped = CheckpointManager(out / "checkpoints").load_latest().step
     assert 3 <= stopped < 8, logs
     assert f"stopped by signal at step {stopped}; checkpoint saved" in logs

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+
+from flashdraft.train.runtime import Stopped
 
 # name -> one-line help; the benchmark's module is flashdraft.bench.<name, "-" read as "_">
 SUBBENCHES: dict[str, str] = {
@@ -33,4 +36,8 @@ def run(args) -> int:
     module = importlib.import_module(f"{__name__}.{args.name.replace('-', '_')}")
     parser = argparse.ArgumentParser(prog=f"flashdraft bench {args.name}", description=doc)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(args.options)) or 0)
+    try:
+        return int(module.run(parser.parse_args(args.options)) or 0)
+    except Stopped as exc:  # a benchmark's trainer run stopped by a signal: the benchmark ends with it
+        raise Stopped(exc.signum, f"stopped by {signal.Signals(exc.signum).name}: the benchmark ended there "
+                                  "(its runs train in temporary directories: nothing to resume)") from exc

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 
 
 def add_arguments(parser) -> None:
+    from flashdraft.config import describe_fields
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (describe_fields() + "\n\n`flashdraft config [--config FILE] [overrides]` prints the resolved "
+                     "config as YAML (a starting file: flashdraft config > run.yaml).")
     parser.add_argument("--config", help="YAML config file (sections model, data, objective, optim, train, pipeline)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
 

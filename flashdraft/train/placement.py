@@ -50,7 +50,6 @@ from flashdraft.config import Config
 from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import Batch
 from flashdraft.pipeline import BufferPool, Pipeline, Stage
-from flashdraft.train.runtime import GracefulStop
 from flashdraft.train.stages import FeatureStages, Micro, StepInput, batch_sampler
 
 if TYPE_CHECKING:
@@ -275,8 +274,8 @@ def serve_features(stages: FeatureStages, dist: Dist) -> dict:
     sent = 0  # steps sent to every link
     try:
         # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP):
-        # this rank keeps serving until they do.
-        with GracefulStop(), pipe:
+        # this rank keeps serving until they do (the caller holds a GracefulStop around this).
+        with pipe:
             for k, item in pipe:
                 if any(link.stopped() for link in links):
                     break

@@ -2,7 +2,8 @@
 
 - :func:`output_lock`: one run per ``train.output_dir`` (an flock, released by the kernel
   whatever way the process ends).
-- :class:`GracefulStop`: SIGTERM / SIGINT ask the loop to stop at the end of the step.
+- :class:`GracefulStop`: SIGTERM / SIGINT ask the loop to stop at the end of the step; a
+  second one ends the process at once. :class:`Stopped` then ends the whole command.
 - :func:`keep_freed_host_memory`: glibc keeps freed activations for reuse (CPU training).
 - :class:`ProcessRNG`: the torch / numpy / python (/ CUDA) generators as one checkpointable
   component.
@@ -52,13 +53,32 @@ def output_lock(output: Path):
         yield
 
 
+class Stopped(Exception):
+    """A run stopped on a signal's request, after saving what it had: the command that ran it
+    ends too, with exit status 128 + the signal's number and this message (cli.entry)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
 class GracefulStop:
-    """SIGTERM / SIGINT set ``requested``; the loop checkpoints at the end of the step and exits 0.
-    A second Ctrl-C stops at once. Installed only on the main thread (Python delivers signals there)."""
+    """The first SIGTERM / SIGINT sets ``signum``: the loop finishes its step, checkpoints and
+    raises :class:`Stopped`. A second one ends the process at once, as that signal does by
+    default (exit status 128 + signal; a checkpoint being written is never torn: saves are
+    atomic). Installed only on the main thread (Python delivers signals there)."""
 
     def __init__(self):
-        self.requested = False
+        self.signum = 0
         self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -67,10 +87,14 @@ class GracefulStop:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
+        if self.requested:  # a second signal: stop now
+            log.warning("received %s again: exiting now", signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        log.warning("received %s: finishing this step, then checkpointing (send it again to exit at once)",
+                    signal.Signals(signum).name)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

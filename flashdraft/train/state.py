@@ -91,7 +91,7 @@ class RunCheckpoints:
         """Whether to save right after ``step``: on a stop request and every ``train.save_every``
         steps. The last step is saved by ``final_due`` instead, after the final eval."""
         every = self.config.train.save_every
-        return stopping or (bool(every) and step % every == 0 and not done)
+        return bool(stopping) or (bool(every) and step % every == 0 and not done)
 
     def final_due(self, step: int) -> bool:
         """Whether the end of the run still needs a save (``step`` was not just saved)."""

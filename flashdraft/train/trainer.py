@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashdraft import distributed
+from flashdraft.checkpoint import step_dir_name
 from flashdraft.config import Config, save_config
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
@@ -29,7 +31,7 @@ from flashdraft.target import TargetModel
 from flashdraft.train import checks, placement
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
-from flashdraft.train.runtime import GracefulStop, ProcessRNG, keep_freed_host_memory, output_lock
+from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, keep_freed_host_memory, output_lock
 from flashdraft.train.stages import FeatureStages, batch_sampler
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
@@ -151,9 +153,15 @@ class Trainer:
         target rank: ``{"steps": steps sent to each drafter rank}``)."""
         if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
             try:
-                return placement.serve_features(self.stages, self.dist)
+                with GracefulStop() as stop:
+                    result = placement.serve_features(self.stages, self.dist)
             finally:
                 self.pipeline_report = self.stages.report
+            if stop.requested:
+                raise Stopped(stop.signum, f"target rank {self.dist.global_rank} stopped by "
+                                           f"{signal.Signals(stop.signum).name} after {result['steps']} steps; its "
+                                           "drafter ranks saved the checkpoint")
+            return result
         with output_lock(self.output) if self.dist.is_main else contextlib.nullcontext():
             return self._fit(on_step)
 
@@ -165,7 +173,7 @@ class Trainer:
             save_config(cfg, self.output / "config.yaml")
         self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.drafter.block_size, self.total_steps,
                             state.step)
-        stopping, final = False, {}
+        stopping, final = 0, {}
         self.drafter.train()
         with GracefulStop() as stop:
             with self._feed() as (pipe, pool):
@@ -183,11 +191,23 @@ class Trainer:
                 if main:
                     self.drafter.save_pretrained(self.output / "drafter")
         self.log.close()
+        if stopping or stop.requested:
+            raise self._stopped(stopping or stop.signum)
         return {**self.log.record, **final}
 
-    def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> bool:
+    def _stopped(self, signum: int) -> Stopped:
+        """What a signal-stopped run tells the command: where its state was saved, how to go on."""
+        step, name = self.state.step, signal.Signals(signum).name
+        saved = self.checkpoints.manager.root / step_dir_name(step)
+        if step < self.total_steps:
+            return Stopped(signum, f"stopped by {name} at step {step} of {self.total_steps}: checkpoint {saved} "
+                                   "saved; run the same command again to resume from it")
+        return Stopped(signum, f"stopped by {name} after the last step ({step}): checkpoint {saved} and the "
+                               f"serving export {self.output / 'drafter'} saved; the run is complete")
+
+    def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> int:
         """One optimizer step on ``item``, then the hook, and its log line, eval and checkpoint when due.
-        Returns whether the run stops here (a stop request, agreed by every rank)."""
+        Returns the signal the run stops on here (agreed by every rank), else 0."""
         state = self.state
         tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
         grad_norm, nonfinite = self.step_fn(item.micro, state.step, self.log.stats)
@@ -232,11 +252,11 @@ class Trainer:
                 if self.stages.cache_stats is not None:
                     self.pipeline_report.notes.append(self.stages.cache_stats.format())
 
-    def _stop_agreed(self, stop: GracefulStop) -> bool:
-        """Whether any rank was asked to stop (every rank stops at the same step)."""
+    def _stop_agreed(self, stop: GracefulStop) -> int:
+        """The signal any rank was asked to stop by, else 0 (every rank stops at the same step)."""
         if self.dist.world_size == 1:
-            return stop.requested
-        return bool(distributed.all_reduce(torch.tensor(float(stop.requested)), "max").item())
+            return stop.signum
+        return int(distributed.all_reduce(torch.tensor(float(stop.signum)), "max").item())
 
     def _validate(self) -> dict:
         result = self.validator.run()

@@ -1,0 +1,164 @@
+"""`flashdraft export`: the serving-format drafter of any complete training checkpoint.
+
+    flashdraft export runs/q3-8b --out exports/q3-8b                  # the newest complete checkpoint
+    flashdraft export runs/q3-8b --out exports/q3-8b-3000 --step 3000 --dtype float32
+
+The source is a run directory (``train.output_dir``), its ``checkpoints/`` directory, or one
+checkpoint (``step_XXXXXXXX``). The checkpoint is verified first (every file against its
+manifest's sha256); the drafter's fp32 master weights are cast to ``--dtype`` and written
+with the checkpoint's serving config into a temporary directory beside ``--out``, loaded back
+and checked (weights and the outputs of a forward equal the checkpoint's weights cast the same
+way), then renamed onto ``--out``: a crash leaves any earlier export there whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, step_dir_name
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> Path:
+    """The checkpoint directory ``path`` names: itself when it is one, else the newest complete
+    checkpoint (or the one of ``step``) of the run or checkpoints directory it is."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; give a run "
+                         "directory (train.output_dir), its checkpoints/ or one checkpoint step_XXXXXXXX")
+    if (path / MANIFEST).is_file() or path.name.startswith("step_"):
+        if step is not None and path.name != step_dir_name(step):
+            raise ValueError(f"{path} is the checkpoint of another step than --step {step}; drop --step or give "
+                             "the run directory")
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    manager = CheckpointManager(root)
+    found = manager.checkpoints()
+    if not found:
+        raise ValueError(f"{path}: no checkpoints (no step_XXXXXXXX directories in {root}); give a run directory "
+                         "(train.output_dir) whose run saved one")
+    if step is not None:
+        wanted = root / step_dir_name(step)
+        if not wanted.is_dir():
+            steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in found)
+            raise ValueError(f"{root} has no checkpoint of step {step}; it has steps {steps}")
+        return wanted
+    newest = manager.latest_complete()
+    if newest is None:
+        raise CheckpointError(f"{root}: none of its {len(found)} checkpoints is complete (each failed its manifest "
+                              "check; see the warnings above)")
+    return newest
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16") -> dict:
+    """Write the serving-format drafter of ``checkpoint`` to ``out`` (see module doc); returns
+    what it exported: step, target directory, block size, dtype, path."""
+    from flashdraft.drafter import DFlashDrafter
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}")
+    loaded = CheckpointManager(checkpoint.parent).load(checkpoint)  # verified first: raises naming a damaged file
+    if "drafter" not in loaded.parts or not (checkpoint / "export" / "config.json").is_file():
+        raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint (no drafter weights or serving "
+                              "config in it)")
+    config = json.loads((checkpoint / "export" / "config.json").read_text())
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(loaded.parts["drafter"])
+    _check_out(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        drafter.save_pretrained(tmp, dtype=DTYPES[dtype])
+        verify_export(tmp, drafter, DTYPES[dtype])
+        _replace(tmp, out)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write the export there ({exc.strerror or exc}); choose a writable "
+                         "directory with room for it") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    target = (loaded.config or {}).get("model", {}).get("target", "TARGET")
+    return {"step": loaded.step, "target": target, "block_size": drafter.block_size, "dtype": dtype, "path": out}
+
+
+def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
+    """Load the export in ``path`` back and compare it with ``drafter``'s weights cast to
+    ``dtype``: every tensor, and a forward on fixed random inputs, bit for bit."""
+    from flashdraft.drafter import DFlashDrafter
+
+    expected = DFlashDrafter(drafter.config)
+    expected.load_state_dict({k: v.to(dtype).float() for k, v in drafter.state_dict().items()})
+    loaded = DFlashDrafter.from_pretrained(path)  # as a user loads it, in fp32
+    for name, value in expected.state_dict().items():
+        if not torch.equal(loaded.state_dict()[name], value):
+            raise RuntimeError(f"{path}: the exported {name} differs from the checkpoint's; the export is not written")
+    g = torch.Generator().manual_seed(0)
+    hidden, bs, taps = drafter.config["hidden_size"], drafter.block_size, len(drafter.target_layer_ids)
+    features = torch.randn(1, 3 * bs, taps * hidden, generator=g)
+    blocks = torch.randn(1, 2, bs, hidden, generator=g)
+    anchors, valid = torch.tensor([[bs, 2 * bs - 1]]), torch.tensor([[True, True]])
+    with torch.no_grad():
+        outputs = [m.eval()(features, blocks, anchors, valid, attention="dense") for m in (expected, loaded)]
+    if not torch.equal(*outputs):
+        raise RuntimeError(f"{path}: the exported drafter's outputs differ from the checkpoint's; the export is "
+                           "not written")
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` may be new, empty, or an earlier drafter export (replaced); nothing else."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
+        raise ValueError(f"--out {out} exists and is not a drafter export; give a new directory (an earlier export "
+                         "there would be replaced)")
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any("DFlash" in arch for arch in config.get("architectures", []))
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` onto ``out``; an earlier export there is moved aside first, then removed."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def serving_commands(target: str, path: Path, block_size: int) -> list[str]:
+    """SGLang and vLLM command lines for the export. vLLM needs the method spelled out: it
+    detects DFlash from the draft path only when the path contains "dflash"."""
+    spec = json.dumps({"method": "dflash", "model": str(path), "num_speculative_tokens": block_size - 1})
+    return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {path} --speculative-num-draft-tokens {block_size}",
+            f"vllm serve {target} --speculative-config '{spec}'"]
+
+
+# ---- `flashdraft export` --------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="a run directory (train.output_dir), its checkpoints/, or one checkpoint")
+    parser.add_argument("--out", required=True, help="directory to write the serving-format drafter to")
+    parser.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest complete one)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights' dtype (default bf16)")
+
+
+def run(args) -> int:
+    checkpoint = find_checkpoint(args.source, args.step)
+    done = export_checkpoint(checkpoint, args.out, args.dtype)
+    print(f"exported step {done['step']} of {checkpoint} ({done['dtype']}) to {done['path']}: loaded back, its "
+          "weights and outputs equal the checkpoint's")
+    print("serve it with the target it was trained on:")
+    for line in serving_commands(done["target"], done["path"], done["block_size"]):
+        print(f"  {line}")
+    return 0

@@ -1,0 +1,112 @@
+"""`flashdraft export`: the serving-format drafter of any complete checkpoint, verified, atomic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import overrides
+from flashdraft.checkpoint import CheckpointError, CheckpointManager
+from flashdraft.cli import main
+from flashdraft.config import load_config
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_job, tmp_path_factory):
+    """A 6-step run with checkpoints at steps 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    train(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2)))
+    return out
+
+
+def _outputs(drafter: DFlashDrafter) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    bs, hidden = drafter.block_size, drafter.config["hidden_size"]
+    features = torch.randn(2, 20, len(drafter.target_layer_ids) * hidden, generator=g)
+    blocks = torch.randn(2, 3, bs, hidden, generator=g)
+    anchors, valid = torch.tensor([[3, 7, 12], [1, 9, 15]]), torch.ones(2, 3, dtype=torch.bool)
+    with torch.no_grad():
+        return drafter.eval()(features, blocks, anchors, valid)
+
+
+def test_export_of_a_mid_run_checkpoint_is_the_drafter_of_that_step(run_dir, tmp_path, capsys):
+    out = tmp_path / "step4"
+    assert main(["export", str(run_dir), "--out", str(out), "--step", "4", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    state = CheckpointManager(run_dir / "checkpoints").load(run_dir / "checkpoints" / "step_00000004").parts["drafter"]
+    exported = DFlashDrafter.from_pretrained(out)
+    for name, value in state.items():
+        assert torch.equal(exported.state_dict()[name], value), name
+    at_step = DFlashDrafter(json.loads((out / "config.json").read_text()))
+    at_step.load_state_dict(state)
+    assert torch.equal(_outputs(exported), _outputs(at_step))
+    final = DFlashDrafter.from_pretrained(run_dir / "drafter")  # step 6: another drafter
+    assert not torch.equal(_outputs(exported), _outputs(final))
+    assert "exported step 4" in printed and f"--speculative-draft-model-path {out}" in printed
+    vllm = next(line for line in printed.splitlines() if "vllm serve" in line)
+    spec = json.loads(vllm.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "dflash", "model": str(out), "num_speculative_tokens": 3}  # block 4
+
+
+def test_the_default_export_is_the_newest_checkpoint_in_bf16_and_replaces_an_earlier_export(run_dir, tmp_path):
+    out = tmp_path / "newest"
+    assert main(["export", str(run_dir / "checkpoints" / "step_00000002"), "--out", str(out)]) == 0
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0  # replaces the step-2 export
+    state = CheckpointManager(run_dir / "checkpoints").load_latest().parts["drafter"]
+    exported = DFlashDrafter.from_pretrained(out, dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    for name, value in state.items():
+        assert torch.equal(exported.state_dict()[name], value.to(torch.bfloat16)), name
+    assert [p.name for p in tmp_path.iterdir()] == ["newest"]  # no temporary directory left
+
+
+def test_a_corrupt_checkpoint_is_refused_with_the_reason(run_dir, tmp_path):
+    damaged = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(run_dir, damaged)
+    weights = damaged / "checkpoints" / "step_00000006" / "drafter.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"drafter.safetensors: sha256 mismatch"):
+        main(["export", str(damaged), "--out", str(tmp_path / "e"), "--step", "6"])
+    assert not (tmp_path / "e").exists()
+    with pytest.raises(ValueError, match=r"has no checkpoint of step 5; it has steps 6, 4, 2"):
+        main(["export", str(damaged), "--out", str(tmp_path / "e"), "--step", "5"])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not a drafter export"):
+        main(["export", str(run_dir), "--out", str(tmp_path / "notes")])
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="no checkpoints"):
+        main(["export", str(tmp_path / "notes"), "--out", str(tmp_path / "e")])
+    with pytest.raises(ValueError, match=r"--out .*todo.txt/e: cannot write the export there"):
+        main(["export", str(run_dir), "--out", str(tmp_path / "notes" / "todo.txt" / "e")])
+    with pytest.raises(ValueError, match=r"todo.txt: not a directory"):
+        main(["export", str(tmp_path / "notes" / "todo.txt"), "--out", str(tmp_path / "e")])
+
+
+def test_the_readme_serving_lines_say_what_the_engines_read():
+    """vLLM takes a draft for DFlash only with method "dflash" (or "dflash" in its path) and wants
+    block_size - 1 speculative tokens; SGLang wants the algorithm DFLASH and block_size draft tokens."""
+    from conftest import REPO
+    from flashdraft.config import ModelConfig
+    from flashdraft.export import serving_commands
+
+    text = (REPO / "README.md").read_text()
+    bs = ModelConfig().block_size
+    vllm = text.split("vllm serve /models/Qwen3-8B --speculative-config \\\n", 1)[1].split("\n", 1)[0].strip()
+    spec = json.loads(vllm.strip("'"))
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == bs - 1
+    sglang = text.split("python -m sglang.launch_server ", 1)[1].split("\nvllm serve", 1)[0].replace("\\\n", " ")
+    for flag in ("--model-path /models/Qwen3-8B", "--speculative-algorithm DFLASH",
+                 f"--speculative-num-draft-tokens {bs}", f"--speculative-draft-model-path {spec['model']}"):
+        assert flag in " ".join(sglang.split()), flag
+    printed = serving_commands("/models/Qwen3-8B", spec["model"], bs)  # what `flashdraft export` prints
+    assert json.loads(printed[1].split("--speculative-config ", 1)[1].strip("'")) == spec
+    assert printed[0].split()[3:] == sglang.split()  # the same flags and values

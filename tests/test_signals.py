@@ -1,0 +1,101 @@
+"""One signal contract for every command that trains: the first SIGTERM / SIGINT finishes the
+step, saves, and ends the whole command with 128 + signal and a line naming what was saved; a
+second one ends it at once. The quickstart goes on from its saved step when run again."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, WORKERS, overrides, read_log
+from flashdraft.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.slow  # each test runs whole commands in fresh interpreters
+
+
+def _start(args: list[str], log: Path, tmp_path: Path, pace: float) -> subprocess.Popen:
+    """``flashdraft ARGS`` as the console script runs it (tests/_workers.py cli), each optimizer step
+    paced by ``pace`` seconds; HOME in tmp_path, so the quickstart's target cache is the test's own."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"),
+               FLASHDRAFT_TEST_STEP_SLEEP=str(pace))
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, str(WORKERS), "cli", *map(str, args)], env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in read_log(log):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {text!r} (exit {proc.poll()}):\n{read_log(log)[-3000:]}")
+        time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen, *signals: int, gap: float = 0.0) -> tuple[int, float]:
+    """Send ``signals`` (``gap`` seconds apart); the exit status and the seconds it took to exit."""
+    start = time.monotonic()
+    for i, sig in enumerate(signals):
+        if i:
+            time.sleep(gap)
+        proc.send_signal(sig)
+    code = proc.wait(120)
+    return code, time.monotonic() - start
+
+
+def test_sigterm_ends_the_quickstart_with_143_and_running_it_again_resumes(tmp_path):
+    out, log = tmp_path / "qs", tmp_path / "first.log"
+    proc = _start(["quickstart", "--smoke", "--output", out], log, tmp_path, pace=1.0)
+    _wait_for(log, "[5/7] drafter", proc)
+    _wait_for(log, "[paced] optimizer step done", proc)
+    code, took = _stop(proc, signal.SIGTERM)
+    text = read_log(log)
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    found = re.search(r"flashdraft quickstart: stopped by SIGTERM at step (\d+) of 12: checkpoint (\S+) saved; run "
+                      r"the same command again to resume from it", text)
+    assert found, text[-3000:]
+    step = int(found[1])
+    assert Path(found[2]) == out / "run" / "checkpoints" / f"step_{step:08d}"
+    assert CheckpointManager(out / "run" / "checkpoints").load_latest().step == step < 12
+    assert took < 20, took  # the step in flight (+1 s of pacing), the save, the exit
+    assert not (out / "eval" / "report.json").exists()
+
+    again = tmp_path / "again.log"
+    proc = _start(["quickstart", "--smoke", "--output", out], again, tmp_path, pace=0)
+    assert proc.wait(600) == 0, read_log(again)[-3000:]
+    assert f"resumed from step {step}" in read_log(again)
+    assert (out / "eval" / "report.json").is_file() and (out / "drafter" / "model.safetensors").is_file()
+
+
+def test_sigterm_ends_a_benchmark_with_143_within_a_step(tmp_path):
+    log = tmp_path / "bench.log"
+    proc = _start(["bench", "pipeline", "--work", "", "--repeats", "2", "--real-steps", "30", "--threads", "1"],
+                  log, tmp_path, pace=1.0)
+    _wait_for(log, "[paced] optimizer step done", proc)
+    code, took = _stop(proc, signal.SIGTERM)
+    text = read_log(log)
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    assert "flashdraft bench: stopped by SIGTERM: the benchmark ended there" in text
+    assert took < 20, took
+    assert text.count("[paced] optimizer step done") < 30  # its first run did not go on, nor the next ones
+
+
+def test_a_second_signal_ends_the_run_at_once(tiny_job, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "train.log"
+    args = overrides(tiny_job, out, train__max_steps=12, train__save_every=1)
+    proc = _start(["train", *args], log, tmp_path, pace=5.0)
+    _wait_for(log, "[paced] optimizer step done", proc)
+    code, took = _stop(proc, signal.SIGTERM, signal.SIGINT, gap=0.5)
+    text = read_log(log)
+    assert code == -signal.SIGINT, text[-3000:]  # ended by the second signal itself, mid-step
+    assert took < 3, took  # not after the 5 s step
+    assert "received SIGINT again: exiting now" in text
+    loaded = CheckpointManager(out / "checkpoints").load_latest()
+    assert loaded is None or loaded.step <= 1  # what was saved before stays whole
