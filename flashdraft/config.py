@@ -386,26 +386,34 @@ def _yaml_value(value: Any) -> str:
     return yaml.safe_dump({"v": _to_plain(value)}, default_flow_style=True, width=10**9).strip()[4:-1]
 
 
-def describe_fields() -> str:
-    """Every field of every section: ``section.field: type = default`` and its doc (for --help)."""
-    lines = ["config fields (in a --config YAML file, or as section.field=value overrides):"]
+def _documented_fields(config: Config):
+    """(section, field, the field's value in ``config``, its doc) of every field, in order."""
     for section, cls in _sections():
         docs = field_docs(cls)
-        lines.append(f"\n  {section}:")
         for f in dataclasses.fields(cls):
-            lines.append(f"    {section}.{f.name}: {f.type} = {_yaml_value(getattr(cls(), f.name))}")
-            lines.append(f"        {docs[f.name]}")
+            yield section, f, getattr(getattr(config, section), f.name), docs[f.name]
+
+
+def describe_fields() -> str:
+    """Every field of every section: ``section.field: type = default`` and its doc (for --help)."""
+    lines, current = ["config fields (in a --config YAML file, or as section.field=value overrides):"], None
+    for section, f, default, doc in _documented_fields(Config()):
+        if section != current:
+            lines.append(f"\n  {section}:")
+            current = section
+        lines += [f"    {section}.{f.name}: {f.type} = {_yaml_value(default)}", f"        {doc}"]
     return "\n".join(lines)
 
 
 def to_yaml(config: Config) -> str:
     """The config as YAML with each field's doc as a comment; ``load_config`` reads it back to ``config``."""
     lines = ["# flashdraft run config (`flashdraft config` prints the defaults; edit, then --config FILE)"]
-    for section, cls in _sections():
-        docs = field_docs(cls)
-        lines.append(f"{section}:")
-        for f in dataclasses.fields(cls):
-            lines.append(f"  {f.name}: {_yaml_value(getattr(getattr(config, section), f.name))}  # {docs[f.name]}")
+    current = None
+    for section, f, value, doc in _documented_fields(config):
+        if section != current:
+            lines.append(f"{section}:")
+            current = section
+        lines.append(f"  {f.name}: {_yaml_value(value)}  # {doc}")
     return "\n".join(lines) + "\n"
 
 
