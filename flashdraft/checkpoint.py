@@ -209,6 +209,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (os.umask can only be
+    read by setting it, which would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a file written by safetensors (whose writer creates it 0600) the mode the umask gives
+    any other file (0644 by default): a serving process of another user must be able to read it."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _write_bytes(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -233,6 +254,7 @@ def _write_part(tmp: Path, name: str, state: Any) -> None:
         safetensors.torch.save_file(tensors, str(path))
     except safetensors.SafetensorError as exc:  # its Rust writer reports ENOSPC / EFBIG this way, not as OSError
         raise CheckpointError(f"{path}: {exc}") from exc
+    follow_umask(path)
     _fsync_file(path)
     _write_bytes(tmp / f"{name}.json", (json.dumps(skeleton, allow_nan=False) + "\n").encode())
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import math
 import os
 import textwrap
 import tokenize
@@ -49,6 +50,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
 
     def __post_init__(self):
+        _check_finite(self, "model")
         _check(self.block_size >= 2, "model.block_size", f"{self.block_size}",
                "use 2 or more (16 is the published default)")
         _check(self.num_draft_layers >= 1, "model.num_draft_layers", f"{self.num_draft_layers}", "use 1 or more")
@@ -76,6 +78,7 @@ class DataConfig:
     on_invalid: str = "raise"  # bad samples: raise (with index and fix) or drop (counted, reported)
 
     def __post_init__(self):
+        _check_finite(self, "data")
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
         _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
@@ -90,6 +93,7 @@ class ObjectiveConfig:
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes context KV
 
     def __post_init__(self):
+        _check_finite(self, "objective")
         _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
         _check(self.gamma is None or self.gamma >= 0, "objective.gamma", f"{self.gamma}",
                "use a positive decay (7 for block 16, 5 for 10, 4 for 8) or null to disable")
@@ -108,9 +112,14 @@ class OptimConfig:
     init_std: float = 0.02  # std of the drafter's normal init
 
     def __post_init__(self):
+        _check_finite(self, "optim")
         _check(self.lr > 0, "optim.lr", f"{self.lr}", "use a positive learning rate, e.g. 6e-4")
         _check(0 <= self.warmup_frac < 1, "optim.warmup_frac", f"{self.warmup_frac}", "use a share in [0, 1)")
         _check(self.grad_clip >= 0, "optim.grad_clip", f"{self.grad_clip}", "use 0 (off) or a positive norm")
+        _check(all(0 <= b < 1 for b in self.betas), "optim.betas", f"{list(self.betas)}",
+               "use two numbers in [0, 1), e.g. [0.9, 0.999]")
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"{self.weight_decay}", "use 0 (the recipe) or more")
+        _check(self.init_std > 0, "optim.init_std", f"{self.init_std}", "use a positive std, e.g. 0.02")
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,7 @@ class TrainConfig:
     keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse (false: glibc default)
 
     def __post_init__(self):
+        _check_finite(self, "train")
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
@@ -166,6 +176,7 @@ class PipelineConfig:
     join_timeout_s: float = 5.0  # how long shutdown waits for stage threads before logging the stragglers
 
     def __post_init__(self):
+        _check_finite(self, "pipeline")
         _check(self.capacity >= 1, "pipeline.capacity", f"{self.capacity}", "use 1 or more (2 is enough to overlap)")
         _check(self.placement in PLACEMENTS, "pipeline.placement", self.placement,
                f"use {' or '.join(PLACEMENTS)}")
@@ -205,6 +216,16 @@ class Config:
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
+
+
+def _check_finite(section, name: str) -> None:
+    """Every float of a section is finite: inf and nan pass range checks (inf > 0) and then break
+    a run hours later (a JSON checkpoint cannot hold them, an infinite lr skips every step)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        _check(all(math.isfinite(v) for v in values if isinstance(v, float)), f"{name}.{f.name}", f"{value}",
+               "give a finite number")
 
 
 def _check(ok: bool, name: str, value: str, fix: str) -> None:
@@ -268,6 +289,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config {name}={value!r} is invalid: give a number")
+        if not math.isfinite(value):  # inf / nan pass every range check below, then break the run
+            raise ValueError(f"config {name}={value!r} is invalid: give a finite number")
         return float(value)
     if tp is str:
         if value is None or isinstance(value, (dict, list)):

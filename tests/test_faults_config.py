@@ -7,6 +7,7 @@ import ast
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -287,3 +288,30 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path):
     with pytest.raises(ValueError, match=r"other: prepared with the tokenizer of .*other-tok, whose vocabulary differs "
                                          r"from model.target's .*Re-run flashdraft prepare with --tokenizer"):
         trainer("other")
+
+
+@pytest.mark.parametrize("override,field", [
+    ("objective.gamma=.inf", "objective.gamma"), ("optim.lr=inf", "optim.lr"), ("optim.lr=.nan", "optim.lr"),
+    ("train.collective_timeout_s=.inf", "train.collective_timeout_s"), ("optim.init_std=.nan", "optim.init_std"),
+    ("optim.init_std=-0.02", "optim.init_std"), ("optim.betas=[0.9, 1.5]", "optim.betas"),
+    ("optim.betas=[.nan, 0.9]", "optim.betas"), ("optim.weight_decay=.nan", "optim.weight_decay"),
+    ("optim.weight_decay=-1", "optim.weight_decay"), ("pipeline.join_timeout_s=.inf", "pipeline.join_timeout_s"),
+])
+def test_non_finite_or_out_of_range_floats_are_refused_at_load_naming_the_field(override, field):
+    with pytest.raises(ValueError, match=rf"config {re.escape(field)}=.+ is invalid"):
+        load_config(overrides=[override])
+
+
+def test_exports_and_checkpoints_follow_the_umask(tiny_job, tmp_path):
+    """safetensors creates its files 0600: a serving process of another user could not read the export."""
+    out = tmp_path / "run"
+    previous = os.umask(0o027)
+    try:
+        trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=1)))
+        path = trainer.checkpoints.save(0)
+        trainer.drafter.save_pretrained(tmp_path / "export")
+    finally:
+        os.umask(previous)
+    files = [*path.rglob("*.safetensors"), tmp_path / "export" / "model.safetensors"]
+    assert len(files) >= 4 and {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
+    assert (tmp_path / "export" / "config.json").stat().st_mode & 0o777 == 0o640

@@ -148,3 +148,94 @@ def test_the_http_client_connects_only_to_the_configured_url(target, tmp_path, m
         url = urlsplit(server.url)
     assert s["generated"] == 4
     assert seen and set(seen) == {(url.hostname, url.port)}
+
+
+class _Server:
+    """A real HTTP server on 127.0.0.1 answering with ``respond(handler) -> (status, headers, body)``,
+    recording every request's path and headers."""
+
+    def __init__(self, respond):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, dict]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                server.requests.append((self.path, dict(self.headers)))
+                status, headers, body = respond(self)
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                data = json.dumps(body).encode() if body is not None else b""
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_redirect_to_another_origin_is_refused_and_never_gets_the_key():
+    from flashdraft.data.regenerate import OpenAIClient, RedirectRefused
+
+    models = {"data": [{"id": "toy"}]}
+    with _Server(lambda h: (200, {}, models)) as elsewhere:
+        with _Server(lambda h: (302, {"Location": elsewhere.url + "/models"}, None)) as server:
+            with pytest.raises(RedirectRefused, match=r"redirecting to http://127\.0\.0\.1:\d+/v1/models, another "
+                                                      r"origin: refused \(only --base-url is contacted\)"):
+                OpenAIClient(server.url, api_key="secret-key", max_retries=0)
+            assert server.requests[0][1].get("Authorization") == "Bearer secret-key"
+        assert elsewhere.requests == []  # neither the key nor anything else went there
+    # a redirect within the same origin is followed
+    with _Server(lambda h: (200, {}, models) if h.path == "/v1/models/" else (301, {"Location": "/v1/models/"},
+                                                                             None)) as server:
+        assert OpenAIClient(server.url, api_key="k", max_retries=0).model == "toy"
+
+
+@pytest.mark.parametrize("content", ["", None, 3, ["a", "list"], "  \n"])
+def test_a_reply_that_is_not_text_fails_the_conversation_and_a_rerun_retries_it(tmp_path, content):
+    records = [{"id": "a", "messages": [{"role": "user", "content": "hi"}]},
+               {"id": "b", "messages": [{"role": "user", "content": "bad"}]}]
+    write_jsonl(tmp_path / "in.jsonl", records)
+    state = {"bad": content}
+    seen = []
+
+    def answer(handler):
+        if handler.command == "GET":
+            return 200, {}, {"data": [{"id": "toy"}]}
+        seen.append(len(seen))
+        # the first request of each run gets the bad reply, every other one a good one
+        reply = state["bad"] if len(seen) == 1 else "fine"
+        return 200, {}, {"choices": [{"message": {"content": reply}, "finish_reason": "stop"}]}
+
+    with _Server(answer) as server:
+        first = regenerate([tmp_path / "in.jsonl"], tmp_path / "out.jsonl", base_url=server.url, concurrency=1,
+                           max_retries=0, progress=False, log=lambda *_: None)
+    assert first["generated"] == 1 and first["failed"] == 1
+    assert "not text" in first["errors"][0] or "empty reply" in first["errors"][0]
+    kept = read_out(tmp_path / "out.jsonl")
+    assert len(kept) == 1 and kept[0]["messages"][-1]["content"] == "fine"
+    seen.clear()
+    state["bad"] = "fine now"
+    with _Server(answer) as server:
+        again = regenerate([tmp_path / "in.jsonl"], tmp_path / "out.jsonl", base_url=server.url, concurrency=1,
+                           max_retries=0, progress=False, log=lambda *_: None)
+    assert again["skipped_done"] == 1 and again["generated"] == 1 and again["failed"] == 0  # the failed one, retried
+    assert sorted(r["id"] for r in read_out(tmp_path / "out.jsonl")) == ["a", "b"]

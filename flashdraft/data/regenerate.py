@@ -30,6 +30,7 @@ import random
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -111,6 +112,30 @@ def _reply_message(content: str, reasoning: str | None) -> dict:
 
 
 # ---- HTTP backend ------------------------------------------------------------------------
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+class RedirectRefused(ValueError):
+    """The server redirected to another origin (a ValueError: the fix is the user's --base-url)."""
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect only within the origin (scheme, host, port) of ``base_url``: another one
+    is refused, so the API key and the conversations go to --base-url and nowhere else."""
+
+    def __init__(self, base_url: str):
+        self.origin = _origin(base_url)
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if _origin(newurl) != self.origin:
+            raise RedirectRefused(f"{req.full_url} answered HTTP {code} redirecting to {newurl}, another origin: "
+                                  "refused (only --base-url is contacted); point --base-url at the server itself")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 class OpenAIClient:
     """Minimal OpenAI-compatible chat client (stdlib only) with retries and backoff."""
 
@@ -124,8 +149,9 @@ class OpenAIClient:
         self.num_retries = 0
         self._lock = threading.Lock()
         # No proxy handler: requests go to base_url itself and nowhere else, whatever the
-        # environment's *_proxy variables say.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        # environment's *_proxy variables say; and no redirect to another origin (urllib would
+        # follow it with the Authorization header).
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _SameOriginRedirects(self.base_url))
         self.model = model or self._first_model()
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
@@ -176,7 +202,23 @@ class OpenAIClient:
         except (KeyError, IndexError, TypeError):
             raise GenerationError(f"unexpected response from {self.base_url}: {str(response)[:300]}") from None
         reasoning = message.get("reasoning_content") or message.get("reasoning")
-        return message.get("content") or "", reasoning, choice.get("finish_reason") or ""
+        return checked_reply(message.get("content"), reasoning, choice.get("finish_reason") or "", self.base_url)
+
+
+def checked_reply(content, reasoning, finish: str, source: str) -> tuple[str, str | None, str]:
+    """A reply as (content, reasoning, finish reason), or GenerationError when it is no reply:
+    content that is not text (null, a number, a list) or empty with no reasoning either. Such a
+    conversation counts as failed and is retried on the next run, instead of being stored as
+    generated and then dropped by prepare."""
+    if not isinstance(content, str) and not (content is None and reasoning):
+        raise GenerationError(f"{source} returned a reply whose content is {type(content).__name__} "
+                              f"({str(content)[:80]!r}), not text")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise GenerationError(f"{source} returned reasoning of type {type(reasoning).__name__}, not text")
+    content = content or ""
+    if not content.strip() and not (reasoning or "").strip():
+        raise GenerationError(f"{source} returned an empty reply (finish reason {finish or 'none'!r})")
+    return content, reasoning, finish
 
 
 def _replay(slots: list, generate_one: Callable[[list[dict]], tuple[str, str | None, str]]) -> tuple[list, list]:
@@ -396,6 +438,11 @@ def _run_hf(pending, generator: HFGenerator, batch_size: int, finish, fail) -> N
             continue
         still = []
         for state, (content, reasoning, fin) in zip(active, replies):
+            try:
+                content, reasoning, fin = checked_reply(content, reasoning, fin, "the model")
+            except GenerationError as exc:
+                fail(state["where"], exc)
+                continue
             state["history"].append(_reply_message(content, reasoning))
             state["finishes"].append(fin)
             _advance(state)

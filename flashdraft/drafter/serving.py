@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from flashdraft.checkpoint import follow_umask
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -117,6 +119,7 @@ def write_export(path: str | os.PathLike, state: dict[str, torch.Tensor], config
     tmp = {name: path / f".{name}.tmp-{os.getpid()}" for name in (WEIGHTS_FILE, CONFIG_FILE)}
     try:
         save_file(state, tmp[WEIGHTS_FILE], metadata={"format": "pt"})
+        follow_umask(tmp[WEIGHTS_FILE])
         tmp[CONFIG_FILE].write_text(json.dumps(config, indent=2) + "\n")
         for name, written in tmp.items():
             os.replace(written, path / name)
