@@ -293,11 +293,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{mpath}: format version {manifest.get('version')} unsupported (this version of "
                               f"flashdraft reads {', '.join(map(str, READABLE_VERSIONS))})")
+    _check_manifest(path, manifest)
     files = manifest["files"]
     for rel, meta in files.items():
-        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(meta, dict) \
-                or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
-            raise CheckpointError(f"{mpath}: malformed entry {rel!r}")
         f = path / rel
         try:
             size = f.stat().st_size
@@ -309,6 +307,40 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         if sha256_file(path / rel) != meta["sha256"]:
             raise CheckpointError(f"{path / rel}: sha256 mismatch (corrupted)")
     return manifest
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content (every key but ``digest``, canonical JSON): an edit that
+    keeps it valid JSON (a dropped file entry, another world_size) no longer goes unnoticed."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_manifest(path: Path, manifest: dict) -> None:
+    """The manifest's own integrity: its digest (format 2 on), entries confined to the checkpoint
+    directory, every file there listed, every part's files present, a sane step and world size."""
+    mpath, files = path / MANIFEST, manifest["files"]
+    if manifest["version"] >= 2 and manifest.get("digest") != manifest_digest(manifest):
+        raise CheckpointError(f"{mpath}: edited or damaged (its digest does not match its content)")
+    root = path.resolve()
+    for rel, meta in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(meta, dict) \
+                or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str) \
+                or not (path / rel).resolve().is_relative_to(root):
+            raise CheckpointError(f"{mpath}: malformed entry {rel!r} (files must lie inside the checkpoint)")
+    unlisted = sorted({f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file() or f.is_symlink()}
+                      - set(files) - {MANIFEST})
+    if unlisted:
+        raise CheckpointError(f"{mpath}: files not in the manifest: {', '.join(unlisted[:5])} (edited or damaged)")
+    world, step = manifest.get("world_size"), manifest.get("step")
+    if not isinstance(world, int) or world < 1 or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{mpath}: malformed step {step!r} or world_size {world!r}")
+    needed = [f"{name}.{ext}" for name in manifest.get("parts", []) for ext in ("safetensors", "json")]
+    needed += [f"{name}_rank{r}.{ext}" for name in manifest.get("per_rank_parts", []) for r in range(world)
+               for ext in ("safetensors", "json")]
+    missing = [n for n in needed if n not in files]
+    if missing:
+        raise CheckpointError(f"{mpath}: the manifest's parts lack their files ({', '.join(missing[:5])})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,6 +469,7 @@ class CheckpointManager:
                         "step": step, "world_size": world,
                         "parts": list(parts), "per_rank_parts": sorted(gathered[0]) if gathered else [],
                         "files": files}
+            manifest["digest"] = manifest_digest(manifest)
             _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete
             _fsync_dir(tmp)
             if final.exists():  # re-saving a step (e.g. after resuming from an earlier one)
@@ -471,17 +504,21 @@ class CheckpointManager:
             return None
 
     def _prune(self, step: int, just_written: str) -> None:
-        # "Complete" here means "has a manifest" (cheap); loading verifies hashes. Checkpoints
-        # with a step above the one just written belong to a timeline abandoned by resuming
-        # from an earlier step; keeping them would make the next load_latest resume from them.
+        """Remove complete checkpoints older than the newest ``keep_last``; never one this save did
+        not supersede. "Complete" here means "has a manifest" (cheap); loading verifies hashes.
+        A checkpoint with a step above the one just written belongs to a timeline abandoned by
+        resuming from an earlier step: it is moved out of the way (``abandoned-step_X``, kept on
+        disk), since the next load_latest would resume from it; a damaged one stays (loads skip
+        it, and a save of its step replaces it)."""
         protected = {just_written, self._read_latest_pointer()}
         entries = sorted(((s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None), reverse=True)
         kept = 0
         for s, p in entries:  # newest first
             complete = (p / MANIFEST).is_file()
             if s > step:
-                log.warning("removing %s: it is newer than the checkpoint just written (step %d), "
-                            "left over from a run that was resumed from an earlier step", p, step)
+                if complete:
+                    self._set_aside(p, step)
+                continue
             elif p.name in protected:
                 kept += complete
                 continue
@@ -498,6 +535,18 @@ class CheckpointManager:
                 log.warning("could not prune %s: %s", p, exc)
                 continue
             shutil.rmtree(doomed, ignore_errors=True)
+
+    def _set_aside(self, path: Path, step: int) -> None:
+        dest, n = self.root / f"abandoned-{path.name}", 1
+        while dest.exists():
+            dest, n = self.root / f"abandoned-{path.name}-{n}", n + 1
+        try:
+            os.replace(path, dest)
+        except OSError as exc:
+            log.warning("could not move %s aside: %s", path, exc)
+            return
+        log.warning("moved %s to %s: it is newer than the checkpoint just written (step %d), from a run that was "
+                    "resumed from an earlier step; delete it once you no longer need it", path, dest, step)
 
     # ---------------------------------------------------------------------------- load
     def checkpoints(self) -> list[Path]:

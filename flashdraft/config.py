@@ -208,6 +208,9 @@ class Config:
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
+        _check(self.model.block_size <= self.data.max_length, "model.block_size", f"{self.model.block_size}",
+               f"a block cannot be longer than a sample (data.max_length={self.data.max_length}): lower "
+               "model.block_size or raise data.max_length")
         if self.data.min_supervised is None:
             need = 2 * self.model.block_size
             _check(self.data.max_length >= need, "data.max_length", f"{self.data.max_length}",

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from flashdraft.config import DTYPES
-from flashdraft.drafter import DFlashDrafter
+from flashdraft.drafter import DFlashDrafter, serving
 from flashdraft.speculative import Generation, greedy_generate, ngram_generate, speculative_generate
 from flashdraft.target import TargetModel
 
@@ -35,13 +35,33 @@ def read_prompts(path: str | os.PathLike) -> list[list[int]]:
     return prompts
 
 
-def check_prompts_fit(prompts: list[list[int]], vocab_size: int, path) -> None:
-    """Every prompt id must index the target's embedding table (else a bare IndexError mid-eval)."""
+def check_prompts_fit(prompts: list[list[int]], target_config, path, *, max_new_tokens: int = 0,
+                      block_size: int = 0) -> None:
+    """Every prompt id must index the target's embedding table (else a bare IndexError mid-eval),
+    and a prompt, its ``max_new_tokens`` and one verification block (``block_size``) must fit the
+    target's positions (else garbage past max_position_embeddings, or an error deep in decoding)."""
+    vocab_size = int(target_config.vocab_size)
+    max_pos = getattr(target_config, "max_position_embeddings", None)
     for line_no, ids in enumerate(prompts, 1):
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise ValueError(f"{path}: prompt {line_no} has token id "
                              f"{max(ids) if max(ids) >= vocab_size else min(ids)} outside the target's vocabulary "
                              f"[0, {vocab_size}): were the prompts tokenized with this target's tokenizer?")
+        if max_pos and len(ids) + max_new_tokens + block_size > max_pos:
+            need = len(ids) + max_new_tokens + block_size
+            raise ValueError(f"{path}: prompt {line_no} has {len(ids)} tokens; with {max_new_tokens} new tokens and a "
+                             f"block of {block_size} it needs {need} positions, more than the target's "
+                             f"max_position_embeddings={max_pos}: shorten it or generate fewer tokens")
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--output {path}: cannot write the report there ({exc.strerror or exc}); choose a "
+                         "writable path") from None
 
 
 def check_drafter_fits(drafter: DFlashDrafter, target: TargetModel, drafter_dir, target_dir) -> None:
@@ -171,21 +191,22 @@ def run(args) -> int:
         print(f"flashdraft eval: --dtype {args.dtype!r}: use one of {', '.join(DTYPES)}", file=sys.stderr)
         return 2
     drafter = None
-    layer_ids = [0]  # the n-gram baseline reads no taps
-    if args.drafter:
-        cfg = json.loads((Path(args.drafter) / "config.json").read_text())
+    layer_ids, block_size = [0], args.block_size or 16  # the n-gram baseline reads no taps
+    if args.drafter:  # a directory that is no drafter export (e.g. the target's) is refused here
+        cfg = serving.read_config(args.drafter)
         layer_ids = cfg["dflash_config"]["target_layer_ids"]
+        block_size = args.block_size or int(cfg.get("block_size") or cfg["dflash_config"]["block_size"])
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
+    if args.output:  # found now, not after the whole evaluation
+        _check_writable(Path(args.output))
     target = TargetModel.from_pretrained(args.target, target_layer_ids=layer_ids, device=args.device, dtype=args.dtype)
-    check_prompts_fit(prompts, target.embed.num_embeddings, args.prompts)
+    check_prompts_fit(prompts, target.config, args.prompts, max_new_tokens=args.max_new_tokens, block_size=block_size)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=target.dtype, device=args.device).eval()
         check_drafter_fits(drafter, target, args.drafter, args.target)
     eos = [] if args.no_eos else eos_ids_of(args.target, target.config)
-    report = evaluate_tau(
-        target, drafter, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
-        baseline=args.baseline, block_size=args.block_size or (drafter.block_size if drafter else 16),
-    )
+    report = evaluate_tau(target, drafter, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
+                          baseline=args.baseline, block_size=block_size)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

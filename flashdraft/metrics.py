@@ -344,11 +344,18 @@ def _jsonable(v: Any) -> Any:
 
 class JsonlSink:
     """Appends one JSON object per ``log`` call to ``path`` and flushes it, so a crash loses
-    at most the record being written. Each record: ``{"step", "time" (unix s), **metrics}``."""
+    at most the record being written. Each record: ``{"step", "time" (unix s), **metrics}``.
 
-    def __init__(self, path: str | os.PathLike):
+    ``start_step``: the run goes on from this step (a resume, or 0 for a fresh run): records of
+    later steps already in the file are from a run that got further before it stopped; the steps
+    are trained again, so those records move to ``<name>.abandoned.jsonl`` and the file keeps one
+    record per step and kind."""
+
+    def __init__(self, path: str | os.PathLike, start_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step is not None and self.path.is_file():
+            _rewind_jsonl(self.path, start_step)
         self._f: TextIO | None = open(self.path, "a", encoding="utf-8")
         if self._f.tell() > 0:  # resuming: end a line torn by a crash so the next record stays parseable
             with open(self.path, "rb") as f:
@@ -368,6 +375,25 @@ class JsonlSink:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _rewind_jsonl(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step``; move the later ones (and any unparseable line,
+    e.g. torn by a crash) to ``<name>.abandoned.jsonl``. The file is rewritten beside and renamed."""
+    kept, moved = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            record_step = None
+        (kept if isinstance(record_step, int) and record_step <= step else moved).append(line)
+    if not moved:
+        return
+    with open(path.with_name(path.stem + ".abandoned.jsonl"), "a", encoding="utf-8") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _require(module: str, backend: str, extra: str) -> Any:
@@ -459,8 +485,10 @@ def open_metrics(
     run_name: str | None = None,
     config: dict | None = None,
     wandb_project: str = "flashdraft",
+    start_step: int | None = None,
 ) -> MetricsLogger:
     """Build the run's logger: ``<output_dir>/metrics.jsonl`` always, plus the optional backends.
+    ``start_step``: the step the run goes on from (see JsonlSink; None: append as is).
 
     ``is_main`` defaults to "this is global rank 0" (flashdraft.distributed). Missing optional
     packages are reported on every rank (RuntimeError with the pip command), so no rank starts
@@ -480,7 +508,7 @@ def open_metrics(
     if not is_main:
         return MetricsLogger([], enabled=False)
     out = Path(output_dir)
-    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl")]
+    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl", start_step)]
     if "tensorboard" in backends:
         sinks.append(TensorBoardSink(out / "tensorboard"))
     if "wandb" in backends:

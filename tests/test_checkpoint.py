@@ -17,7 +17,15 @@ import torch
 
 from conftest import read_log, results, run_ranks
 from flashdraft import checkpoint as ckpt
-from flashdraft.checkpoint import CheckpointError, CheckpointManager, flatten_state, unflatten_state, verify_checkpoint
+from flashdraft.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointManager,
+    flatten_state,
+    sha256_file,
+    unflatten_state,
+    verify_checkpoint,
+)
 
 
 def assert_same(a, b, path="<root>"):
@@ -359,3 +367,52 @@ def test_failed_save_on_rank_0_raises_on_every_rank(tmp_path, forkserver):
     for r in results(run_ranks(forkserver, "checkpoint_save_fails_everywhere", str(blocker / "ckpt"))):
         assert r["error"] and "could not save checkpoint step 1" in r["error"] and str(blocker) in r["error"]
         assert r["waited_s"] < 20  # told by rank 0, not timed out
+
+
+def _edit_manifest(path, edit):
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how", ["drop_a_file_entry", "world_size", "entry_outside", "unlisted_file",
+                                 "symlink_out", "drop_a_part_and_its_entries"])
+def test_a_manifest_edited_into_valid_json_is_refused(tmp_path, how):
+    """The manifest vouches for every file; its own edits must not pass (a dropped entry would
+    hide a swapped file, another world_size would hand ranks another's RNG)."""
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    path = mgr.save(3, {"model": {"w": torch.ones(3)}, "opt": {"m": torch.zeros(2)}},
+                    per_rank_parts={"rng": {"s": torch.arange(4)}})
+    if how == "drop_a_file_entry":
+        _edit_manifest(path, lambda m: m["files"].pop("opt.safetensors"))
+        match = "digest does not match"
+    elif how == "world_size":
+        _edit_manifest(path, lambda m: m.update(world_size=2))
+        match = "digest does not match"
+    elif how == "entry_outside":
+        (tmp_path / "outside.bin").write_bytes(b"x")
+
+        def outside(m):
+            m["files"]["sub/../../../outside.bin"] = {"size": 1, "sha256": sha256_file(tmp_path / "outside.bin")}
+            m["digest"] = ckpt.manifest_digest(m)
+        _edit_manifest(path, outside)
+        match = "must lie inside the checkpoint"
+    elif how == "unlisted_file":
+        (path / "extra.safetensors").write_bytes(b"planted")
+        match = "files not in the manifest: extra.safetensors"
+    elif how == "symlink_out":
+        (tmp_path / "secret").write_text("s")
+        os.symlink(tmp_path / "secret", path / "opt.json.link")
+        match = "files not in the manifest: opt.json.link"
+    else:  # a consistent-looking manifest that no longer lists a part's files
+        def drop(m):
+            m["files"].pop("opt.safetensors")
+            m["files"].pop("opt.json")
+            m["digest"] = ckpt.manifest_digest(m)
+        _edit_manifest(path, drop)
+        (path / "opt.safetensors").unlink()
+        (path / "opt.json").unlink()
+        match = "the manifest's parts lack their files"
+    with pytest.raises(CheckpointError, match=match):
+        verify_checkpoint(path)
+    assert mgr.load_latest() is None  # skipped as damaged, with a warning

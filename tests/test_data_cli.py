@@ -76,3 +76,13 @@ def test_every_bench_entry_parses_its_options(capsys):
 def test_lognormal_lengths_long_tailed():
     x = lognormal_lengths(100_000, 256, 8192)
     assert 200 < x.mean() < 300 and np.percentile(x, 99) > 4 * np.median(x) and x.min() >= 64
+
+
+def test_inspect_on_an_empty_dataset_says_so_and_fails(tmp_path, capsys):
+    from flashdraft.cli import main
+    from flashdraft.data.shards import write_token_shard
+
+    write_token_shard(tmp_path / "empty", [], vocab_size=10)
+    assert main(["inspect", str(tmp_path / "empty")]) == 1
+    out = capsys.readouterr().out
+    assert "the dataset has no samples" in out and "problems        none" not in out

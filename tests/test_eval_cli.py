@@ -47,3 +47,24 @@ def test_an_unknown_dtype_is_refused(shallow_target, capsys):
     assert main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(d / "prompts.jsonl"),
                  "--dtype", "bf16"]) == 2
     assert "--dtype 'bf16'" in capsys.readouterr().err
+
+
+def test_a_prompt_too_long_for_the_targets_positions_is_refused_before_decoding(shallow_target, tmp_path):
+    d = shallow_target  # max_position_embeddings 512
+    write_prompts(tmp_path / "long.jsonl", [[1, 2], [3] * 500])
+    with pytest.raises(ValueError, match=r"long.jsonl: prompt 2 has 500 tokens; with 64 new tokens and a block of 4 "
+                                         r"it needs 568 positions, more than the target's max_position_embeddings=512"):
+        main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(tmp_path / "long.jsonl"),
+              "--max-new-tokens", "64", "--block-size", "4", "--device", "cpu"])
+
+
+def test_the_target_directory_given_as_drafter_and_an_unwritable_output_are_refused_up_front(shallow_target,
+                                                                                             tmp_path):
+    d = shallow_target
+    with pytest.raises(ValueError, match=r"target/config.json: not a DFlash drafter"):
+        main(["eval", "--target", str(d / "target"), "--drafter", str(d / "target"),
+              "--prompts", str(d / "prompts.jsonl"), "--device", "cpu"])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"--output .*afile/report.json: cannot write the report there"):
+        main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(d / "prompts.jsonl"),
+              "--output", str(tmp_path / "afile" / "report.json"), "--device", "cpu"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, overrides, tiny_qwen3
-from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file
+from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, manifest_digest, sha256_file
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
 from flashdraft.train.trainer import Trainer
@@ -82,7 +82,8 @@ def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_pat
 
 def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, tmp_path):  # noqa: F811
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
-    with pytest.raises(ValueError, match=r"prompts.jsonl: prompt 0 has token ids outside \[0, 300\)"):
+    with pytest.raises(ValueError, match=r"prompts.jsonl: prompt 1 has token id \d+ outside the target's vocabulary "
+                                         r"\[0, 300\)"):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run",
                                                 data__eval_prompts=tmp_path / "prompts.jsonl")))
 
@@ -201,6 +202,7 @@ def test_a_pickle_planted_in_a_checkpoint_is_never_unpickled_even_with_a_matchin
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["files"]["model.safetensors"] = {"size": (path / "model.safetensors").stat().st_size,
                                               "sha256": sha256_file(path / "model.safetensors")}
+    manifest["digest"] = manifest_digest(manifest)  # the attacker fixes the digest up too
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="cannot load"):
         manager.load(path)
@@ -315,3 +317,63 @@ def test_exports_and_checkpoints_follow_the_umask(tiny_job, tmp_path):
     files = [*path.rglob("*.safetensors"), tmp_path / "export" / "model.safetensors"]
     assert len(files) >= 4 and {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
     assert (tmp_path / "export" / "config.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_stops_and_deletes_nothing(tiny_job, tmp_path):
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    assert [p.name for p in ckpts] == ["step_00000002", "step_00000004", "step_00000006"]
+    for ckpt in ckpts:  # one flipped byte in each checkpoint's drafter weights
+        weights = ckpt / "drafter.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0x01
+        weights.write_bytes(bytes(data))
+    again = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=8, train__save_every=2)))
+    with pytest.raises(CheckpointError, match=r"holds 3 checkpoints \(newest step_00000006\) but none of them loads.*"
+                                              r"Nothing was deleted"):
+        again.fit()
+    assert sorted((out / "checkpoints").glob("step_*")) == ckpts
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_kept_not_deleted(tiny_job, tmp_path):
+    """Resuming from the last good checkpoint, the first save used to delete the damaged newer one
+    ("newer than the checkpoint just written"): it is kept, out of the way of the next resume."""
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
+    weights = out / "checkpoints" / "step_00000006" / "drafter.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    damaged = weights.read_bytes()
+    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=10, train__save_every=5)))
+    resumed.fit()  # resumes from step 4, saves step 5 (below the damaged 6), then 10
+    assert resumed.step == 10
+    kept = out / "checkpoints" / "abandoned-step_00000006" / "drafter.safetensors"
+    assert kept.read_bytes() == damaged
+    assert CheckpointManager(out / "checkpoints").load_latest().step == 10
+
+
+def test_steps_trained_again_after_a_resume_appear_once_in_metrics_jsonl(tiny_job, tmp_path):
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
+    (out / "metrics.jsonl").open("a").write('{"step": 7, "loss": 1.0')  # and a line torn by a crash
+    resumed = Trainer(load_config(overrides=overrides(
+        tiny_job, out, train__max_steps=6, train__save_every=2, train__resume=out / "checkpoints" / "step_00000004")))
+    resumed.fit()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [s for s, line in zip(steps, (out / "metrics.jsonl").read_text().splitlines()) if '"loss"' in line]
+    assert losses == [1, 2, 3, 4, 5, 6]  # steps 5 and 6 once, from the resumed run
+    abandoned = (out / "metrics.abandoned.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in abandoned[:-1]] == [5, 6] and abandoned[-1].startswith('{"step": 7')
+
+
+def test_a_block_longer_than_a_sample_and_an_eval_prompt_beyond_the_targets_positions_are_refused(tiny_job, tmp_path):
+    with pytest.raises(ValueError, match=r"config model.block_size=64 is invalid: a block cannot be longer than a "
+                                         r"sample \(data.max_length=32\)"):
+        load_config(overrides=["model.block_size=64", "data.max_length=32", "data.min_supervised=1"])
+    (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": [1] * 500}) + "\n")
+    with pytest.raises(ValueError, match=r"long.jsonl: prompt 1 has 500 tokens; with 64 new tokens and a block of 4 "
+                                         r"it needs 568 positions, more than the target's max_position_embeddings=512"):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "long.jsonl",
+                                                train__eval_max_new_tokens=64)))

@@ -89,6 +89,9 @@ def format_summary(s: dict) -> str:
         for kind, count in s["dropped"].items():
             lines.append(f"    {kind}: {count:,}, e.g. " + "; ".join(s["examples"].get(kind, [])[:3]))
             lines.append(f"      fix: {FIXES[kind]}")
+    elif s["samples"] == 0:
+        lines.append("  problems        the dataset has no samples: nothing to train on (check the source "
+                     "and how it was prepared)")
     else:
         lines.append("  problems        none")
     return "\n".join(lines)
@@ -99,4 +102,4 @@ def run(args) -> int:
     s = summarize(args.path, vocab_size=args.vocab_size, max_length=args.max_length, token_budget=args.token_budget,
                   max_batch_size=args.max_batch_size, min_supervised=min_sup, cache_dir=args.cache_dir)
     print(json.dumps(s, indent=1) if args.json else format_summary(s))
-    return 0
+    return 0 if s["samples"] else 1

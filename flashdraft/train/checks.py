@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from flashdraft.config import Config
-from flashdraft.evaluate import prompts_from_dataset, read_prompts
+from flashdraft.evaluate import check_prompts_fit, prompts_from_dataset, read_prompts
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,7 +95,7 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
         )
 
 
-def load_eval_prompts(cfg: Config, eval_dataset, vocab_size: int) -> list[list[int]]:
+def load_eval_prompts(cfg: Config, eval_dataset, target_config) -> list[list[int]]:
     """Held-out prompts for tau, read and checked at start-up (not at the first eval)."""
     if cfg.data.eval_prompts:
         prompts = read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
@@ -103,8 +103,6 @@ def load_eval_prompts(cfg: Config, eval_dataset, vocab_size: int) -> list[list[i
         prompts = prompts_from_dataset(eval_dataset, cfg.train.eval_prompts)
     else:
         return []
-    for n, ids in enumerate(prompts):
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            raise ValueError(f"{cfg.data.eval_prompts or cfg.data.eval_path}: prompt {n} has token ids outside "
-                             f"[0, {vocab_size}) (the target's vocabulary); re-tokenize it with the target's tokenizer")
+    check_prompts_fit(prompts, target_config, cfg.data.eval_prompts or cfg.data.eval_path,
+                      max_new_tokens=cfg.train.eval_max_new_tokens, block_size=cfg.model.block_size)
     return prompts

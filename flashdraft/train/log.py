@@ -24,7 +24,7 @@ class TrainLog:
         self.config, self.dist, self.device, self.timer = config, dist, device, timer
         self.block_size, self.total_steps = block_size, total_steps
         self.metrics = open_metrics(config.train.output_dir, config.train.metrics, is_main=dist.is_main,
-                                    config=config.to_dict())
+                                    config=config.to_dict(), start_step=start_step)
         self.progress = Progress(total_steps, start_step, enabled=dist.is_main)
         self.speed = Throughput()
         self.speed.update(start_step)

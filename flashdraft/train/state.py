@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flashdraft.checkpoint import CheckpointManager
+from flashdraft.checkpoint import CheckpointError, CheckpointManager
 from flashdraft.config import Config
 from flashdraft.data.batching import BatchSampler
 
@@ -124,6 +124,12 @@ class RunCheckpoints:
             return False
         loaded = self.manager.load_latest() if mode == "auto" else self.manager.load(mode)
         if loaded is None:
+            if existing := self.manager.checkpoints():  # a fresh start would train over them, then prune them
+                raise CheckpointError(
+                    f"{self.manager.root} holds {len(existing)} checkpoints (newest {existing[0].name}) but none of "
+                    "them loads: each failed its manifest check (the warnings above name the file). Nothing was "
+                    f"deleted. Repair them, resume from one with train.resume=DIR, or move {self.manager.root} aside "
+                    "to start over")
             return False
         self._check_compatible(loaded.config or {})
         parts = upgrade_parts(loaded.parts, loaded.version)

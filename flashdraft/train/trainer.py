@@ -120,7 +120,7 @@ class Trainer:
         for dataset in (self.dataset, self.eval_dataset):
             if dataset is not None:
                 checks.check_lengths(dataset, cfg, self.target.config)
-        self.eval_prompt_ids = checks.load_eval_prompts(cfg, self.eval_dataset, int(self.target.config.vocab_size))
+        self.eval_prompt_ids = checks.load_eval_prompts(cfg, self.eval_dataset, self.target.config)
 
     @property
     def model(self):
