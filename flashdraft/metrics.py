@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Stage timing
@@ -373,8 +376,11 @@ class JsonlSink:
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            f, self._f = self._f, None
+            try:
+                f.close()
+            except OSError as exc:  # the final flush of lines a full disk refused: already reported lost
+                _log.warning("metrics: %s: the last records could not be written (%s)", self.path, exc)
 
 
 def _rewind_jsonl(path: Path, step: int) -> None:
@@ -451,6 +457,7 @@ class MetricsLogger:
     def __init__(self, sinks: Sequence[MetricsSink], enabled: bool = True):
         self.sinks = list(sinks) if enabled else []
         self.enabled = enabled
+        self._failing: set[int] = set()  # sinks whose last write failed (warned once per failure run)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -463,7 +470,15 @@ class MetricsLogger:
                 v = v.item()  # numpy scalars
             clean[k] = v
         for sink in self.sinks:
-            sink.log(step, clean)
+            try:
+                sink.log(step, clean)
+            except OSError as exc:  # e.g. a full disk: losing a metrics line must not cost the run
+                if id(sink) not in self._failing:
+                    self._failing.add(id(sink))
+                    _log.warning("metrics: cannot write step %d to %s (%s); training goes on, the records are lost "
+                                 "until it can write again", step, getattr(sink, "path", type(sink).__name__), exc)
+                continue
+            self._failing.discard(id(sink))
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -263,10 +263,13 @@ def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(t
     Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2))).fit()  # free again once it ends
 
 
-def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path):
+def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, caplog):
     """Ids from another tokenizer fit the vocabulary and would train silently on the wrong tokens."""
+    import logging
+
     from flashdraft.data.prepare import prepare
     from flashdraft.toy import synthetic_conversations, tiny_causal_lm, train_toy_tokenizer
+    from flashdraft.train.checks import target_tokenizer
 
     records = synthetic_conversations(40, seed=2)
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -290,6 +293,14 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path):
     with pytest.raises(ValueError, match=r"other: prepared with the tokenizer of .*other-tok, whose vocabulary differs "
                                          r"from model.target's .*Re-run flashdraft prepare with --tokenizer"):
         trainer("other")
+    # A target directory without tokenizer files cannot be compared: a warning, not a false mismatch
+    # (transformers would "load" a 1-token tokenizer from it).
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "target" / name).unlink(missing_ok=True)
+    target_tokenizer.cache_clear()  # loaded once per process: this one saw the files before they went
+    with caplog.at_level(logging.WARNING):
+        trainer("other")
+    assert "cannot check that" in caplog.text and "no tokenizer files" in caplog.text
 
 
 @pytest.mark.parametrize("override,field", [
@@ -377,3 +388,28 @@ def test_a_block_longer_than_a_sample_and_an_eval_prompt_beyond_the_targets_posi
                                          r"it needs 568 positions, more than the target's max_position_embeddings=512"):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "long.jsonl",
                                                 train__eval_max_new_tokens=64)))
+
+
+def test_a_full_disk_under_metrics_jsonl_costs_log_lines_not_the_run(tiny_job, tmp_path, caplog):
+    import logging
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    with caplog.at_level(logging.WARNING):
+        trainer.fit()
+    assert trainer.step == 4 and CheckpointManager(out / "checkpoints").load_latest().step == 4
+    assert caplog.text.count("metrics: cannot write step") == 1  # warned once, not once per line
+
+
+def test_an_output_dir_or_checkpoints_path_that_is_a_file_is_refused_at_start(tiny_job, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"train.output_dir .*afile: cannot use it for the run's outputs"):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "afile"))).fit()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"checkpoints is a file"):
+        trainer.fit()
+    assert trainer.step == 0  # refused before training, not at the first save

@@ -239,3 +239,32 @@ def test_a_reply_that_is_not_text_fails_the_conversation_and_a_rerun_retries_it(
                            max_retries=0, progress=False, log=lambda *_: None)
     assert again["skipped_done"] == 1 and again["generated"] == 1 and again["failed"] == 0  # the failed one, retried
     assert sorted(r["id"] for r in read_out(tmp_path / "out.jsonl")) == ["a", "b"]
+
+
+def test_server_and_output_mistakes_are_one_line_errors_naming_the_fix(tmp_path):
+    from flashdraft.data.regenerate import OpenAIClient
+
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ValueError, match=r"--out .* is a directory; give the JSONL file to write"):
+        regenerate([tmp_path / "in.jsonl"], tmp_path, base_url="http://127.0.0.1:9/v1", progress=False,
+                   log=lambda *_: None)
+    with _Server(lambda h: (200, {}, {"data": [{"name": "no id"}]})) as server:
+        with pytest.raises(ValueError, match=r"lists no model id .*pass --model"):
+            OpenAIClient(server.url, max_retries=0)
+    with pytest.raises(ValueError, match=r"cannot ask the server for its model .*check that the server runs at "
+                                         r"--base-url, or name the model with --model"):
+        OpenAIClient("http://127.0.0.1:9/v1", max_retries=1, backoff_s=0.01)  # nothing listens on port 9
+
+    with _Server(lambda h: (200, {}, None)) as server:  # an empty body where JSON should be
+        with pytest.raises(ValueError, match=r"the reply is not JSON .*is --base-url an OpenAI-compatible server"):
+            OpenAIClient(server.url, max_retries=0)
+
+
+def test_prepare_refuses_a_tokenizer_path_that_is_a_file_or_missing(tmp_path):
+    from flashdraft.data.prepare import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"--tokenizer .*tokenizer.json: a file; give the target model's directory"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"--tokenizer .*typo: no such directory"):
+        load_tokenizer(tmp_path / "typo")

@@ -38,6 +38,10 @@ MAX_ERRORS_KEPT = 20
 def load_tokenizer(tokenizer_dir: str | os.PathLike):
     from transformers import AutoTokenizer
 
+    path = Path(tokenizer_dir)
+    if path.is_file() or (not path.exists() and (path.is_absolute() or str(tokenizer_dir).startswith("."))):
+        raise ValueError(f"--tokenizer {tokenizer_dir}: {'a file' if path.is_file() else 'no such directory'}; give "
+                         "the target model's directory (its tokenizer files and chat template)")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{tokenizer_dir}: a fast (tokenizers-backed) tokenizer is required for offset mapping")

@@ -152,7 +152,11 @@ class OpenAIClient:
         # environment's *_proxy variables say; and no redirect to another origin (urllib would
         # follow it with the Authorization header).
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _SameOriginRedirects(self.base_url))
-        self.model = model or self._first_model()
+        try:
+            self.model = model or self._first_model()
+        except GenerationError as exc:
+            raise ValueError(f"{self.base_url}: cannot ask the server for its model ({exc}); check that the server "
+                             "runs at --base-url, or name the model with --model") from None
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
         data = None if payload is None else json.dumps(payload).encode()
@@ -165,7 +169,13 @@ class OpenAIClient:
             try:
                 req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
                 with self._opener.open(req, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read())
+                    body = resp.read()
+                try:
+                    return json.loads(body)
+                except ValueError:
+                    raise GenerationError(f"{method} {self.base_url + path}: the reply is not JSON "
+                                          f"({body[:200].decode('utf-8', 'replace')!r}); is --base-url an "
+                                          "OpenAI-compatible server's /v1?") from None
             except urllib.error.HTTPError as exc:
                 body = exc.read()[:300].decode("utf-8", "replace")
                 if exc.code not in RETRY_STATUS:
@@ -182,9 +192,10 @@ class OpenAIClient:
         raise AssertionError("unreachable")
 
     def _first_model(self) -> str:
-        models = self._request("GET", "/models").get("data") or []
-        if not models:
-            raise GenerationError(f"{self.base_url}/models lists no model; pass --model")
+        listing = self._request("GET", "/models")
+        models = listing.get("data") if isinstance(listing, dict) else None
+        if not models or not isinstance(models[0], dict) or not isinstance(models[0].get("id"), str):
+            raise GenerationError(f"{self.base_url}/models lists no model id ({str(listing)[:200]}); pass --model")
         return models[0]["id"]
 
     def chat(self, messages: list[dict], settings: dict) -> tuple[str, str | None, str]:
@@ -318,6 +329,9 @@ def regenerate(inputs, out_path, *, backend: str = "http", base_url: str | None 
     t0 = time.perf_counter()
     inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
     out_path = Path(out_path)
+    if out_path.is_dir():
+        raise ValueError(f"--out {out_path} is a directory; give the JSONL file to write "
+                         f"(e.g. {out_path / 'regen.jsonl'})")
     settings = {"backend": backend, "temperature": float(temperature), "top_p": float(top_p),
                 "max_tokens": int(max_tokens), "seed": seed, "enable_thinking": enable_thinking}
     client, generator = _make_backend(settings, base_url=base_url, model=model, api_key=api_key, hf_model=hf_model,

@@ -7,18 +7,30 @@ seconds at start-up rather than hours into a run.
 from __future__ import annotations
 
 import functools
+import logging
 
 from flashdraft.config import Config
 from flashdraft.evaluate import check_prompts_fit, prompts_from_dataset, read_prompts
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
 def target_tokenizer(target_dir: str):
     """The target directory's tokenizer, loaded once per start-up for the MASK-id lookup and the
     data's tokenizer check (a 152K-entry tokenizer takes about a second). Failures are not cached."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    # transformers "loads" a 1-token tokenizer from a model directory without tokenizer files, so
+    # every check below would report a mismatch instead of the missing files
+    if not any((Path(target_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{target_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     return AutoTokenizer.from_pretrained(target_dir)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
@@ -62,7 +74,9 @@ def check_tokenizer(target_dir: str, *datasets) -> None:
         if fingerprint is None:
             try:
                 fingerprint = vocab_fingerprint(target_tokenizer(str(target_dir)))
-            except (OSError, ValueError):  # a target directory without a tokenizer: nothing to compare
+            except (OSError, ValueError) as exc:  # a target directory without a tokenizer: nothing to compare
+                log.warning("%s: cannot check that %s was prepared with the target's tokenizer (%s)", target_dir,
+                            dataset.path, exc)
                 return
         if fingerprint != wanted:
             prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")

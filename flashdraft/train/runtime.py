@@ -34,8 +34,15 @@ def output_lock(output: Path):
     train.output_dir fails at once instead of interleaving its checkpoints and metrics with the
     first one's. Released by the kernel whatever way the process ends (flock), so a crash never
     leaves a stale lock."""
-    output.mkdir(parents=True, exist_ok=True)
-    with open(output / ".lock", "a+") as f:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        if (output / "checkpoints").exists() and not (output / "checkpoints").is_dir():
+            raise NotADirectoryError(f"{output / 'checkpoints'} is a file")
+        lock = open(output / ".lock", "a+")
+    except OSError as exc:
+        raise ValueError(f"train.output_dir {output}: cannot use it for the run's outputs ({exc.strerror or exc}); "
+                         "give a writable directory (not a file)") from None
+    with lock as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
