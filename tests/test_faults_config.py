@@ -283,11 +283,11 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
         prepare([tmp_path / "chats.jsonl"], tok_dir, tmp_path / name, max_length=256, min_supervised=8,
                 num_workers=1, progress=False, log=lambda *_: None)
 
-    def trainer(data):
+    def trainer(data, *extra):
         return Trainer(load_config(overrides=[
             f"model.target={tmp_path / 'target'}", f"data.path={tmp_path / data}", "model.num_draft_layers=1",
             "model.block_size=4", "model.target_layer_ids=[0,1]", "data.token_budget=512", "train.device=cpu",
-            f"train.output_dir={tmp_path / 'run'}"]))
+            f"train.output_dir={tmp_path / 'run'}", *extra]))
 
     trainer("ok")  # the target's own tokenizer: accepted
     with pytest.raises(ValueError, match=r"other: prepared with the tokenizer of .*other-tok, whose vocabulary differs "
@@ -299,7 +299,7 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
         (tmp_path / "target" / name).unlink(missing_ok=True)
     target_tokenizer.cache_clear()  # loaded once per process: this one saw the files before they went
     with caplog.at_level(logging.WARNING):
-        trainer("other")
+        trainer("other", f"model.mask_token_id={len(tok_target) - 1}")
     assert "cannot check that" in caplog.text and "no tokenizer files" in caplog.text
 
 
