@@ -157,6 +157,36 @@ def train_ranks(overrides_json: str) -> None:
     D.teardown()
 
 
+def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
+    """flashdraft training on every rank, recording each optimizer step's learning rate and this
+    rank's sample ids; SIGTERM to itself after step ``stop_at`` (0: run to the end)."""
+    from flashdraft.config import load_config
+    from flashdraft.train.runtime import Stopped
+    from flashdraft.train.trainer import Trainer
+
+    trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
+    steps, step_fn = [], trainer.step_fn
+
+    def recorded(micro, step, stats):
+        ids = sorted(int(i) for m in micro for i in m.sample_ids)
+        steps.append([step + 1, trainer.scheduler.get_last_lr()[0], ids])  # the lr this step trains with
+        return step_fn(micro, step, stats)
+
+    def stop(trainer):
+        if trainer.step == int(stop_at):
+            os.kill(os.getpid(), __import__("signal").SIGTERM)
+
+    trainer.step_fn = recorded
+    stopped = False
+    try:
+        trainer.fit(on_step=stop)
+    except Stopped:
+        stopped = True
+    result({"steps": steps, "total_steps": trainer.total_steps, "stopped": stopped, "final_step": trainer.step})
+    trainer.release_ddp()
+    D.teardown()
+
+
 def pace_steps(seconds: float) -> None:
     """Make every optimizer step of this process last ``seconds`` longer, so that a test's kill
     lands at a chosen moment of a run (the trainer itself has no test hook)."""
@@ -263,7 +293,7 @@ def train_target_raises(overrides_json: str, at_call: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
-                                     train_target_raises)}
+                                     train_target_raises, train_recorded)}
 
 
 def serve(*preload: str) -> None:

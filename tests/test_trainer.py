@@ -104,3 +104,53 @@ def test_resume_after_sigkill_is_exact(tiny_job, tmp_path):
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name
     assert _losses(resumed) == _losses(straight)
+
+
+# ---- the budget belongs to the run, not to its world size -----------------------------------
+
+
+def _recorded(server, out, world_size, stop_at=0, **extra):
+    """(per-step [step, lr, sample ids of every rank], total steps) of a 3-epoch run (no max_steps)."""
+    args = overrides(_tiny, out, train__max_steps="null", train__epochs=3, train__save_every=0, **extra)
+    ranks = results(run_ranks(server, "train_recorded", json.dumps(args), str(stop_at), world_size=world_size,
+                              timeout=240))
+    steps = [[s, lr, sorted(i for r in ranks for i in r["steps"][k][2])] for k, (s, lr, _) in
+             enumerate(ranks[0]["steps"])]
+    return steps, ranks[0]["total_steps"]
+
+
+_tiny = None
+
+
+@pytest.fixture
+def epochs_job(tiny_job):
+    global _tiny
+    _tiny = tiny_job
+    return tiny_job
+
+
+@pytest.mark.parametrize("before,after", [((2, 1), (1, 1)), ((2, 1), (1, 2)), ((1, 1), (2, 1))],
+                         ids=["2_ranks_to_1", "2x1_to_1x2", "1_rank_to_2"])
+def test_a_resume_at_another_world_size_trains_exactly_the_samples_left(epochs_job, tmp_path, forkserver,
+                                                                         before, after):
+    """The step counter is kept, the budget recounted at the new layout: every sample is trained
+    exactly once per epoch across both parts, the LR goes on where it was (no jump) and reaches
+    the end of its schedule; 2 ranks x 1 -> 1 rank x 2 (the same samples per step) continues
+    exactly as the uninterrupted run."""
+    (w0, ga0), (w1, ga1) = before, after
+    straight, total = _recorded(forkserver, tmp_path / "straight", w0, train__grad_accum=ga0)
+    assert len(straight) == total and total >= 8
+    stop = total // 2 + 1
+    out = tmp_path / "run"
+    part1, _ = _recorded(forkserver, out, w0, stop, train__grad_accum=ga0)
+    part2, total2 = _recorded(forkserver, out, w1, train__grad_accum=ga1)
+    assert len(part1) == stop and part2[0][0] == stop + 1 and part2[-1][0] == total2
+    trained = [i for _, _, ids in part1 + part2 for i in ids]
+    assert sorted(trained) == sorted(list(range(32)) * 3)  # each of the 32 samples once per epoch, none lost
+    assert part2[0][1] == pytest.approx(straight[stop][1], rel=1e-12)  # the lr goes on where it was
+    lrs = [lr for _, lr, _ in part1 + part2]
+    assert all(b <= a + 1e-15 for a, b in zip(lrs[stop - 1:], lrs[stop:]))  # past warmup: decaying, never jumping
+    assert lrs[-1] < 0.1 * max(lrs)  # the schedule reaches its end
+    if (w0 * ga0, w1 * ga1) == (2, 2):  # the same samples per step: the uninterrupted run's steps exactly
+        assert total2 == total and [ids for _, _, ids in part2] == [ids for _, _, ids in straight[stop:]]
+        assert [lr for _, lr, _ in part2] == pytest.approx([lr for _, lr, _ in straight[stop:]], rel=1e-12)

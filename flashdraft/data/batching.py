@@ -222,6 +222,20 @@ class BatchSampler:
         """
         return len(plan_steps(self._plan(self.epoch), self.world_size)[0])
 
+    def batches_left(self, num_epochs: int) -> int:
+        """Batches each rank still gets from the cursor to the end of epoch ``num_epochs - 1``, at
+        this world size (the current epoch's remaining entries re-split if the world size changed;
+        later epochs as many as ``batches_per_epoch``). The same on every rank."""
+        if self.epoch >= num_epochs:
+            return 0
+        start = self.consumed if self.segment_world_size != self.world_size else self.segment_start
+        steps, _ = plan_steps(self._plan(self.epoch)[start:], self.world_size)
+        pos, done = start, 0
+        while pos < self.consumed and done < len(steps):
+            pos += steps[done][0]
+            done += 1
+        return len(steps) - done + (num_epochs - self.epoch - 1) * self.batches_per_epoch
+
     @property
     def num_global_batches(self) -> int:
         """Entries in the global plan of one epoch (the same every epoch)."""

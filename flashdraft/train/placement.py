@@ -197,6 +197,8 @@ class _DrafterLink:
         for j in range(layout.grad_accum):
             o = layout.micro_offset(j)
             rows, seq = int(h[o]), int(h[o + 1])
+            if rows == 0:  # a last step of the plan holds fewer than grad_accum micro-batches
+                continue
             fields = {name: torch.empty(rows, seq, dtype=dt, device=device) for name, dt in BATCH_DTYPES.items()}
             features = torch.empty(rows, seq, width, dtype=dtype, device=device)
             transfers += [distributed.irecv(t, self.peer) for t in (*fields.values(), features)]
@@ -308,7 +310,12 @@ def _step_inputs(stages: FeatureStages, links: list[_TargetLink], pool: BufferPo
     """Data stage: each served drafter rank's next step in turn, as ``(link index, StepInput)``."""
     for _ in range(num_steps):
         for k, link in enumerate(links):
-            yield k, stages.collate_step(link.batches, pool.acquire(), link.sampler)
+            slot = pool.acquire()
+            item = stages.collate_step(link.batches, slot, link.sampler)
+            if item is None:  # the plan ended (the drafter ranks asked for the steps it has: not expected)
+                pool.release(slot)
+                return
+            yield k, item
 
 
 class _TargetLink:

@@ -62,10 +62,22 @@ class StepInput:
 
 def batch_sampler(dataset, config: Config, rank: int, world_size: int) -> BatchSampler:
     """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated target
-    rank builds the plan of each drafter rank it feeds)."""
+    rank builds the plan of each drafter rank it feeds): ``train.epochs`` passes over the data, or
+    endless when ``train.max_steps`` sets the budget."""
     data = config.data
     return BatchSampler(dataset.lengths, token_budget=data.token_budget, max_batch_size=data.max_batch_size,
-                        seed=config.train.seed, rank=rank, world_size=world_size)
+                        seed=config.train.seed, rank=rank, world_size=world_size,
+                        num_epochs=None if config.train.max_steps else config.train.epochs)
+
+
+def steps_left(sampler: BatchSampler, config: Config, step: int) -> int:
+    """Optimizer steps the run's budget has left after ``step``: ``train.max_steps`` minus the
+    steps done, or the steps the plan's remaining batches make at ``train.grad_accum`` per step
+    (the last one may hold fewer), so that a run resumed at another world size or grad_accum
+    trains exactly the samples the plan has left."""
+    if config.train.max_steps:
+        return max(0, config.train.max_steps - step)
+    return -(-sampler.batches_left(config.train.epochs) // config.train.grad_accum)
 
 
 class FeatureStages:
@@ -91,14 +103,18 @@ class FeatureStages:
 
     # ---- stage 1: data ------------------------------------------------------------------------
 
-    def collate_step(self, batches, slot: list[CollateBuffers], sampler: BatchSampler) -> StepInput:
+    def collate_step(self, batches, slot: list[CollateBuffers], sampler: BatchSampler) -> StepInput | None:
         """One step: the next ``grad_accum`` batches of the plan iterator ``batches`` padded into
-        the pooled ``slot``, with ``sampler``'s cursor after them."""
+        the pooled ``slot``, with ``sampler``'s cursor after them; fewer at the end of the plan
+        (None when it has none left)."""
         micro = []
         for buffers in slot:
-            _, _, idx = next(batches)
+            found = next(batches, None)
+            if found is None:
+                break
+            idx = found[2]
             micro.append(Micro(pad_batch(self.dataset, idx, buffers=buffers), idx))
-        return StepInput(micro, slot, sampler.state_dict())
+        return StepInput(micro, slot, sampler.state_dict()) if micro else None
 
     def step_inputs(self, sampler: BatchSampler, pool: BufferPool, num_steps: int):
         """The data stage (data thread): plan + collate ``num_steps`` steps into pooled buffers."""
@@ -107,6 +123,9 @@ class FeatureStages:
             slot = pool.acquire()
             with self.timer.stage("data"):
                 item = self.collate_step(batches, slot, sampler)
+            if item is None:  # the plan ended (steps_left counts its steps: not expected)
+                pool.release(slot)
+                return
             yield item
 
     # ---- stage 2: h2d + target ---------------------------------------------------------------

@@ -32,7 +32,7 @@ from flashdraft.train import checks, placement
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
 from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, keep_freed_host_memory, output_lock
-from flashdraft.train.stages import FeatureStages, batch_sampler
+from flashdraft.train.stages import FeatureStages, batch_sampler, steps_left
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
 from flashdraft.train.validation import Validator
@@ -60,8 +60,7 @@ class Trainer:
         model = self._build_models()
         self._open_data()
         self.sampler = batch_sampler(self.dataset, cfg, self.dist.rank, self.dist.world_size)
-        steps_per_epoch = max(1, self.sampler.batches_per_epoch // cfg.train.grad_accum)
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+        self.total_steps = max(1, steps_left(self.sampler, cfg, 0))  # a resume recounts it (_recount_budget)
         self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim, self.total_steps,
                                                          self.device)
         self.state = TrainState(self.sampler, self.dist.world_size,
@@ -167,7 +166,8 @@ class Trainer:
 
     def _fit(self, on_step: StepHook | None) -> dict:
         cfg, main, state = self.config, self.dist.is_main, self.state
-        self.checkpoints.resume(state.identity, self.dist.world_size, main)  # before anything is written
+        if self.checkpoints.resume(state.identity, self.dist.world_size, main):  # before anything is written
+            self._recount_budget()
         if main:
             self.output.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output / "config.yaml")
@@ -204,6 +204,19 @@ class Trainer:
                                    "saved; run the same command again to resume from it")
         return Stopped(signum, f"stopped by {name} after the last step ({step}): checkpoint {saved} and the "
                                f"serving export {self.output / 'drafter'} saved; the run is complete")
+
+    def _recount_budget(self) -> None:
+        """After a resume: the steps the run's budget has left, at this world size and grad_accum
+        (the budget belongs to the run, not to its layout), and the LR schedule spread over them
+        when their number changed (no jump, still ending at 0)."""
+        step, remaining = self.state.step, steps_left(self.sampler, self.config, self.state.step)
+        self.total_steps = step + remaining
+        schedule = self.scheduler.lr_lambdas[0]
+        if schedule.continue_over(step, remaining) and self.dist.is_main:
+            log.warning("resumed at step %d with %d steps left (world size %d, grad_accum %d): the learning-rate "
+                        "schedule goes on from %.1f%% of its length and reaches its end at step %d",
+                        step, remaining, self.dist.world_size, self.config.train.grad_accum,
+                        100 * schedule.position(step) / schedule.total, self.total_steps)
 
     def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> int:
         """One optimizer step on ``item``, then the hook, and its log line, eval and checkpoint when due.
