@@ -29,6 +29,8 @@ def _usage() -> str:
     width = max((len(n) for n in COMMANDS), default=0)
     lines = ["usage: flashdraft COMMAND [options]   (flashdraft COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:<{width}}  {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += ["", "A mistake in the input is reported as one line naming the fix; FLASHDRAFT_TRACEBACK=1 shows "
+              "where it was raised."]
     return "\n".join(lines)
 
 
@@ -76,8 +78,7 @@ def entry(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError) as exc:
         if os.environ.get("FLASHDRAFT_TRACEBACK"):
             raise
-        print(f"flashdraft {command}: error: {exc}\n(FLASHDRAFT_TRACEBACK=1 shows where it was raised)",
-              file=sys.stderr)
+        print(f"flashdraft {command}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -244,8 +244,28 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class _Override:
+    """A dotted override's value: its text as typed, and that text parsed as YAML (None when it
+    does not parse). A string field takes the text (``data.path=yes`` stays "yes", a ``#`` stays
+    in the path); any other field the parsed value."""
+
+    text: str
+    parsed: Any
+    error: str = ""
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Convert a YAML-parsed value to the declared field type, or raise naming the field."""
+    if isinstance(value, _Override):
+        text = value.text.strip()
+        if tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
+                         and text not in ("null", "~", "")):
+            quoted = text[:1] in ("'", '"') and isinstance(value.parsed, str)
+            return value.parsed if quoted else text  # a quoted YAML string loses its quotes, as in a file
+        if value.error:
+            raise ValueError(f"config {name}={value.text!r} is invalid: {value.error}")
+        value = value.parsed
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -317,6 +337,8 @@ def _build(cls, values: dict, prefix: str):
             continue
         tp, value = hints[f.name], values[f.name]
         if dataclasses.is_dataclass(tp):
+            if value is None:  # `model:` with every field commented out
+                value = {}
             if not isinstance(value, dict):
                 raise ValueError(f"config {prefix}{f.name} must be a mapping of its fields")
             kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.")
@@ -326,7 +348,8 @@ def _build(cls, values: dict, prefix: str):
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """['optim.lr=3e-4', 'model.block_size=8'] -> {'optim': {'lr': 3e-4}, 'model': {'block_size': 8}}."""
+    """['optim.lr=3e-4', 'model.block_size=8'] -> {'optim': {'lr': _Override('3e-4', 3e-4)}, ...}: each
+    value keeps its text beside its YAML parse (see _Override)."""
     tree: dict = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -336,7 +359,11 @@ def parse_overrides(overrides: list[str]) -> dict:
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            parsed, error = (yaml.safe_load(raw) if raw.strip() else ""), ""
+        except yaml.YAMLError as exc:
+            parsed, error = None, f"not valid YAML ({getattr(exc, 'problem', None) or exc})"
+        node[parts[-1]] = _Override(raw, parsed, error)
     return tree
 
 
@@ -355,7 +382,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     values = dict(base or {})
     if path:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); give a YAML config "
+                             "file") from None
         except OSError as exc:
             raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); give an existing YAML file, "
                              "e.g. one written by `flashdraft config > run.yaml`") from None
@@ -389,7 +419,10 @@ def field_docs(cls) -> dict[str, str]:
     """Each field of the config dataclass ``cls`` -> its one-line doc: the comment on the field's
     line, then any comment lines right above it (the source is the documentation, so help texts
     cannot drift from it)."""
-    source = textwrap.dedent(inspect.getsource(cls))
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # installed without its .py sources: no docs, nothing else lost
+        return {f.name: "" for f in dataclasses.fields(cls)}
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     body = ast.parse(source).body[0]

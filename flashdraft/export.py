@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -33,9 +34,9 @@ def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> Path:
         raise ValueError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; give a run "
                          "directory (train.output_dir), its checkpoints/ or one checkpoint step_XXXXXXXX")
     if (path / MANIFEST).is_file() or path.name.startswith("step_"):
-        if step is not None and path.name != step_dir_name(step):
-            raise ValueError(f"{path} is the checkpoint of another step than --step {step}; drop --step or give "
-                             "the run directory")
+        if step is not None and _manifest_step(path) != step:
+            raise ValueError(f"{path} is the checkpoint of step {_manifest_step(path)}, not --step {step}; drop "
+                             "--step or give the run directory")
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     manager = CheckpointManager(root)
@@ -56,6 +57,13 @@ def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> Path:
     return newest
 
 
+def _manifest_step(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16") -> dict:
     """Write the serving-format drafter of ``checkpoint`` to ``out`` (see module doc); returns
     what it exported: step, target directory, block size, dtype, path."""
@@ -71,7 +79,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     config = json.loads((checkpoint / "export" / "config.json").read_text())
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(loaded.parts["drafter"])
-    _check_out(out)
+    _check_out(out, checkpoint)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -110,8 +118,15 @@ def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
                            "not written")
 
 
-def _check_out(out: Path) -> None:
-    """``--out`` may be new, empty, or an earlier drafter export (replaced); nothing else."""
+def _check_out(out: Path, checkpoint: Path) -> None:
+    """``--out`` may be new, empty, or an earlier drafter export (replaced); nothing else, and never
+    inside the checkpoints (writing there would damage one, or plant a fake step directory)."""
+    checkpoint = checkpoint.resolve()
+    root = checkpoint.parent  # a run's checkpoints directory, or wherever a lone checkpoint was copied to
+    protected = root if (root / "latest").exists() or any(root.glob("step_*")) else checkpoint
+    if out.resolve().is_relative_to(protected):
+        raise ValueError(f"--out {out} lies inside {protected}, checkpoints it must not write into; choose a "
+                         "directory outside it")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
         raise ValueError(f"--out {out} exists and is not a drafter export; give a new directory (an earlier export "
                          "there would be replaced)")
@@ -134,13 +149,14 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def serving_commands(target: str, path: Path, block_size: int) -> list[str]:
-    """SGLang and vLLM command lines for the export. vLLM needs the method spelled out: it
-    detects DFlash from the draft path only when the path contains "dflash"."""
+def serving_commands(target: str, path, block_size: int) -> list[str]:
+    """SGLang and vLLM command lines for the export, quoted for a POSIX shell. vLLM needs the
+    method spelled out: it detects DFlash from the draft path only when the path contains "dflash"."""
     spec = json.dumps({"method": "dflash", "model": str(path), "num_speculative_tokens": block_size - 1})
+    target, draft = shlex.quote(str(target)), shlex.quote(str(path))
     return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {path} --speculative-num-draft-tokens {block_size}",
-            f"vllm serve {target} --speculative-config '{spec}'"]
+            f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens {block_size}",
+            f"vllm serve {target} --speculative-config {shlex.quote(spec)}"]
 
 
 # ---- `flashdraft export` --------------------------------------------------------------------
@@ -159,6 +175,8 @@ def run(args) -> int:
     print(f"exported step {done['step']} of {checkpoint} ({done['dtype']}) to {done['path']}: loaded back, its "
           "weights and outputs equal the checkpoint's")
     print("serve it with the target it was trained on:")
-    for line in serving_commands(done["target"], done["path"], done["block_size"]):
+    # absolute paths: an engine started elsewhere would take a relative one for a hub model id
+    target = Path(done["target"]).resolve() if Path(done["target"]).exists() else done["target"]
+    for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"]):
         print(f"  {line}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -46,10 +47,10 @@ def test_export_of_a_mid_run_checkpoint_is_the_drafter_of_that_step(run_dir, tmp
     assert torch.equal(_outputs(exported), _outputs(at_step))
     final = DFlashDrafter.from_pretrained(run_dir / "drafter")  # step 6: another drafter
     assert not torch.equal(_outputs(exported), _outputs(final))
-    assert "exported step 4" in printed and f"--speculative-draft-model-path {out}" in printed
+    assert "exported step 4" in printed and f"--speculative-draft-model-path {out.resolve()}" in printed
     vllm = next(line for line in printed.splitlines() if "vllm serve" in line)
     spec = json.loads(vllm.split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "dflash", "model": str(out), "num_speculative_tokens": 3}  # block 4
+    assert spec == {"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": 3}  # block 4
 
 
 def test_the_default_export_is_the_newest_checkpoint_in_bf16_and_replaces_an_earlier_export(run_dir, tmp_path):
@@ -83,6 +84,11 @@ def test_a_corrupt_checkpoint_is_refused_with_the_reason(run_dir, tmp_path):
     with pytest.raises(ValueError, match="exists and is not a drafter export"):
         main(["export", str(run_dir), "--out", str(tmp_path / "notes")])
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    inside = run_dir / "checkpoints" / "step_00000006" / "export"  # would damage the checkpoint it reads
+    with pytest.raises(ValueError, match=r"lies inside .*checkpoints, checkpoints it must not write into"):
+        main(["export", str(run_dir), "--out", str(inside)])
+    with pytest.raises(ValueError, match=r"lies inside"):
+        main(["export", str(run_dir), "--out", str(run_dir / "checkpoints" / "step_00000020")])
     with pytest.raises(ValueError, match="no checkpoints"):
         main(["export", str(tmp_path / "notes"), "--out", str(tmp_path / "e")])
     with pytest.raises(ValueError, match=r"--out .*todo.txt/e: cannot write the export there"):
@@ -108,5 +114,17 @@ def test_the_readme_serving_lines_say_what_the_engines_read():
                  f"--speculative-num-draft-tokens {bs}", f"--speculative-draft-model-path {spec['model']}"):
         assert flag in " ".join(sglang.split()), flag
     printed = serving_commands("/models/Qwen3-8B", spec["model"], bs)  # what `flashdraft export` prints
+    quoted = serving_commands("/my models/q", "/out/it's here", bs)  # paths a shell would split
+    assert shlex.split(quoted[0])[4] == "/my models/q" and "/out/it's here" in shlex.split(quoted[0])
+    assert json.loads(shlex.split(quoted[1])[-1])["model"] == "/out/it's here"
     assert json.loads(printed[1].split("--speculative-config ", 1)[1].strip("'")) == spec
     assert printed[0].split()[3:] == sglang.split()  # the same flags and values
+
+
+def test_a_checkpoint_copied_elsewhere_exports_with_its_step(run_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(run_dir / "checkpoints" / "step_00000004", tmp_path / "best")
+    assert main(["export", str(tmp_path / "best"), "--step", "4", "--out", str(tmp_path / "e")]) == 0
+    with pytest.raises(ValueError, match=r"best is the checkpoint of step 4, not --step 6"):
+        main(["export", str(tmp_path / "best"), "--step", "6", "--out", str(tmp_path / "e")])

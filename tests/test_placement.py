@@ -138,3 +138,24 @@ def test_disaggregated_needs_several_processes(tiny_job, tmp_path, fresh_dist):
 def test_target_ranks_must_be_positive():
     with pytest.raises(ValueError, match="pipeline.target_ranks=0 is invalid"):
         load_config(overrides=["pipeline.target_ranks=0"])
+
+
+def test_a_signal_to_the_target_rank_alone_stops_the_whole_job_with_a_checkpoint(tiny_job, tmp_path,
+                                                                                   trainer_forkserver):
+    """A preempted target node: its signal reaches the drafter ranks with the next step, they
+    checkpoint and stop, and every rank exits 143 (before: the drafters trained on, the target
+    rank then failed the finished job)."""
+    server, out = trainer_forkserver, tmp_path / "run"
+    workers = run_ranks(server, "cli", "train", *disaggregated(tiny_job, out, train__max_steps=12), world_size=3,
+                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3"})
+    deadline = time.monotonic() + 120
+    while _logged_steps(out) < 2:
+        if time.monotonic() > deadline:
+            pytest.fail("no step 2:\n" + "\n".join(read_log(o) for _, o in workers))
+        time.sleep(0.05)
+    os.kill(workers[2][0], signal.SIGTERM)  # the last rank is the target rank
+    codes = [server.wait(pid, 60) for pid, _ in workers]
+    logs = "\n".join(read_log(o) for _, o in workers)
+    assert codes == [128 + signal.SIGTERM] * 3, logs
+    stopped = CheckpointManager(out / "checkpoints").load_latest().step
+    assert 2 <= stopped < 12 and f"stopped by SIGTERM at step {stopped} of 12" in logs

@@ -36,8 +36,16 @@ def run(args) -> int:
     module = importlib.import_module(f"{__name__}.{args.name.replace('-', '_')}")
     parser = argparse.ArgumentParser(prog=f"flashdraft bench {args.name}", description=doc)
     module.add_arguments(parser)
+    options = parser.parse_args(args.options)
+
+    def stop(signum, frame):  # outside a training loop: end now (subprocess.run kills its worker on the way out)
+        raise Stopped(signum, "")
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        return int(module.run(parser.parse_args(args.options)) or 0)
-    except Stopped as exc:  # a benchmark's trainer run stopped by a signal: the benchmark ends with it
+        return int(module.run(options) or 0)
+    except Stopped as exc:  # a benchmark's trainer run or worker stopped by a signal: the benchmark ends with it
         raise Stopped(exc.signum, f"stopped by {signal.Signals(exc.signum).name}: the benchmark ended there "
-                                  "(its runs train in temporary directories: nothing to resume)") from exc
+                                  "(nothing to resume: it starts over when run again)") from exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)

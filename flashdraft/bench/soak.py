@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import threading
 import time
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "run").exists():  # the soak's own scratch run: every soak starts from step 0
+        print(f"removing the previous soak run in {out / 'run'}", file=sys.stderr)
+        shutil.rmtree(out / "run")
     soak_job(out)
     torch.set_num_threads(1)
     config = load_config(overrides=[

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -81,11 +82,12 @@ class Header:
         """Where micro-batch j's fields start: B, S, lengths[max_rows], sample ids[max_rows]."""
         return self.FIXED + j * (2 + 2 * self.max_rows)
 
-    def step(self, item: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(header, payload tensors in send order) of one step; host header, payload on device."""
+    def step(self, item: StepInput, signum: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(header, payload tensors in send order) of one step; host header, payload on device.
+        ``signum``: a stop request the target rank received (SIGTERM / SIGINT), passed on in aux."""
         h = torch.zeros(self.size, dtype=torch.int64)
         features = item.micro[0].features
-        h[:4] = torch.tensor([DATA, 0, features.shape[-1], FEATURE_DTYPES.index(features.dtype)])
+        h[:4] = torch.tensor([DATA, signum, features.shape[-1], FEATURE_DTYPES.index(features.dtype)])
         h[4 : self.FIXED] = torch.tensor([int(item.sampler_state[k]) for k in CURSOR_KEYS])
         payload = []
         for j, m in enumerate(item.micro):
@@ -159,6 +161,7 @@ class _DrafterLink:
         self.expected = 0
         self.received = 0
         self.control_sent = False
+        self.signal_forwarded = False
 
     def _device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
@@ -180,6 +183,9 @@ class _DrafterLink:
     def _receive(self, slot) -> StepInput:
         with self.timer.stage("wait_features"):
             h = self._receive_header()
+        if int(h[0]) == DATA and int(h[1]) and not self.signal_forwarded:  # the target rank was asked to stop
+            self.signal_forwarded = True
+            os.kill(os.getpid(), int(h[1]))  # this rank's GracefulStop takes it: stop, checkpoint, tell the target
         if int(h[0]) == END:
             raise RuntimeError(f"target rank {self.peer} ended the stream after {self.received} of {self.expected} "
                                "steps; check its log")
@@ -248,15 +254,17 @@ class _DrafterLink:
 # ---- target ranks ------------------------------------------------------------------------------
 
 
-def serve_features(stages: FeatureStages, dist: Dist) -> dict:
+def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
     """Target rank: run the data and target stages for each served drafter rank and send every
     step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
 
     The stages run in a Pipeline (``pipeline.enabled``) whose consumer, this thread, is the
     "send" stage: its busy time is time spent waiting for the drafter ranks to take the
     features (``send-bound``: drafter-bound). A drafter's ABORT, or an exception here (sent on as
-    ABORT), raises. Returns ``{"steps": steps sent per link}``; the whole run's PipelineReport is
-    left in ``stages.report``, failed or not."""
+    ABORT), raises. ``stop`` (a GracefulStop): a signal this rank gets is passed on to its drafter
+    ranks with the next step sent, so they stop and checkpoint as if they had got it. Returns
+    ``{"steps": steps sent per link, "stopped": whether the drafter ranks stopped early}``; the
+    whole run's PipelineReport is left in ``stages.report``, failed or not."""
     cfg = stages.config
     links = [_TargetLink(cfg, stages, d) for d in dist.peers]
     for link in links:
@@ -281,7 +289,7 @@ def serve_features(stages: FeatureStages, dist: Dist) -> dict:
             for k, item in pipe:
                 if any(link.stopped() for link in links):
                     break
-                links[k].send(item, pool)
+                links[k].send(item, pool, stop.signum if stop is not None else 0)
                 if k < len(links) - 1:
                     continue
                 sent += 1
@@ -297,7 +305,7 @@ def serve_features(stages: FeatureStages, dist: Dist) -> dict:
         stages.report = pipe.report(window=False)
     log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", dist.global_rank, sent,
              _busy(stages.report))
-    return {"steps": sent}
+    return {"steps": sent, "stopped": any(link.stopped_early for link in links)}
 
 
 def _busy(report) -> str:
@@ -328,6 +336,7 @@ class _TargetLink:
         self.pending: deque = deque()  # (transfers, item) sent but not yet received, oldest first
         self.control = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.control_transfer = None
+        self.stopped_early = False  # the drafter rank sent STOP before its last step (a stop request)
 
     def hello(self) -> None:
         """Receive the drafter rank's start (step, plan, cursor); build its sampler; post the
@@ -351,11 +360,11 @@ class _TargetLink:
             raise RuntimeError(f"drafter rank {self.peer} failed (it sent ABORT); see its log for the error")
         return kind == STOP
 
-    def send(self, item: StepInput, pool: BufferPool) -> None:
+    def send(self, item: StepInput, pool: BufferPool, signum: int = 0) -> None:
         """Start sending ``item``; first wait for the oldest step while ``capacity`` are unreceived."""
         while len(self.pending) >= self.capacity:
             self._complete_oldest(pool)
-        header, payload = self.header.step(item)
+        header, payload = self.header.step(item, signum)
         device = self.device
         transfers = [distributed.isend(t, self.peer) for t in (header.to(device), *payload)]
         self.pending.append((transfers, item))
@@ -373,6 +382,7 @@ class _TargetLink:
             self._complete_oldest(pool)
         self.control_transfer.wait()
         if self.stopped():
+            self.stopped_early = True
             self._send_control(END)
 
     def _send_control(self, kind: int, message: str = "") -> None:

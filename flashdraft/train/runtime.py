@@ -20,6 +20,7 @@ import random
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +76,17 @@ class Stopped(Exception):
 
 class GracefulStop:
     """The first SIGTERM / SIGINT sets ``signum``: the loop finishes its step, checkpoints and
-    raises :class:`Stopped`. A second one ends the process at once, as that signal does by
-    default (exit status 128 + signal; a checkpoint being written is never torn: saves are
-    atomic). Installed only on the main thread (Python delivers signals there)."""
+    raises :class:`Stopped`. A second one, a second or more later, ends the process at once, as
+    that signal does by default (exit status 128 + signal; a checkpoint being written is never
+    torn: saves are atomic). Installed only on the main thread (Python delivers signals there)."""
+
+    # A second signal this soon after the first is the same request delivered twice (torchrun
+    # forwards the terminal's Ctrl-C, or SLURM's signal, that its workers also got directly).
+    REPEAT_AFTER_S = 1.0
 
     def __init__(self):
         self.signum = 0
+        self._first_at = 0.0
         self._previous = {}
 
     @property
@@ -94,12 +100,14 @@ class GracefulStop:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:  # a second signal: stop now
-            log.warning("received %s again: exiting now", signal.Signals(signum).name)
+        if self.requested:
+            if time.monotonic() - self._first_at < self.REPEAT_AFTER_S:
+                return  # the first request again, forwarded
+            log.warning("received %s again: exiting now", signal.Signals(signum).name)  # a second signal: stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()
         log.warning("received %s: finishing this step, then checkpointing (send it again to exit at once)",
                     signal.Signals(signum).name)
 

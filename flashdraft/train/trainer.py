@@ -153,13 +153,13 @@ class Trainer:
         if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
             try:
                 with GracefulStop() as stop:
-                    result = placement.serve_features(self.stages, self.dist)
+                    result = placement.serve_features(self.stages, self.dist, stop)
             finally:
                 self.pipeline_report = self.stages.report
-            if stop.requested:
-                raise Stopped(stop.signum, f"target rank {self.dist.global_rank} stopped by "
-                                           f"{signal.Signals(stop.signum).name} after {result['steps']} steps; its "
-                                           "drafter ranks saved the checkpoint")
+            if result["stopped"]:  # the drafter ranks stopped early (a signal here or there): so does the job
+                signum = stop.signum or signal.SIGTERM
+                raise Stopped(signum, f"target rank {self.dist.global_rank} stopped after {result['steps']} steps "
+                                      "(a stop request); its drafter ranks saved the checkpoint")
             return result
         with output_lock(self.output) if self.dist.is_main else contextlib.nullcontext():
             return self._fit(on_step)
@@ -238,6 +238,7 @@ class Trainer:
         stopping = self._stop_agreed(stop)  # before the periodic eval: a stop never waits for one
         if self.validator.due(state.step, done, stopping):
             self._validate()
+            stopping = self._stop_agreed(stop)  # a signal during the eval: save now, not after one more step
         if self.checkpoints.due(state.step, done, stopping):
             self.checkpoints.save(state.step)
         if stopping:
