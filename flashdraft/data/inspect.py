@@ -102,4 +102,4 @@ def run(args) -> int:
     s = summarize(args.path, vocab_size=args.vocab_size, max_length=args.max_length, token_budget=args.token_budget,
                   max_batch_size=args.max_batch_size, min_supervised=min_sup, cache_dir=args.cache_dir)
     print(json.dumps(s, indent=1) if args.json else format_summary(s))
-    return 0 if s["samples"] else 1
+    return 0 if s["samples_seen"] else 1  # an empty source is an error; dropped samples are reported above
