@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = "flashdraft-checkpoint"
 # 2: the training state records the run's identity (target, data, MASK id); 1 did not.
-# Reading an older version is the caller's to adapt (flashdraft.train.state.upgrade_parts).
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: the manifest carries a digest of itself. Reading an older version's parts is the
+# caller's to adapt (flashdraft.train.state.upgrade_parts).
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 LATEST = "latest"
@@ -317,10 +318,10 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def _check_manifest(path: Path, manifest: dict) -> None:
-    """The manifest's own integrity: its digest (format 2 on), entries confined to the checkpoint
+    """The manifest's own integrity: its digest (format 3 on), entries confined to the checkpoint
     directory, every file there listed, every part's files present, a sane step and world size."""
     mpath, files = path / MANIFEST, manifest["files"]
-    if manifest["version"] >= 2 and manifest.get("digest") != manifest_digest(manifest):
+    if manifest["version"] >= 3 and manifest.get("digest") != manifest_digest(manifest):
         raise CheckpointError(f"{mpath}: edited or damaged (its digest does not match its content)")
     root = path.resolve()
     for rel, meta in files.items():
@@ -472,11 +473,11 @@ class CheckpointManager:
             manifest["digest"] = manifest_digest(manifest)
             _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete
             _fsync_dir(tmp)
-            if final.exists():  # re-saving a step (e.g. after resuming from an earlier one)
+            if final.exists():  # re-saving a step after resuming from an earlier one: the old copy is kept aside
                 trash = self.root / f"{_REPLACED}{final.name}-{os.getpid()}"  # restored if we die before the next line
                 os.replace(final, trash)
                 os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
+                self._set_aside(trash, final.name, f"a run resumed from an earlier step saved step {step} again")
             else:
                 os.replace(tmp, final)
             _fsync_dir(self.root)
@@ -509,7 +510,7 @@ class CheckpointManager:
         A checkpoint with a step above the one just written belongs to a timeline abandoned by
         resuming from an earlier step: it is moved out of the way (``abandoned-step_X``, kept on
         disk), since the next load_latest would resume from it; a damaged one stays (loads skip
-        it, and a save of its step replaces it)."""
+        it, and a save of its step moves it aside like a complete one)."""
         protected = {just_written, self._read_latest_pointer()}
         entries = sorted(((s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None), reverse=True)
         kept = 0
@@ -517,7 +518,8 @@ class CheckpointManager:
             complete = (p / MANIFEST).is_file()
             if s > step:
                 if complete:
-                    self._set_aside(p, step)
+                    self._set_aside(p, p.name, f"it is newer than the checkpoint just written (step {step}), from a "
+                                               "run that was resumed from an earlier step")
                 continue
             elif p.name in protected:
                 kept += complete
@@ -536,17 +538,20 @@ class CheckpointManager:
                 continue
             shutil.rmtree(doomed, ignore_errors=True)
 
-    def _set_aside(self, path: Path, step: int) -> None:
-        dest, n = self.root / f"abandoned-{path.name}", 1
+    def _set_aside(self, path: Path, name: str, why: str) -> None:
+        """Keep checkpoint ``name`` (now at ``path``) of an abandoned timeline as ``abandoned-NAME``:
+        out of load_latest's way, never deleted by flashdraft."""
+        dest, n = self.root / f"abandoned-{name}", 1
         while dest.exists():
-            dest, n = self.root / f"abandoned-{path.name}-{n}", n + 1
+            dest, n = self.root / f"abandoned-{name}-{n}", n + 1
         try:
             os.replace(path, dest)
         except OSError as exc:
             log.warning("could not move %s aside: %s", path, exc)
             return
-        log.warning("moved %s to %s: it is newer than the checkpoint just written (step %d), from a run that was "
-                    "resumed from an earlier step; delete it once you no longer need it", path, dest, step)
+        size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+        log.warning("kept %s of an abandoned run as %s (%.1f MB): %s; delete it once you no longer need it",
+                    name, dest, size / 1e6, why)
 
     # ---------------------------------------------------------------------------- load
     def checkpoints(self) -> list[Path]:

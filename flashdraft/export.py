@@ -145,7 +145,12 @@ def _replace(tmp: Path, out: Path) -> None:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
         os.replace(out, old)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old.exists():  # the earlier export goes back where it was
+            os.replace(old, out)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -358,7 +358,11 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if start_step is not None and self.path.is_file():
-            _rewind_jsonl(self.path, start_step)
+            try:
+                _rewind_jsonl(self.path, start_step)
+            except OSError as exc:  # e.g. a full disk: training goes on, the file keeps the repeated steps
+                _log.warning("metrics: %s: could not move the records after step %d aside (%s); the steps trained "
+                             "again will appear twice", self.path, start_step, exc)
         self._f: TextIO | None = open(self.path, "a", encoding="utf-8")
         if self._f.tell() > 0:  # resuming: end a line torn by a crash so the next record stays parseable
             with open(self.path, "rb") as f:
@@ -398,8 +402,11 @@ def _rewind_jsonl(path: Path, step: int) -> None:
     with open(path.with_name(path.stem + ".abandoned.jsonl"), "a", encoding="utf-8") as f:
         f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _require(module: str, backend: str, extra: str) -> Any:

@@ -231,12 +231,16 @@ def test_keep_last_prunes_old_checkpoints_but_keeps_latest(tmp_path):
     assert mgr.load_latest().step == 450
 
 
-def test_resaving_the_same_step_replaces_it(tmp_path):
+def test_resaving_the_same_step_keeps_the_old_copy_aside(tmp_path):
+    # A run resumed from an earlier step saving step 5 again: its step 5 is the one to resume
+    # from; the abandoned timeline's step 5 is kept, like its newer checkpoints, never deleted.
     mgr = CheckpointManager(tmp_path)
     mgr.save(5, {"m": {"v": 1}})
     mgr.save(5, {"m": {"v": 2}})
     assert mgr.load_latest().parts["m"] == {"v": 2}
-    assert [p.name for p in tmp_path.iterdir() if p.name != "latest"] == ["step_00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == [
+        "abandoned-step_00000005", "step_00000005"]
+    assert CheckpointManager(tmp_path).load(tmp_path / "abandoned-step_00000005").parts["m"] == {"v": 1}
 
 
 def test_a_crash_between_the_two_renames_of_a_resave_keeps_the_step(tmp_path, monkeypatch):
@@ -373,6 +377,19 @@ def _edit_manifest(path, edit):
     manifest = json.loads((path / MANIFEST).read_text())
     edit(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_format_2_manifest_has_no_digest_and_loads_a_format_3_one_must(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    with monkeypatch.context() as m:  # what format 2 wrote: no digest
+        m.setattr(ckpt, "VERSION", 2)
+        old = mgr.save(2, {"model": {"w": torch.ones(3)}})
+    _edit_manifest(old, lambda m: m.pop("digest"))
+    assert mgr.load(old).version == 2
+    new = mgr.save(3, {"model": {"w": torch.ones(3)}})
+    _edit_manifest(new, lambda m: m.pop("digest"))
+    with pytest.raises(CheckpointError, match="digest does not match"):
+        verify_checkpoint(new)
 
 
 @pytest.mark.parametrize("how", ["drop_a_file_entry", "world_size", "entry_outside", "unlisted_file",

@@ -145,6 +145,31 @@ def test_resume_with_other_world_size_covers_epoch():
         assert len(flat) == len(np.unique(flat)) == len(lengths) - dropped
 
 
+def _count_left(args, world, epochs, cut, new_world):
+    """(batches_left as predicted at the cut, batches the resumed sampler then really yields)."""
+    first = BatchSampler(**args, rank=0, world_size=world, num_epochs=epochs)
+    it = iter(first)
+    for _ in range(cut):
+        next(it)
+    resumed = BatchSampler(**args, rank=0, world_size=new_world, num_epochs=epochs)
+    resumed.load_state_dict(first.state_dict())
+    predicted = resumed.batches_left(epochs)
+    return predicted, sum(1 for _ in resumed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batches_left_counts_each_later_epoch_as_planned(seed):
+    # Single-sample batches at the end of the plan: whether the remainder rule must drop one
+    # depends on each epoch's shuffle, so epochs differ in length; the budget a resume recounts
+    # from this must be exactly what the sampler yields (an overcount ends the run short of its
+    # last steps, an undercount leaves planned samples untrained).
+    args = dict(lengths=np.array([6] * 40 + [4] * 2), token_budget=10, max_batch_size=8, seed=seed)
+    per_epoch = {len(plan_steps(build_batches(**args, epoch=e), 2)[0]) for e in range(6)}
+    for cut, new_world in [(0, 2), (5, 2), (5, 3), (25, 1)]:
+        predicted, actual = _count_left(args, 2, 6, cut, new_world)
+        assert predicted == actual, (cut, new_world, per_epoch)
+
+
 def test_plan_steps_splits_tail_instead_of_dropping():
     batches = [np.arange(i * 4, i * 4 + 4) for i in range(5)]
     steps, dropped = plan_steps(batches, 4)

@@ -65,6 +65,27 @@ def test_the_default_export_is_the_newest_checkpoint_in_bf16_and_replaces_an_ear
     assert [p.name for p in tmp_path.iterdir()] == ["newest"]  # no temporary directory left
 
 
+def test_an_export_that_fails_at_its_rename_leaves_the_earlier_export_in_place(run_dir, tmp_path, monkeypatch):
+    import os
+
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir / "checkpoints" / "step_00000002"), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_replace = os.replace
+
+    def fails_renaming_the_new_export_in(src, dst):
+        if str(dst) == str(out) and ".old-" not in str(src):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fails_renaming_the_new_export_in)
+    with pytest.raises(ValueError, match="cannot write the export there .No space left on device"):
+        main(["export", str(run_dir), "--out", str(out)])
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # nothing hidden left beside it
+
+
 def test_a_corrupt_checkpoint_is_refused_with_the_reason(run_dir, tmp_path):
     damaged = tmp_path / "run"
     import shutil

@@ -142,7 +142,7 @@ def test_a_version_1_checkpoint_resumes_and_a_newer_format_is_refused(tiny_job, 
 
     newest = CheckpointManager(out / "checkpoints").latest_complete()
     manifest = json.loads((newest / MANIFEST).read_text())
-    assert manifest["version"] == checkpoint.VERSION == 2
+    assert manifest["version"] == checkpoint.VERSION == 3
     (newest / MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
     with pytest.raises(CheckpointError, match="format version 99 unsupported"):
         CheckpointManager(out / "checkpoints").load(newest)
@@ -347,9 +347,35 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_and_deletes_nothing(tiny_
     assert sorted((out / "checkpoints").glob("step_*")) == ckpts
 
 
+def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_job, tmp_path, caplog):
+    # train.max_steps counts steps: with grad_accum 1 -> 2 the steps left train twice the samples.
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, train__save_every=2))).fit()
+    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2,
+                                                      train__grad_accum=2)))
+    resumed.fit()
+    assert resumed.step == 4
+    assert re.search(r"train.max_steps=4 counts optimizer steps: each step now takes 2 batches \(world size 1 x "
+                     r"grad_accum 2\) where the checkpoint's took 1 \(1 x 1\), so the steps left train 2.00x",
+                     caplog.text)
+
+
+def test_a_checkpoint_whose_manifest_leaves_out_a_part_is_refused_by_name(tiny_job, tmp_path):
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, train__save_every=2))).fit()
+    path = out / "checkpoints" / "step_00000002" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["parts"].remove("optimizer")  # an edit that keeps the manifest self-consistent
+    manifest["digest"] = manifest_digest(manifest)
+    path.write_text(json.dumps(manifest))
+    again = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    with pytest.raises(CheckpointError, match=r"step 2 checkpoint holds no optimizer state"):
+        again.fit()
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_and_kept_not_deleted(tiny_job, tmp_path):
-    """Resuming from the last good checkpoint, the first save used to delete the damaged newer one
-    ("newer than the checkpoint just written"): it is kept, out of the way of the next resume."""
+    """Resuming from the last good checkpoint, the save of the damaged one's step used to delete it:
+    it is kept, out of the way of the next resume."""
     out = tmp_path / "run"
     Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
     weights = out / "checkpoints" / "step_00000006" / "drafter.safetensors"
@@ -357,8 +383,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_kept_not_deleted(tiny_job, t
     data[-5] ^= 0x01
     weights.write_bytes(bytes(data))
     damaged = weights.read_bytes()
-    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=10, train__save_every=5)))
-    resumed.fit()  # resumes from step 4, saves step 5 (below the damaged 6), then 10
+    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=10, train__save_every=2)))
+    resumed.fit()  # resumes from step 4, saves step 6 again (where the damaged one is), 8, 10
     assert resumed.step == 10
     kept = out / "checkpoints" / "abandoned-step_00000006" / "drafter.safetensors"
     assert kept.read_bytes() == damaged

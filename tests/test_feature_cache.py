@@ -188,7 +188,7 @@ def test_each_of_two_ranks_caches_what_it_sees(tiny_job, tmp_path, forkserver): 
     assert 0 < cache["cache/hits"] < 64 and cache["cache/entries"] >= 32
 
 
-def test_a_resume_with_the_cache_on_is_close_not_bit_exact_to_an_uninterrupted_run(tiny_job, varied, tmp_path):  # noqa: F811
+def test_a_resume_with_the_cache_on_stays_within_float_rounding_of_an_uninterrupted_run(tiny_job, varied, tmp_path):  # noqa: F811
     """What docs/pipeline.md states: the cache starts empty after a resume, so the resumed run
     recomputes the features the interrupted run had cached, in other batches; a batched target
     forward differs in the last bits with the batch's shape, so the run goes on from features
@@ -211,6 +211,8 @@ def test_a_resume_with_the_cache_on_is_close_not_bit_exact_to_an_uninterrupted_r
         first.fit(on_step=stop_at_12)
     resumed, resumed_losses, _ = run(tiny_job, varied, out, **cache)
     assert resumed.step == 24 and len(resumed_losses) == 12
-    np.testing.assert_allclose(resumed_losses, straight_losses[12:], rtol=1e-5)
+    # Measured (docs/reliability.md, row 6): losses 7e-8 relative apart, weights 1.8e-7; ~10x margin.
+    # Bit-identity is not asserted either way: it depends on the platform's kernels.
+    np.testing.assert_allclose(resumed_losses, straight_losses[12:], rtol=1e-6)
     for (name, a), b in zip(resumed.drafter.state_dict().items(), straight.drafter.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

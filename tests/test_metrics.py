@@ -145,6 +145,25 @@ def test_jsonl_sink_writes_one_flushed_object_per_line(tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [10, 20, 30]
 
 
+def test_a_resume_that_cannot_rewind_metrics_jsonl_warns_and_still_logs(tmp_path, monkeypatch, caplog):
+    # The rewrite of metrics.jsonl at a resume fails (a full disk at its rename): the run must not
+    # fail for it, nor leave the temporary file behind.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(M.os, "replace", disk_full)
+    sink = JsonlSink(path, start_step=2)
+    monkeypatch.undo()
+    sink.log(3, {"loss": 0.5})
+    sink.close()
+    assert "could not move the records after step 2 aside" in caplog.text
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.abandoned.jsonl", "metrics.jsonl"]
+
+
 def test_open_metrics_writes_on_main_rank_only_and_converts_tensors(tmp_path):
     with open_metrics(tmp_path / "main", is_main=True) as logger:
         logger.log(1, {"loss": torch.tensor(2.0), "acc": torch.tensor([0.5])[0], "tokens": 128})

@@ -119,3 +119,21 @@ def test_the_same_signal_delivered_twice_at_once_is_one_request(tiny_job, tmp_pa
     text = read_log(log)
     assert code == 128 + signal.SIGINT, text[-3000:]
     assert "flashdraft train: stopped by SIGINT at step" in text and "exiting now" not in text
+
+
+def test_a_stop_passed_on_from_a_peer_never_ends_the_process():
+    # A drafter rank that got SIGTERM itself and is still saving when its target rank's copy of
+    # the same request arrives (seconds later) must keep stopping gracefully: only a signal sent
+    # to the process twice ends it at once.
+    from flashdraft.train.runtime import GracefulStop
+
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGTERM
+        stop._first_at -= 10 * GracefulStop.REPEAT_AFTER_S  # the save took long
+        stop.request(signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+    with GracefulStop() as stop:  # not yet stopping: the peer's request is this rank's request
+        stop.request(signal.SIGINT)
+        assert stop.requested and stop.signum == signal.SIGINT

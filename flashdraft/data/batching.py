@@ -224,8 +224,10 @@ class BatchSampler:
 
     def batches_left(self, num_epochs: int) -> int:
         """Batches each rank still gets from the cursor to the end of epoch ``num_epochs - 1``, at
-        this world size (the current epoch's remaining entries re-split if the world size changed;
-        later epochs as many as ``batches_per_epoch``). The same on every rank."""
+        this world size: the current epoch's remaining entries (re-split if the world size
+        changed), then each later epoch's own count -- planned, not assumed equal, since the
+        remainder rule may drop samples in one epoch's shuffle and not another's. The same on
+        every rank."""
         if self.epoch >= num_epochs:
             return 0
         start = self.consumed if self.segment_world_size != self.world_size else self.segment_start
@@ -234,7 +236,12 @@ class BatchSampler:
         while pos < self.consumed and done < len(steps):
             pos += steps[done][0]
             done += 1
-        return len(steps) - done + (num_epochs - self.epoch - 1) * self.batches_per_epoch
+        later = 0
+        for epoch in range(self.epoch + 1, num_epochs):  # not via _plan: its cache holds the current epoch
+            plan = build_batches(self.lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+                                 seed=self.seed, epoch=epoch)
+            later += len(plan_steps(plan, self.world_size)[0])
+        return len(steps) - done + later
 
     @property
     def num_global_batches(self) -> int:

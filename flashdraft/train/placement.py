@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -55,6 +54,7 @@ from flashdraft.train.stages import FeatureStages, Micro, StepInput, batch_sampl
 
 if TYPE_CHECKING:
     from flashdraft.distributed import Dist
+    from flashdraft.train.runtime import GracefulStop
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +130,13 @@ def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int,
 
 @contextlib.contextmanager
 def drafter_feed(config: Config, dist: Dist, device: torch.device, timer, sampler: BatchSampler, start_step: int,
-                 total_steps: int):
+                 total_steps: int, stop: GracefulStop):
     """Drafter rank: the steps its target rank sends, as a (sequential) Pipeline whose source
     stage "recv" receives them on this thread. Yields ``(pipeline, buffer pool)`` like
     ``colocated_feed``. Its busy time is the time spent waiting for and receiving features
     (``recv-bound``: supply-bound); the main thread's breakdown splits it into
     ``wait_features`` (the target ranks are still computing) and ``recv_features`` (transfer)."""
-    link = _DrafterLink(Header(config.train.grad_accum, config.data.max_batch_size), dist, device, timer)
+    link = _DrafterLink(Header(config.train.grad_accum, config.data.max_batch_size), dist, device, timer, stop)
     link.hello(sampler.state_dict(), start_step, total_steps)
     pool = BufferPool([[]], device)  # received tensors are fresh per step: the slot only paces
     pipe = Pipeline(link.steps(pool, total_steps - start_step), [], capacity=1, threaded=False, source_name="recv",
@@ -155,13 +155,12 @@ def drafter_feed(config: Config, dist: Dist, device: torch.device, timer, sample
 class _DrafterLink:
     """A drafter rank's end of its link to its target rank (main thread only)."""
 
-    def __init__(self, header: Header, dist: Dist, device: torch.device, timer):
-        self.header, self.dist, self.device, self.timer = header, dist, device, timer
+    def __init__(self, header: Header, dist: Dist, device: torch.device, timer, stop: GracefulStop):
+        self.header, self.dist, self.device, self.timer, self.stop = header, dist, device, timer, stop
         self.peer = dist.peers[0]
         self.expected = 0
         self.received = 0
         self.control_sent = False
-        self.signal_forwarded = False
 
     def _device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
@@ -183,9 +182,8 @@ class _DrafterLink:
     def _receive(self, slot) -> StepInput:
         with self.timer.stage("wait_features"):
             h = self._receive_header()
-        if int(h[0]) == DATA and int(h[1]) and not self.signal_forwarded:  # the target rank was asked to stop
-            self.signal_forwarded = True
-            os.kill(os.getpid(), int(h[1]))  # this rank's GracefulStop takes it: stop, checkpoint, tell the target
+        if int(h[0]) == DATA and int(h[1]):  # the target rank was asked to stop: so is this rank (if not already)
+            self.stop.request(int(h[1]), f"target rank {self.peer} received")
         if int(h[0]) == END:
             raise RuntimeError(f"target rank {self.peer} ended the stream after {self.received} of {self.expected} "
                                "steps; check its log")

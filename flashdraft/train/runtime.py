@@ -107,9 +107,16 @@ class GracefulStop:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        self.request(signum, "received")
+
+    def request(self, signum: int, how: str = "forwarded") -> None:
+        """Ask for the stop ``signum`` would ask for (a peer rank's signal, passed on): never
+        the "second signal" that ends the process, whenever it comes."""
+        if self.requested:
+            return
         self.signum, self._first_at = signum, time.monotonic()
-        log.warning("received %s: finishing this step, then checkpointing (send it again to exit at once)",
-                    signal.Signals(signum).name)
+        log.warning("%s %s: finishing this step, then checkpointing (send it again to exit at once)",
+                    how, signal.Signals(signum).name)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

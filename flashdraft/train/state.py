@@ -128,11 +128,14 @@ class RunCheckpoints:
                 raise CheckpointError(
                     f"{self.manager.root} holds {len(existing)} checkpoints (newest {existing[0].name}) but none of "
                     "them loads: each failed its manifest check (the warnings above name the file). Nothing was "
-                    f"deleted. Repair them, resume from one with train.resume=DIR, or move {self.manager.root} aside "
-                    "to start over")
+                    f"deleted. Repair them, or move {self.manager.root} aside to start over")
             return False
         self._check_compatible(loaded.config or {})
         parts = upgrade_parts(loaded.parts, loaded.version)
+        if missing := sorted(set(self.components) - set(parts)):
+            raise CheckpointError(f"{self.manager.root}: the step {loaded.step} checkpoint holds no "
+                                  f"{', '.join(missing)} state, which a training checkpoint must (an edited "
+                                  "manifest?); resume from another one with train.resume=DIR")
         saved = parts["trainer"]["identity"]
         if saved is None:
             log.warning("%s (format version %d) does not record the target and data it was trained on: resuming "
@@ -152,7 +155,20 @@ class RunCheckpoints:
         self.last_saved = loaded.step
         if is_main:
             log.warning("resumed from step %d (%s)", loaded.step, self.manager.root)
+            self._warn_if_steps_resized(loaded.config or {}, int(parts["trainer"]["world_size"]), world_size)
         return True
+
+    def _warn_if_steps_resized(self, saved: dict, saved_world: int, world_size: int) -> None:
+        """train.max_steps counts steps, not samples: say so when a resume changes what a step holds
+        (a budget of epochs is recounted instead: Trainer._recount_budget)."""
+        train = self.config.train
+        saved_accum = saved.get("train", {}).get("grad_accum")
+        if train.max_steps and saved_accum and saved_world * saved_accum != world_size * train.grad_accum:
+            log.warning("train.max_steps=%d counts optimizer steps: each step now takes %d batches (world size %d x "
+                        "grad_accum %d) where the checkpoint's took %d (%d x %d), so the steps left train %.2fx the "
+                        "samples they would have", train.max_steps, world_size * train.grad_accum, world_size,
+                        train.grad_accum, saved_world * saved_accum, saved_world, saved_accum,
+                        world_size * train.grad_accum / (saved_world * saved_accum))
 
     def _load(self, name: str, component, state) -> None:
         try:

@@ -176,13 +176,16 @@ class Trainer:
         stopping, final = 0, {}
         self.drafter.train()
         with GracefulStop() as stop:
-            with self._feed() as (pipe, pool):
+            with self._feed(stop) as (pipe, pool):
                 for item in pipe:
                     stopping = self._train_one(item, pipe, pool, stop, on_step)
                     if stopping:
                         break
             # Still under GracefulStop: a SIGTERM during the final eval/save must not kill the save.
             state.rewind_read_ahead()
+            if not (stopping or stop.requested) and state.step < self.total_steps:
+                raise RuntimeError(f"the data plan ended at step {state.step} of the {self.total_steps} counted for "
+                                   "it (a flashdraft bug: please report it); the last checkpoint is intact")
             if state.step >= self.total_steps:
                 if not stopping:  # a stop request skips the (possibly long) final eval
                     final = self._validate()
@@ -246,14 +249,14 @@ class Trainer:
         return stopping
 
     @contextlib.contextmanager
-    def _feed(self):
+    def _feed(self, stop: GracefulStop):
         """The remaining steps' inputs from this rank's placement; the whole run's pipeline
         report (with the feature cache's counters) is kept once it closes."""
         state, remaining = self.state, self.total_steps - self.state.step
         state.cursor = self.sampler.state_dict()  # before the data thread moves the sampler
         if self.dist.role == "drafter":
             feed = placement.drafter_feed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
-                                          self.total_steps)
+                                          self.total_steps, stop)
         else:
             feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.output, self.dist)
         pipe = None
