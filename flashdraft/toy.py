@@ -114,27 +114,37 @@ def train_toy_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 51
     round-trip. ``len(tokenizer)`` counts every id, added tokens included. Byte-level, so any
     UTF-8 text encodes. Trains in well under a second on the default corpus.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     if template not in _STYLES:
         raise ValueError(f"unknown template style {template!r}; use one of {sorted(_STYLES)}")
     chat_template, specials, plain_added, bos, eos, pad = _STYLES[template]
+    return chat_tokenizer(chat_template, specials, plain_added, bos=bos, eos=eos, pad=pad, texts=texts,
+                          vocab_size=vocab_size)
+
+
+def chat_tokenizer(chat_template: str, special_tokens: list[str], plain_tokens: list[str] = (), *, eos: str,
+                   pad: str | None = None, bos: str | None = None, texts: Iterable[str] | None = None,
+                   vocab_size: int = 512):
+    """A byte-level BPE tokenizer for any chat template: ``special_tokens`` (the first ones
+    in the vocabulary, special as in the real model's tokenizer), ``plain_tokens`` added but
+    not special (as Qwen3 adds ``<think>``), ``<|MASK|>`` last, and the template set."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     texts = list(texts) if texts is not None else list(DEFAULT_CORPUS)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=vocab_size, special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    kwargs = {"eos_token": eos, "pad_token": pad}
+    kwargs = {"eos_token": eos, "pad_token": pad or eos}
     if bos:
         kwargs["bos_token"] = bos
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
-    if plain_added:
-        hf.add_tokens(plain_added, special_tokens=False)  # like Qwen3: <think> is added but not special
+    if plain_tokens:
+        hf.add_tokens(list(plain_tokens), special_tokens=False)
     hf.add_tokens([MASK_TOKEN], special_tokens=True)
     hf.chat_template = chat_template
     return hf

@@ -263,3 +263,15 @@ def final_drafter(out: Path) -> tuple[int, dict]:
     """(step, drafter state) of the newest checkpoint of the run in ``out``."""
     loaded = CheckpointManager(out / "checkpoints").load_latest()
     return loaded.step, loaded.parts["drafter"]
+
+
+def supervised_runs(tok, ids, mask) -> list[str]:
+    """The decoded runs of consecutive supervised (mask 1) tokens."""
+    runs, run = [], []
+    for t, m in zip(ids.tolist(), mask.tolist()):
+        if m:
+            run.append(t)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    return runs + ([tok.decode(run)] if run else [])

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashdraft.data.chat import SampleError, normalize_record, probe_template, render, tokenize_conversation
+from conftest import supervised_runs
+from flashdraft.data.chat import SampleError, normalize_record
+from flashdraft.data.masking import probe_template, render, tokenize_conversation
 from flashdraft.toy import train_toy_tokenizer
 
 TOK = {style: train_toy_tokenizer(template=style) for style in ("qwen3", "llama3", "generation")}
@@ -26,20 +28,6 @@ CHAT = [
 PLAIN = CHAT[:4] + [{"role": "assistant", "content": "It is 4."}]
 
 
-def masked_spans(tok, ids, mask):
-    """Decoded runs of consecutive supervised tokens."""
-    spans, run = [], []
-    for t, m in zip(ids.tolist(), mask.tolist()):
-        if m:
-            run.append(t)
-        elif run:
-            spans.append(tok.decode(run))
-            run = []
-    if run:
-        spans.append(tok.decode(run))
-    return spans
-
-
 def spans(style, messages, **kw):
     tok = TOK[style]
     ids, mask = tokenize_conversation(tok, messages, **kw)
@@ -49,7 +37,7 @@ def spans(style, messages, **kw):
     rendered = render(tok, messages, template_kwargs=() if thinking is None else (("enable_thinking", thinking),))
     if kw.get("max_length") is None:
         assert tok.decode(ids.tolist()) == rendered
-    return masked_spans(tok, ids, mask)
+    return supervised_runs(tok, ids, mask)
 
 
 def test_qwen3_multi_turn_with_thinking_supervised():
@@ -93,7 +81,7 @@ def test_generation_markers_agree_with_rendered_prefix_mask():
     out = tok.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = tokenize_conversation(tok, CHAT, verify_markers=True)
     assert out["input_ids"] == ids.tolist() and out["assistant_masks"] == mask.tolist()
-    assert masked_spans(tok, ids, mask) == ["Hello there!<|end|>", "<think>\nadd them\n</think>\n\nIt is 4.<|end|>"]
+    assert supervised_runs(tok, ids, mask) == ["Hello there!<|end|>", "<think>\nadd them\n</think>\n\nIt is 4.<|end|>"]
     assert spans("generation", CHAT, supervise_thinking=False) == ["Hello there!<|end|>", "It is 4.<|end|>"]
 
 

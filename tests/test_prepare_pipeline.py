@@ -148,3 +148,45 @@ def test_cli_prepare_fails_when_no_sample_is_left_and_says_why(workdir, tmp_path
                "--max-length", "8", "--workers", "1", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1 and "no usable sample" in err and "raise --max-length or lower --min-supervised" in err
+
+
+STOPPABLE = """
+import json, multiprocessing as mp, os, signal, sys, threading, time
+from flashdraft.data.prepare import prepare
+from flashdraft.train.runtime import Stopped
+chats, tok, out, workers, stop_after = sys.argv[1:6]
+def stop(signum, frame):  # what `flashdraft bench` installs: raise wherever the signal lands
+    raise Stopped(signum, "")
+signal.signal(signal.SIGTERM, stop)
+if float(stop_after) > 0:
+    threading.Timer(float(stop_after), os.kill, (os.getpid(), signal.SIGTERM)).start()
+try:
+    s = prepare([chats], tok, out, max_length=512, num_workers=int(workers), progress=False, log=lambda *a: None)
+    print(json.dumps({"finished": s["samples_in"], "children": len(mp.active_children())}))
+except Stopped:
+    print(json.dumps({"stopped": True, "children": len(mp.active_children())}))
+"""
+
+
+def _run_stoppable(tmp_path, chats, tok, workers: int, stop_after: float) -> tuple[dict, str]:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STOPPABLE, str(chats), str(tok), str(tmp_path / f"out-{workers}"),
+                           str(workers), str(stop_after)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stop_raised_by_a_signal_handler_ends_prepare_and_its_workers(workdir, tmp_path, workers):
+    # A benchmark's SIGTERM handler raises Stopped wherever the signal lands: in the middle of a
+    # record it must end prepare, not be counted as that record's drop, and the forked workers
+    # (which inherit the handler) must neither swallow it nor print tracebacks when the pool ends.
+    d, _ = workdir
+    finished, stderr = _run_stoppable(tmp_path, d / "chats.jsonl", d / "tok-qwen3", workers, 0)
+    assert finished == {"finished": N, "children": 0} and "Traceback" not in stderr, stderr
+    many = tmp_path / "many.jsonl"
+    many.write_text((d / "chats.jsonl").read_text() * 60)  # 7,200 records: seconds of work
+    stopped, stderr = _run_stoppable(tmp_path, many, d / "tok-qwen3", workers, 1.0)
+    assert stopped == {"stopped": True, "children": 0} and "Traceback" not in stderr, stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashdraft.data.chat import SampleError, normalize_record
 from flashdraft.data.prepare import prepare
 from flashdraft.data.regenerate import load_done_ids, regenerate, reply_slots
 from flashdraft.toy import ToyOpenAIServer, synthetic_conversations, tiny_causal_lm, train_toy_tokenizer
@@ -48,6 +49,15 @@ def test_reply_slots_turn_by_turn():
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
             {"role": "user", "content": "b"}]
     assert reply_slots(chat) == [chat[0], chat[1], None, chat[3], None]
+
+
+def test_a_conversation_with_tool_calls_is_not_regenerated_but_named():
+    record = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "r"},
+        {"role": "assistant", "content": "done"}]}
+    with pytest.raises(SampleError) as err:
+        reply_slots(normalize_record(record, "chats.jsonl:4", require_final_assistant=False)["messages"])
+    assert err.value.reason == "has_tool_calls" and "flashdraft prepare" in str(err.value)
 
 
 def test_http_concurrent_with_retries_matches_in_process_greedy(target, tmp_path):

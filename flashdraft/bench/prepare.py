@@ -2,6 +2,7 @@
 worker vs all cores.
 
     flashdraft bench prepare --samples 100000 --workdir /tmp/bench-prepare
+    flashdraft bench prepare --samples 5000 --max-turns 16 --workers 1   # long conversations
 
 Prints one JSON line per run (samples/s, tokens/s, seconds) and the speed-up. The machine's
 load average and the CPU seconds used (main process + workers) are printed too: on a shared
@@ -33,14 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the chats, the tokenizer (both reused across runs) and the shards go")
     parser.add_argument("--workers", default=f"1,{os.cpu_count()}", help="comma list of worker counts, one run each")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary size of the toy BPE tokenizer")
+    parser.add_argument("--max-turns", type=int, default=3,
+                        help="user/assistant pairs per conversation: 1 to this many (long agentic chats: 16+)")
 
 
 def run(args) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    data = work / f"chats-{args.samples}.jsonl"
+    data = work / (f"chats-{args.samples}.jsonl" if args.max_turns == 3 else
+                   f"chats-{args.samples}-turns{args.max_turns}.jsonl")
     if not data.exists():
-        records = synthetic_conversations(args.samples, seed=0)
+        records = synthetic_conversations(args.samples, seed=0, max_turns=args.max_turns)
         with open(data, "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")

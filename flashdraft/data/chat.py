@@ -1,24 +1,26 @@
-"""Conversations: normalise every input shape, apply the target's chat template, build loss_mask.
+"""Conversations: every input shape normalised to the messages a chat template renders.
 
 Input records come in three shapes (all normalised by ``normalize_record``):
 
-- OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str | [text parts]}]}``
-- ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt"|..., "value": str}]}``
-- plain text already templated: ``{"text": "<|im_start|>user..."}``
+- OpenAI: ``{"messages": [...], "tools": [...]}``. Roles ``system``, ``user``, ``assistant``
+  and ``tool``; content a string or a list of text parts; an assistant turn may carry
+  ``reasoning_content`` (also read from ``reasoning`` / ``thinking``) and ``tool_calls``
+  (``[{"type": "function", "function": {"name", "arguments"}}]``, arguments a JSON string or
+  an object; the legacy ``function_call`` field too); ``tool`` turns are the tools' results.
+- ShareGPT: ``{"conversations": [{"from", "value"}], "tools": ...}`` with ``human`` / ``gpt``
+  (and the aliases in ``ROLE_ALIASES``), plus the function-calling variant: a
+  ``function_call`` turn (its value the JSON call ``{"name", "arguments"}``) and an
+  ``observation`` turn (the result); ``tools`` may be a JSON string.
+- plain text already templated: ``{"text": "<|im_start|>user..."}``.
 
-``tokenize_conversation`` renders messages with the tokenizer's own chat template (the one
-serving uses) and sets loss_mask = 1 on exactly what the target generates when served: each
-assistant turn's content and its end-of-turn token, optionally without its ``<think>`` block.
-It needs no ``{% generation %}`` markers: for assistant turn i it renders ``messages[:i]`` with
-the generation prompt; when that text is a prefix of the full rendering, the response starts
-right after it (this is exactly the serving-time prompt, so e.g. Qwen3's empty think block in
-non-thinking mode stays unsupervised). Templates that render history differently from the
-serving prompt (Qwen3 drops reasoning from earlier turns) fall back to the assistant header
-the template emits, found by probing the template once. The turn ends with the first
-end-of-turn token after the start (probed too: the first special token after an assistant
-reply). Character spans map to tokens through the fast tokenizer's offsets. When the template
-does carry generation markers, the tokenizer's own assistant mask is computed as well and the
-two must agree (else the sample is rejected with reason ``mask_mismatch``).
+The normal form is what chat templates read: ``{"role", "content": str}`` for every turn;
+assistant turns add ``reasoning_content`` and ``thinking`` (the same text: Qwen, GLM and
+DeepSeek templates read the first, gpt-oss the second) when there is reasoning, and
+``tool_calls`` (``{"type": "function", "function": {"name", "arguments": dict}}``, plus ``id``
+when given) when there are calls; ``tool`` turns keep ``tool_call_id`` / ``name`` when given.
+Tools become the OpenAI list ``[{"type": "function", "function": {...}}]``. Nothing else is
+kept, and nothing is rewritten: reasoning written inline in the content (``<think>...</think>``)
+stays there, for the template to handle as it does when serving.
 
 Every problem with one sample raises ``SampleError`` with a short ``reason`` code (counted in
 prepare's summary) and a message naming the fix.
@@ -26,19 +28,18 @@ prepare's summary) and a message naming the fix.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+import json
 from typing import Any
-
-import numpy as np
 
 ROLE_ALIASES = {
     "system": "system",
     "user": "user", "human": "user",
     "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bot": "assistant",
+    "tool": "tool", "observation": "tool", "function": "tool", "ipython": "tool",
+    "function_call": "function_call",  # ShareGPT: an assistant tool call, its value the JSON call
 }
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 class SampleError(ValueError):
@@ -66,33 +67,119 @@ def _content_text(content: Any, where: str) -> str:
                                    f"got {type(content).__name__}")
 
 
-def normalize_messages(turns: Any, where: str = "sample", *, require_final_assistant: bool = True) -> list[dict]:
-    """OpenAI or ShareGPT turns -> ``[{"role": system|user|assistant, "content": str}, ...]``.
+def _json_value(value: Any, what: str, where: str) -> Any:
+    """``value``, or the JSON it holds when it is a string."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise SampleError("bad_tool_call", f"{where}: {what} is not valid JSON ({exc.msg} at column {exc.colno})") \
+            from None
 
-    ``reasoning_content`` of assistant turns is kept (chat templates such as Qwen3's read it).
-    Raises ``SampleError``: unknown_role, empty_assistant, no_assistant, ends_with_user (when
-    ``require_final_assistant``: trailing prompts carry no supervision), bad_shape.
+
+def _tool_call(call: Any, where: str) -> dict:
+    """One OpenAI (``{"function": {...}}``) or flat (``{"name", "arguments"}``) call -> normal form."""
+    if not isinstance(call, dict):
+        raise SampleError("bad_tool_call", f"{where}: a tool call must be an object, got {type(call).__name__}")
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise SampleError("bad_tool_call", f"{where}: a tool call needs a function name: {call!r:.120}")
+    arguments = function.get("arguments")
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        arguments = {}  # a call without arguments ("" in some datasets)
+    arguments = _json_value(arguments, f"the arguments of tool call {function['name']!r}", where)
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise SampleError("bad_tool_call", f"{where}: the arguments of tool call {function['name']!r} must be a JSON "
+                                           f"object, got {type(arguments).__name__}")
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _reasoning(turn: dict) -> str:
+    for key in REASONING_KEYS:
+        if isinstance(turn.get(key), str) and turn[key].strip():
+            return turn[key]
+    return ""
+
+
+def _assistant(turn: dict, content: str, where: str) -> dict:
+    message = {"role": "assistant", "content": content}
+    if reasoning := _reasoning(turn):
+        message["reasoning_content"] = message["thinking"] = reasoning
+    calls = turn.get("tool_calls")
+    if calls is None and isinstance(turn.get("function_call"), dict):  # OpenAI's legacy single call
+        calls = [turn["function_call"]]
+    if calls:
+        if not isinstance(calls, list):
+            raise SampleError("bad_tool_call", f"{where}: tool_calls must be a list")
+        message["tool_calls"] = [_tool_call(c, where) for c in calls]
+    return message
+
+
+def _tool_result(turn: dict, where: str) -> dict:
+    raw = turn["content"] if "content" in turn else turn.get("value")
+    content = json.dumps(raw, ensure_ascii=False) if isinstance(raw, dict) else _content_text(raw, where)
+    message = {"role": "tool", "content": content}
+    for key in ("tool_call_id", "name"):
+        if isinstance(turn.get(key), str):
+            message[key] = turn[key]
+    return message
+
+
+def has_reasoning(message: dict) -> bool:
+    """Whether an assistant turn holds reasoning: a reasoning field, or a non-empty inline
+    ``<think>...</think>`` block in its content."""
+    if message.get("reasoning_content"):
+        return True
+    content = message.get("content") or ""
+    return THINK_CLOSE in content and bool(content.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1].strip())
+
+
+def normalize_messages(turns: Any, where: str = "sample", *, require_final_assistant: bool = True) -> list[dict]:
+    """OpenAI or ShareGPT turns -> the normal form (module docstring).
+
+    Raises ``SampleError``: unknown_role, empty_assistant, bad_tool_call, orphan_tool_result,
+    no_assistant, ends_with_user (when ``require_final_assistant``: trailing prompts carry no
+    supervision), bad_shape.
     """
     if not isinstance(turns, list) or not turns:
         raise SampleError("bad_shape", f"{where}: messages must be a non-empty list")
-    out = []
+    out: list[dict] = []
     for k, turn in enumerate(turns):
+        at = f"{where}: turn {k}"
         if not isinstance(turn, dict):
-            raise SampleError("bad_shape", f"{where}: turn {k} is a {type(turn).__name__}, expected an object")
+            raise SampleError("bad_shape", f"{at} is a {type(turn).__name__}, expected an object")
         raw_role = turn.get("role", turn.get("from"))
         role = ROLE_ALIASES.get(str(raw_role).lower()) if raw_role is not None else None
         if role is None:
-            raise SampleError("unknown_role", f"{where}: turn {k} has unknown role {raw_role!r}; "
-                                              f"use one of {sorted(ROLE_ALIASES)}")
-        content = _content_text(turn["content"] if "content" in turn else turn.get("value"), f"{where}: turn {k}")
-        message = {"role": role, "content": content}
-        if role == "assistant":
-            reasoning = turn.get("reasoning_content")
-            if isinstance(reasoning, str) and reasoning:
-                message["reasoning_content"] = reasoning
-            if require_final_assistant and not content.strip() and not message.get("reasoning_content"):
-                raise SampleError("empty_assistant", f"{where}: assistant turn {k} is empty; drop the turn or "
-                                                     "regenerate it with `flashdraft regenerate`")
+            raise SampleError("unknown_role", f"{at} has unknown role {raw_role!r}; use one of {sorted(ROLE_ALIASES)}")
+        if role == "function_call":  # ShareGPT: the call joins the assistant turn it belongs to
+            call = _tool_call(_json_value(turn.get("value", turn.get("content")), "the function_call value", at), at)
+            if out and out[-1]["role"] == "assistant":  # after its text, or parallel calls: one generation
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if role == "tool":
+            if not out or out[-1]["role"] not in ("tool", "assistant") or \
+                    (out[-1]["role"] == "assistant" and not out[-1].get("tool_calls")):
+                raise SampleError("orphan_tool_result", f"{at} is a tool result with no tool call before it; put "
+                                                        "the assistant turn that called the tool before it")
+            out.append(_tool_result(turn, at))
+            continue
+        content = _content_text(turn["content"] if "content" in turn else turn.get("value"), at)
+        if role != "assistant":
+            out.append({"role": role, "content": content})
+            continue
+        message = _assistant(turn, content, at)
+        if not content.strip() and "reasoning_content" not in message and "tool_calls" not in message:
+            raise SampleError("empty_assistant", f"{at}: the assistant turn is empty; drop the turn or regenerate it "
+                                                 "with `flashdraft regenerate`")
         out.append(message)
     if require_final_assistant:
         if not any(m["role"] == "assistant" for m in out):
@@ -104,210 +191,37 @@ def normalize_messages(turns: Any, where: str = "sample", *, require_final_assis
     return out
 
 
+def normalize_tools(tools: Any, where: str = "sample") -> list[dict]:
+    """A record's tool definitions (OpenAI list, flat function specs, or either as a JSON string)
+    -> ``[{"type": "function", "function": spec}]``."""
+    tools = _json_value(tools, "tools", where)
+    if tools is None or tools == []:
+        return []
+    if not isinstance(tools, list):
+        raise SampleError("bad_tool_call", f"{where}: tools must be a list of function definitions")
+    out = []
+    for tool in tools:
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise SampleError("bad_tool_call", f"{where}: a tool definition needs a function name: {tool!r:.120}")
+        out.append({"type": "function", "function": spec})
+    return out
+
+
 def normalize_record(record: Any, where: str = "sample", *, require_final_assistant: bool = True) -> dict:
-    """One input record -> ``{"messages": [...]}`` or ``{"text": str}``. Raises ``SampleError``."""
+    """One input record -> ``{"messages": [...], "tools": [...]}`` (tools only when there are
+    some) or ``{"text": str}``. Raises ``SampleError``."""
     if not isinstance(record, dict):
         raise SampleError("bad_shape", f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in ("messages", "conversations", "conversation"):
         if record.get(key) is not None:
-            return {"messages": normalize_messages(record[key], where, require_final_assistant=require_final_assistant)}
+            out = {"messages": normalize_messages(record[key], where, require_final_assistant=require_final_assistant)}
+            if tools := normalize_tools(record.get("tools"), where):
+                out["tools"] = tools
+            return out
     if isinstance(record.get("text"), str):
         if not record["text"].strip():
             raise SampleError("bad_shape", f"{where}: empty text")
         return {"text": record["text"]}
     raise SampleError("bad_shape", f"{where}: no 'messages' (OpenAI), 'conversations' (ShareGPT) or 'text' field; "
                                    f"found keys {sorted(record)[:8]}")
-
-
-@dataclass(frozen=True)
-class TemplateInfo:
-    """What probing the chat template found (once per tokenizer and thinking mode)."""
-
-    header: str  # text the template emits before an assistant reply ('' if it has no generation prompt)
-    end_of_turn: str  # the token that ends an assistant turn (e.g. <|im_end|>, <|eot_id|>)
-    nothink_prefix: str  # extra generation-prompt text in non-thinking mode (Qwen3: empty think block)
-    has_generation_markers: bool  # template wraps assistant output in {% generation %}
-    template_kwargs: tuple  # extra template variables, e.g. (("enable_thinking", False),)
-
-
-def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, template_kwargs=()) -> str:
-    """The chat template applied to ``messages`` as text (no tokenization)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **dict(template_kwargs))
-
-
-def probe_template(tokenizer, enable_thinking: bool | None = None) -> TemplateInfo:
-    """Find the assistant header and end-of-turn token of ``tokenizer``'s chat template.
-
-    ``enable_thinking`` None leaves the template's default; True/False is passed to the
-    template as ``enable_thinking`` (Qwen3 convention), as serving engines do.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat_template; use a chat (instruct) tokenizer, or give "
-                         "already-templated {'text': ...} records")
-    kwargs = () if enable_thinking is None else (("enable_thinking", bool(enable_thinking)),)
-    user = [{"role": "user", "content": "Probe question"}]
-    base = render(tokenizer, user)
-    with_prompt = render(tokenizer, user, add_generation_prompt=True)
-    header = with_prompt[len(base):] if with_prompt.startswith(base) else ""
-    nothink = render(tokenizer, user, add_generation_prompt=True, template_kwargs=(("enable_thinking", False),))
-    nothink_prefix = nothink[len(with_prompt):] if nothink.startswith(with_prompt) else ""
-    reply = "Probe answer"
-    chat = render(tokenizer, user + [{"role": "assistant", "content": reply}], template_kwargs=kwargs)
-    tail = chat[chat.rfind(reply) + len(reply):]
-    end_of_turn = ""
-    special = set(tokenizer.all_special_tokens)
-    for token in tokenizer.backend_tokenizer.encode(tail, add_special_tokens=False).tokens:
-        if token in special:
-            end_of_turn = token
-            break
-    if not end_of_turn:
-        end_of_turn = tokenizer.eos_token or ""
-    if not end_of_turn or end_of_turn not in tail:
-        raise ValueError(f"cannot find the end-of-turn token after an assistant reply in the chat template (text "
-                         f"after the reply: {tail!r}); the template must end assistant turns with a special token")
-    markers = bool(_GENERATION_MARKER.search(tokenizer.chat_template if isinstance(tokenizer.chat_template, str)
-                                             else ""))
-    return TemplateInfo(header, end_of_turn, nothink_prefix, markers, kwargs)
-
-
-def _turn_end(text: str, start: int, info: TemplateInfo, where: str) -> int:
-    e = text.find(info.end_of_turn, start)
-    if e < 0:
-        raise SampleError("template_mismatch", f"{where}: no {info.end_of_turn!r} after an assistant turn")
-    return e + len(info.end_of_turn)
-
-
-def _skip_nothink(text: str, start: int, info: TemplateInfo) -> int:
-    # In non-thinking mode the empty think block belongs to the serving prompt, not the reply.
-    if info.nothink_prefix and dict(info.template_kwargs).get("enable_thinking") is False \
-            and text.startswith(info.nothink_prefix, start):
-        return start + len(info.nothink_prefix)
-    return start
-
-
-def assistant_spans(tokenizer, messages: list[dict], info: TemplateInfo, where: str = "sample") -> tuple[str, list]:
-    """Render ``messages`` and return (text, [(start, end) character span of each assistant reply])."""
-    full = render(tokenizer, messages, template_kwargs=info.template_kwargs)
-    spans, cursor = [], 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, template_kwargs=info.template_kwargs)
-        if len(prompt) >= cursor and full.startswith(prompt):
-            start = len(prompt)  # the exact serving-time prompt precedes this reply
-        else:
-            j = full.find(info.header, cursor) if info.header else -1
-            if j < 0:
-                raise SampleError("template_mismatch", f"{where}: assistant turn {i} is not where the chat template's "
-                                                       "generation prompt puts it, and no assistant header was found")
-            start = _skip_nothink(full, j + len(info.header), info)
-        end = _turn_end(full, start, info, where)
-        spans.append((start, end))
-        cursor = end
-    return full, spans
-
-
-def text_spans(text: str, info: TemplateInfo, where: str = "sample") -> list:
-    """Assistant reply spans of already-templated text, found by the template's header and end-of-turn."""
-    if not info.header:
-        raise SampleError("template_mismatch", f"{where}: the chat template has no generation prompt, so assistant "
-                                               "turns cannot be located in plain text; give messages instead")
-    spans, cursor = [], 0
-    while True:
-        j = text.find(info.header, cursor)
-        if j < 0:
-            break
-        start = _skip_nothink(text, j + len(info.header), info)
-        end = _turn_end(text, start, info, where)
-        spans.append((start, end))
-        cursor = end
-    if not spans:
-        raise SampleError("no_assistant", f"{where}: no assistant turn ({info.header!r}) in the text")
-    return spans
-
-
-def _reasoning(reply: str) -> str:
-    """The text inside a reply's leading <think> block ('' if none)."""
-    body = reply.lstrip()
-    if not body.startswith(THINK_OPEN):
-        return ""
-    return body[len(THINK_OPEN):].split(THINK_CLOSE)[0].strip()
-
-
-def drop_thinking(text: str, spans: list) -> list:
-    """Remove each span's leading ``<think>...</think>`` block (and the whitespace after it)."""
-    out = []
-    for start, end in spans:
-        body = text[start:end]
-        lead = len(body) - len(body.lstrip())
-        if body.startswith(THINK_OPEN, lead):
-            close = body.find(THINK_CLOSE, lead)
-            cut = end if close < 0 else start + close + len(THINK_CLOSE)
-            while cut < end and text[cut].isspace():
-                cut += 1
-            start = cut
-        if start < end:
-            out.append((start, end))
-    return out
-
-
-def spans_to_mask(offsets: np.ndarray, spans: list) -> np.ndarray:
-    """uint8 mask: 1 for tokens whose first character lies inside one of the sorted ``spans``."""
-    starts = offsets[:, 0] if len(offsets) else np.zeros(0, np.int64)
-    if not spans:
-        return np.zeros(len(starts), np.uint8)
-    span_starts = np.array([s for s, _ in spans], np.int64)
-    span_ends = np.array([e for _, e in spans], np.int64)
-    k = np.searchsorted(span_starts, starts, side="right") - 1
-    inside = (k >= 0) & (starts < span_ends[np.maximum(k, 0)])
-    return inside.astype(np.uint8)
-
-
-def _encode(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
-    # The Rust tokenizer directly: no Python per-token work. Special tokens come from the template.
-    enc = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
-    return np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-
-
-def tokenize_conversation(tokenizer, messages: list[dict] | None = None, *, text: str | None = None,
-                          max_length: int | None = None, supervise_thinking: bool = True,
-                          enable_thinking: bool | None = None, info: TemplateInfo | None = None,
-                          verify_markers: bool = True, where: str = "sample") -> tuple[np.ndarray, np.ndarray]:
-    """Render one conversation with the chat template -> (input_ids int64[S], loss_mask uint8[S]).
-
-    Give ``messages`` (normalised) or already-templated ``text``. loss_mask is 1 on each
-    assistant reply and its end-of-turn token, 0 on system/user turns and template text;
-    with ``supervise_thinking=False`` the reply's ``<think>...</think>`` block is 0 too.
-    ``enable_thinking`` selects the template's thinking mode (must match serving; None: the
-    template's default). Sequences are truncated to ``max_length`` tokens. If the template has
-    ``{% generation %}`` markers and ``verify_markers``, the tokenizer's own assistant mask must
-    equal ours (``SampleError('mask_mismatch')`` otherwise). ``info`` caches the template probe.
-    """
-    info = info or probe_template(tokenizer, enable_thinking)
-    if (messages is None) == (text is None):
-        raise ValueError("give exactly one of messages or text")
-    if messages is not None:
-        full, spans = assistant_spans(tokenizer, messages, info, where)
-    else:
-        full, spans = text, text_spans(text, info, where)
-    if dict(info.template_kwargs).get("enable_thinking") is False:
-        # Served without thinking, the target never writes reasoning: such data would teach the drafter
-        # text it will never see.
-        if any(_reasoning(full[start:end]) for start, end in spans):
-            raise SampleError("thinking_mismatch", f"{where}: a reply has reasoning but the target is served in "
-                                                       "non-thinking mode; regenerate without thinking or enable it")
-    ids, offsets = _encode(tokenizer, full)
-    if messages is not None and info.has_generation_markers and verify_markers:
-        marked = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                               return_assistant_tokens_mask=True, **dict(info.template_kwargs))
-        ours = spans_to_mask(offsets, spans)
-        if list(marked["input_ids"]) != ids.tolist() or not np.array_equal(np.asarray(marked["assistant_masks"]), ours):
-            raise SampleError("mask_mismatch", f"{where}: the template's {{% generation %}} mask and the "
-                                               "rendered-prefix mask disagree; check the template's generation markers")
-    if not supervise_thinking:
-        spans = drop_thinking(full, spans)
-    mask = spans_to_mask(offsets, spans)
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return ids, mask

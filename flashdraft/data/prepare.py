@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,11 +28,12 @@ from typing import Any
 import numpy as np
 
 from flashdraft.checkpoint import sha256_file
-from flashdraft.data.chat import SampleError, normalize_record, probe_template, tokenize_conversation
+from flashdraft.data.chat import SampleError, normalize_record
+from flashdraft.data.masking import probe_template, tokenize_conversation
 from flashdraft.data.shards import META, TokenShardWriter, is_token_shard
 from flashdraft.data.sources import decode_record, iter_records, source_files
 
-PREPARE_VERSION = 1  # bump when the produced tokens/masks change for identical inputs
+PREPARE_VERSION = 2  # bump when the produced tokens/masks change for identical inputs (2: real templates, tools)
 CHUNK = 64  # records per worker task: amortises inter-process overhead
 MAX_ERRORS_KEPT = 20
 
@@ -81,22 +84,34 @@ _STATE: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer_dir: str, options: dict) -> None:
+    # A forked worker inherits the parent's Python signal handlers (a benchmark's SIGTERM ->
+    # Stopped, which a record's `except Exception` would swallow, leaving the pool's terminate()
+    # waiting on a worker that never exits). Stopping is the parent's business: SIGTERM ends a
+    # worker at once, and the terminal's Ctrl-C, which reaches every process of the group, is
+    # left to the parent (which terminates the pool).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     tokenizer = load_tokenizer(tokenizer_dir)
     _STATE.update(tokenizer=tokenizer, options=options,
                   info=probe_template(tokenizer, options["enable_thinking"]) if tokenizer.chat_template else None)
 
 
+def _tokens(where: str, payload: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One record -> its whole (untruncated) ids and loss mask. Raises ``SampleError``."""
+    opts, tokenizer, info = _STATE["options"], _STATE["tokenizer"], _STATE["info"]
+    record = normalize_record(decode_record(where, payload), where)
+    if info is None:
+        raise SampleError("template_mismatch", f"{where}: the tokenizer has no chat template")
+    return tokenize_conversation(tokenizer, record.get("messages"), tools=record.get("tools"), text=record.get("text"),
+                                 supervise_thinking=opts["supervise_thinking"], info=info, where=where)
+
+
 def process_record(where: str, payload: Any) -> tuple:
     """One record -> ("ok", ids uint32, mask uint8, truncated) or ("drop", reason, message)."""
-    opts, tokenizer, info = _STATE["options"], _STATE["tokenizer"], _STATE["info"]
+    opts = _STATE["options"]
     try:
-        record = normalize_record(decode_record(where, payload), where)
-        if info is None:
-            raise SampleError("template_mismatch", f"{where}: the tokenizer has no chat template")
-        ids, mask = tokenize_conversation(
-            tokenizer, record.get("messages"), text=record.get("text"), supervise_thinking=opts["supervise_thinking"],
-            info=info, where=where)
+        ids, mask = _tokens(where, payload)
     except SampleError as exc:
         return ("drop", exc.reason, str(exc))
     except Exception as exc:  # a template error on one odd record must not end the run
@@ -146,6 +161,8 @@ def _results(chunks, tokenizer_dir: str, options: dict, num_workers: int):
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
+        pool.close()  # a finished run lets its workers exit; the `with` terminates them only on an error
+        pool.join()
 
 
 def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_supervised: int = 32,
@@ -188,6 +205,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_super
     counts = collections.Counter()
     dropped = collections.Counter()
     errors: list[str] = []
+    examples: dict[str, str] = {}
     from tqdm import tqdm
 
     bar = tqdm(desc="prepare", unit=" samples", disable=not progress, mininterval=0.5, smoothing=0.1)
@@ -206,6 +224,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_super
                 counts["truncated"] += int(truncated)
             else:
                 dropped[result[1]] += 1
+                examples.setdefault(result[1], result[2])  # every reason is shown with its first case
                 # Filtered-out short samples are expected; keep the messages of real input problems.
                 if len(errors) < MAX_ERRORS_KEPT and result[1] != "too_few_supervised":
                     errors.append(result[2])
@@ -217,6 +236,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_super
             "supervised_tokens": counts["supervised_tokens"],
             "supervised_share": counts["supervised_tokens"] / max(1, counts["tokens"]),
             "truncated": counts["truncated"], "dropped": dict(sorted(dropped.items())), "errors": errors,
+            "examples": dict(sorted(examples.items())),
             "seconds": seconds, "samples_per_s": counts["samples_in"] / max(seconds, 1e-9),
             "num_workers": num_workers, "cache_key": key, "cached": False, "out_dir": str(out_dir),
         }
@@ -233,18 +253,62 @@ def format_summary(s: dict) -> str:
         f"  {s['seconds']:.1f} s, {s['samples_per_s']:,.0f} samples/s on {s['num_workers']} workers",
     ]
     if s["dropped"]:
-        lines.append("  dropped: " + ", ".join(f"{reason} {n:,}" for reason, n in s["dropped"].items()))
-        lines += [f"    {e}" for e in s["errors"][:5]]
-        if len(s["errors"]) > 5:
-            lines.append(f"    ... ({len(s['errors'])} messages kept in meta.json source.summary.errors)")
+        lines.append("  dropped (what each reason means: docs/prepare.md):")
+        examples = s.get("examples", {})
+        lines += [f"    {reason} {n:,}" + (f" -- e.g. {examples[reason]}" if reason in examples else "")
+                  for reason, n in s["dropped"].items()]
+        lines.append(f"    ({len(s['errors'])} messages kept in meta.json source.summary.errors)")
     return "\n".join(lines)
+
+
+# ---- explain -----------------------------------------------------------------------------
+SUPERVISED_OPEN, SUPERVISED_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧: never in a chat template's markup
+
+
+def explain(inputs, tokenizer_dir, index: int, *, max_length: int = 3072, min_supervised: int = 32,
+            supervise_thinking: bool = True, enable_thinking: bool | None = None, split: str | None = None) -> str:
+    """Record ``index`` (0-based, in prepare's input order) as prepare tokenizes it: the rendered
+    text with every supervised run between ⟦ and ⟧, where --max-length cuts it, and whether the
+    sample is kept (or why not)."""
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    tokenizer = load_tokenizer(tokenizer_dir)
+    options = {"max_length": int(max_length), "min_supervised": int(min_supervised),
+               "supervise_thinking": bool(supervise_thinking), "enable_thinking": enable_thinking, "split": split}
+    _STATE.clear()
+    _STATE.update(tokenizer=tokenizer, options=options, info=probe_template(tokenizer, enable_thinking))
+    found = next(itertools.islice(iter_records(inputs, split), index, None), None) if index >= 0 else None
+    if found is None:
+        raise ValueError(f"--explain {index}: the inputs hold {sum(1 for _ in iter_records(inputs, split))} "
+                         "records, numbered from 0")
+    where, payload = found
+    try:
+        ids, mask = _tokens(where, payload)
+    except SampleError as exc:
+        return f"{where} (record {index}) is dropped: {exc.reason}: {exc}"
+    pieces, k = [], 0
+    while k < len(ids):  # runs of equal mask, decoded as the target reads them
+        j = k
+        while j < len(ids) and mask[j] == mask[k] and not (k < max_length <= j):
+            j += 1
+        if k == max_length:
+            pieces.append(f"\n\u2702 --max-length {max_length} cuts here: the {len(ids) - max_length} tokens "
+                          "below are not trained on\n")
+        text = tokenizer.decode(ids[k:j].tolist())
+        pieces.append(SUPERVISED_OPEN + text + SUPERVISED_CLOSE if mask[k] else text)
+        k = j
+    kept = mask[:max_length]
+    supervised, runs = int(kept.sum()), int(np.count_nonzero(np.diff(np.concatenate([[0], kept])) == 1))
+    verdict = "kept" if supervised >= min_supervised else \
+        f"dropped: too_few_supervised (fewer than --min-supervised {min_supervised})"
+    return (f"{where} (record {index}): {min(len(ids), max_length)} tokens, {supervised} supervised in {runs} "
+            f"run(s) between {SUPERVISED_OPEN} and {SUPERVISED_CLOSE}; {verdict}\n\n" + "".join(pieces))
 
 
 # ---- CLI ---------------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("inputs", nargs="+", help="JSONL/JSON/parquet files, dirs, globs or HF dataset dirs")
     parser.add_argument("--tokenizer", required=True, help="the target's tokenizer dir (its chat template is used)")
-    parser.add_argument("--out", required=True, help="output token shard directory")
+    parser.add_argument("--out", help="output token shard directory (required unless --explain)")
     parser.add_argument("--max-length", type=int, default=3072, help="truncate samples to this many tokens")
     parser.add_argument("--block-size", type=int, default=16, help="drafter block size (min supervised = 2x this)")
     parser.add_argument("--min-supervised", type=int, default=None,
@@ -257,6 +321,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--split", default=None, help="split of a HF DatasetDict (default: train)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache key matches")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--explain", type=int, default=None, metavar="N",
+                        help="show record N (from 0) as it would be trained on: the rendered text with the "
+                             "supervised tokens between ⟦ ⟧; writes nothing")
 
 
 def thinking_flag(value: str) -> bool | None:
@@ -265,6 +332,13 @@ def thinking_flag(value: str) -> bool | None:
 
 def run(args) -> int:
     min_supervised = args.min_supervised if args.min_supervised is not None else 2 * args.block_size
+    if args.explain is not None:
+        print(explain(args.inputs, args.tokenizer, args.explain, max_length=args.max_length,
+                      min_supervised=min_supervised, supervise_thinking=args.supervise_thinking,
+                      enable_thinking=thinking_flag(args.thinking), split=args.split))
+        return 0
+    if args.out is None:
+        raise ValueError("give --out DIR (where the token shard is written), or --explain N to look at one record")
     summary = prepare(args.inputs, args.tokenizer, args.out, max_length=args.max_length, min_supervised=min_supervised,
                       num_workers=args.workers, supervise_thinking=args.supervise_thinking,
                       enable_thinking=thinking_flag(args.thinking), split=args.split, force=args.force,

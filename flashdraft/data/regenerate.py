@@ -92,6 +92,10 @@ def reply_slots(messages: list[dict]) -> list[dict | None]:
     trailing user turn gets a None after it. Raises SampleError if there is no user turn."""
     if not any(m["role"] == "user" for m in messages):
         raise SampleError("no_user", "the conversation has no user turn to answer")
+    if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        raise SampleError("has_tool_calls", "the conversation calls tools: regenerating its replies would need "
+                                            "the tools run again on the target's new calls; give it to "
+                                            "`flashdraft prepare` as it is")
     slots: list[dict | None] = []
     for m in messages:
         if m["role"] == "assistant":

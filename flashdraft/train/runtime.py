@@ -61,9 +61,11 @@ def output_lock(output: Path):
         yield
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """A run stopped on a signal's request, after saving what it had: the command that ran it
-    ends too, with exit status 128 + the signal's number and this message (cli.entry)."""
+    ends too, with exit status 128 + the signal's number and this message (cli.entry). A
+    BaseException, like KeyboardInterrupt: a benchmark's handler raises it wherever the signal
+    lands, and no ``except Exception`` (a bad record counted as a drop) may swallow it."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
