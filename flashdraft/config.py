@@ -30,6 +30,7 @@ from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
 from flashdraft.drafter.attention import ATTENTION_IMPLS
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
+from flashdraft.objective import WEIGHTINGS
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 
@@ -88,7 +89,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
+    weighting: str = "decay"  # slot weights: decay (exp(-(k-1)/gamma)) | dpace (confidence-based, detached; D-PACE)
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
+    dpace_alpha: float = 0.5  # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: uniform)
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes context KV
 
@@ -97,9 +100,18 @@ class ObjectiveConfig:
         _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
         _check(self.gamma is None or self.gamma >= 0, "objective.gamma", f"{self.gamma}",
                "use a positive decay (7 for block 16, 5 for 10, 4 for 8) or null to disable")
+        _check(self.weighting in WEIGHTINGS, "objective.weighting", self.weighting,
+               f"use one of {', '.join(WEIGHTINGS)}")
+        _check(0 < self.dpace_alpha <= 1, "objective.dpace_alpha", f"{self.dpace_alpha}",
+               "use a value in (0, 1], e.g. 0.5")
         _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
         _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch", f"{self.anchors_per_microbatch}",
                "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
+
+    @property
+    def dpace(self) -> float | None:
+        """D-PACE's alpha when the slots are weighted by D-PACE, else None (decay)."""
+        return self.dpace_alpha if self.weighting == "dpace" else None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,23 @@ def default_gamma(block_size: int) -> float:
 _MASK64 = (1 << 64) - 1
 
 
+WEIGHTINGS = ("decay", "dpace")  # objective.weighting: exp(-(k-1)/gamma), or D-PACE (dpace_weights)
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [R, n] (detached) of blocks' per-slot CE [R, n] and 0/1 validity.
+
+    q_k = exp(-CE_k) is the drafter's probability of the label, q~_k = (1 - alpha) q_k + alpha,
+    C_k = prod_{i <= k} q~_i over valid slots (an invalid slot is a no-op: q~ = 1), and
+    w_k = sum_{m >= k, m valid} C_m -- the expected accepted length's gradient with respect to
+    log q~_k, so weight moves to later slots as the early ones become confident. Invalid slots
+    weigh 0. (D-PACE, arXiv 2605.18810, Eq. 7-9.)"""
+    ce, valid = ce.detach().float(), valid.detach() > 0
+    q = torch.where(valid, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
+    c = q.cumprod(-1) * valid
+    return c.flip(-1).cumsum(-1).flip(-1) * valid
+
+
 def _signed(value: int) -> int:
     """An unsigned 64-bit constant as the int64 torch stores (same bits)."""
     value &= _MASK64
@@ -141,9 +158,11 @@ class LossOutput:
         return 1 + self.position_accuracy().cumprod(0).sum()
 
 
-def _ce_chunk(hidden, head_weight, labels, weights):
+def _ce_chunk(hidden, head_weight, labels, weights, weight_fn=None):
     logits = F.linear(hidden, head_weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
+    if weight_fn is not None:
+        weights = weight_fn(ce)
     return (ce * weights).sum(), logits.argmax(-1) == labels
 
 
@@ -180,10 +199,17 @@ class _ChunkedHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_size, want_grads):
+    def forward(ctx, h, head_weight, labels, weights, chunk_size, want_grads, weight_fn=None):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(head_weight, dtype=torch.float32) if want_grads and ctx.needs_input_grad[1] else None
+        if weight_fn is not None and grad_w is not None:
+            raise ValueError("D-PACE weights with a trainable LM head: the head's gradient would need a second pass; "
+                             "flashdraft trains against the target's frozen head")
+        # weight_fn (D-PACE): the weights depend on every slot's CE, known only after the loop.
+        # Each row's gradient is its weight times the unit-weight one, so the loop computes
+        # those (``weights`` is then the 0/1 validity) and scales them once the weights are known.
+        ces = []
         correct = []
         # One [chunk, V] logits buffer for every chunk (a fresh multi-MB tensor per chunk costs
         # page faults on CPU); the head's matmul writes straight into it.
@@ -198,7 +224,10 @@ class _ChunkedHeadCE(torch.autograd.Function):
             correct.append(best == y)  # argmax == label, as _ce_chunk
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
-            total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
+            if weight_fn is None:
+                total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
+            else:
+                ces.append((top + z.log() - picked).squeeze(1))
             if grad_h is not None or grad_w is not None:
                 g = p.mul_(w.unsqueeze(1) / z)  # w * softmax
                 g[torch.arange(g.shape[0], device=g.device), y] -= w
@@ -207,6 +236,12 @@ class _ChunkedHeadCE(torch.autograd.Function):
                     torch.mm(g, head_weight, out=grad_h[part])
                 if grad_w is not None:
                     grad_w += (g.t() @ h[part]).float()
+        if weight_fn is not None:
+            ce = torch.cat(ces)
+            final = weight_fn(ce)
+            total = (ce * final).sum()
+            if grad_h is not None:
+                grad_h.mul_(final.unsqueeze(1).to(grad_h.dtype))
         ctx.head_dtype = head_weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(correct_all := torch.cat(correct))
@@ -217,7 +252,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * grad_total.to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * grad_total).to(ctx.head_dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def dflash_loss(
@@ -227,8 +262,14 @@ def dflash_loss(
     weights: torch.Tensor,
     chunk_size: int = 0,
     normalizer: torch.Tensor | None = None,
+    dpace_alpha: float | None = None,
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
+
+    With ``dpace_alpha`` the ``weights`` are each slot's 0/1 validity and the CE is weighted by
+    the detached D-PACE weights of its block (``dpace_weights``); the default normalizer,
+    sum(weights), is then the count of scored slots -- known before the forward, so the
+    trainer's global normaliser keeps every split of a batch exact.
 
     hidden [B, N, bs, H] (drafter output after its final norm), or [B, N, bs - 1, H] for
     slots 1..bs-1 only (``drafter(..., scored_only=True)``: slot 0's weight is always 0, so
@@ -247,14 +288,20 @@ def dflash_loss(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels[:, :, skip:].reshape(-1)
     w = weights[:, :, skip:].reshape(-1)
+    weight_fn = None
+    if dpace_alpha is not None:
+        slots = shape[2] - skip
+
+        def weight_fn(ce: torch.Tensor) -> torch.Tensor:  # rows are [B * N blocks, slots], block-major
+            return dpace_weights(ce.view(-1, slots), w.view(-1, slots), dpace_alpha).view(-1)
     if chunk_size <= 0 or chunk_size >= h.shape[0]:
-        total, correct = _ce_chunk(h, head_weight, y, w)
+        total, correct = _ce_chunk(h, head_weight, y, w, weight_fn)
     else:
         head = head_weight
         with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
             if dtype is not None:
                 h, head = h.to(dtype), head.to(dtype)
-            total, correct = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled())
+            total, correct = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(), weight_fn)
     correct = correct.view(*shape[:2], -1)
     if skip:
         correct = F.pad(correct, (1, 0), value=False)
@@ -278,7 +325,8 @@ class Blocks:
     valid: torch.Tensor  # [B, N] bool
     input_ids: torch.Tensor  # [B, N, bs] anchor token then MASK
     labels: torch.Tensor  # [B, N, bs] same-position labels
-    weights: torch.Tensor  # [B, N, bs] float32
+    weights: torch.Tensor  # [B, N, bs] float32: the decay weights, or (D-PACE) each slot's 0/1 validity
+    dpace_alpha: float | None = None  # D-PACE: the loss weights each block from its CE (dpace_weights)
 
     @property
     def weight_sum(self) -> torch.Tensor:
@@ -290,7 +338,7 @@ class Blocks:
         if anchors_per_slice <= 0 or anchors_per_slice >= n:
             return [self]
         return [Blocks(*(t[:, i : i + anchors_per_slice] for t in
-                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)))
+                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)), self.dpace_alpha)
                 for i in range(0, n, anchors_per_slice)]
 
 
@@ -305,11 +353,15 @@ def make_blocks(
     gamma: float | None,
     seed: int,
     sample_ids: torch.Tensor | None = None,
+    dpace_alpha: float | None = None,
 ) -> Blocks:
-    """Draw anchors and build block inputs, labels and weights for a padded micro-batch [B, S]."""
+    """Draw anchors and build block inputs, labels and weights for a padded micro-batch [B, S].
+    With ``dpace_alpha`` the loss weights the slots by D-PACE (``gamma`` is not used)."""
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed, sample_ids)
-    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, block_size, gamma)
-    return Blocks(anchors, valid, block_input_ids(input_ids, anchors, block_size, mask_token_id), labels, weights)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, block_size,
+                                               None if dpace_alpha is not None else gamma)
+    return Blocks(anchors, valid, block_input_ids(input_ids, anchors, block_size, mask_token_id), labels, weights,
+                  dpace_alpha)
 
 
 def mask_token_id(drafter) -> int:
@@ -337,4 +389,5 @@ def block_loss(
         embeds, mask_embed = target.embed(blocks.input_ids).to(features.dtype), None
     hidden = drafter(features, embeds, blocks.anchors, blocks.valid, attention=attention, scored_only=scored_only,
                      mask_embed=mask_embed)
-    return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer)
+    return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer,
+                       blocks.dpace_alpha)

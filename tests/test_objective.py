@@ -1,4 +1,4 @@
-"""Objective conventions: anchors, same-position labels, slot 0, decay weights, loss."""
+"""Objective conventions: anchors, same-position labels, slot 0, decay and D-PACE weights, loss."""
 
 import math
 
@@ -11,6 +11,8 @@ from flashdraft.objective import (
     block_labels_and_weights,
     default_gamma,
     dflash_loss,
+    dpace_weights,
+    make_blocks,
     sample_anchors,
 )
 
@@ -164,3 +166,71 @@ def test_row_max_is_max_and_first_argmax_ties_included(vocab):
     torch.testing.assert_close(top.squeeze(1), expected.values, equal_nan=True, rtol=0, atol=0)
     assert torch.equal(index, expected.indices)
     assert index[1] == 0 and index[2] == 7 and index[3] == 9
+
+
+# ---- D-PACE ------------------------------------------------------------------------------
+def _dpace_by_hand(q: list[float], valid: list[bool], alpha: float) -> list[float]:
+    """DFLASH2.md section 2.1, written out slot by slot."""
+    qt = [(1 - alpha) * qk + alpha if v else 1.0 for qk, v in zip(q, valid)]
+    c, prod = [], 1.0
+    for qk in qt:
+        prod *= qk
+        c.append(prod)
+    return [sum(c[m] for m in range(k, len(q)) if valid[m]) if valid[k] else 0.0 for k in range(len(q))]
+
+
+def test_dpace_weights_match_the_fact_sheet_vector_and_skip_invalid_slots():
+    ce = -torch.log(torch.tensor([[0.8, 0.5, 0.2]]))
+    w = dpace_weights(ce, torch.ones(1, 3), 0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.98, 1.08, 0.405]]))  # DFLASH2.md's test vector
+    # An invalid slot is a no-op in the product and weighs nothing itself.
+    w = dpace_weights(ce, torch.tensor([[1.0, 0.0, 1.0]]), 0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.9 + 0.54, 0.0, 0.54]]))
+    torch.manual_seed(0)
+    q, valid = torch.rand(6, 5), torch.rand(6, 5) > 0.3
+    w = dpace_weights(-torch.log(q), valid.float(), 0.3)
+    for row in range(6):
+        torch.testing.assert_close(w[row], torch.tensor(_dpace_by_hand(q[row].tolist(), valid[row].tolist(), 0.3)))
+    # alpha 1: every confidence is 1, so w_k = the number of valid slots from k on.
+    torch.testing.assert_close(dpace_weights(torch.rand(1, 4), torch.ones(1, 4), 1.0), torch.tensor([[4., 3., 2., 1.]]))
+
+
+@pytest.mark.parametrize("chunk", [0, 5])  # 5 rows: chunks that cut blocks of 3 scored slots apart
+def test_dpace_loss_weights_are_detached_and_normalised_by_the_scored_slot_count(chunk):
+    torch.manual_seed(1)
+    b, n, bs, h, v = 2, 3, 4, 8, 29
+    hidden = torch.randn(b, n, bs - 1, h, requires_grad=True)  # slots 1..bs-1 (scored_only)
+    head, labels = torch.randn(v, h), torch.randint(0, v, (b, n, bs))
+    valid = (torch.rand(b, n, bs) > 0.25).float()
+    valid[:, :, 0] = 0  # slot 0 is the anchor
+    out = dflash_loss(hidden, head, labels, valid, chunk_size=chunk, dpace_alpha=0.5)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    # Independently: per-slot CE, the weights by hand as constants, sum(w * CE) / #scored slots.
+    ce = torch.nn.functional.cross_entropy((hidden @ head.t()).reshape(-1, v), labels[:, :, 1:].reshape(-1),
+                                           reduction="none").view(b * n, bs - 1)
+    q = torch.exp(-ce.detach())
+    flags = valid[:, :, 1:].reshape(b * n, bs - 1)
+    w = torch.tensor([_dpace_by_hand(q[r].tolist(), (flags[r] > 0).tolist(), 0.5) for r in range(b * n)])
+    reference = (w * ce).sum() / flags.sum()
+    (grad_ref,) = torch.autograd.grad(reference, hidden, retain_graph=True)
+    torch.testing.assert_close(out.loss, reference)
+    torch.testing.assert_close(grad, grad_ref)
+    assert out.weight_sum.item() == flags.sum().item()
+    # A gradient through the weights (not detached) would differ: the check above can fail.
+    live = torch.exp(-ce)
+    qt = torch.where(flags > 0, 0.5 * live + 0.5, torch.ones_like(live))
+    c = qt.cumprod(-1) * flags
+    (grad_live,) = torch.autograd.grad((c.flip(-1).cumsum(-1).flip(-1) * flags * ce).sum() / flags.sum(), hidden)
+    assert not torch.allclose(grad_live, grad_ref)
+
+
+def test_decay_is_the_default_and_dpace_ignores_gamma():
+    ids = torch.randint(0, 50, (1, 40))
+    mask, lengths = torch.ones(1, 40, dtype=torch.uint8), torch.tensor([40])
+    common = dict(block_size=4, mask_token_id=99, num_anchors=6, seed=3)
+    decay = make_blocks(ids, mask, lengths, gamma=2.0, **common)
+    dpace = make_blocks(ids, mask, lengths, gamma=2.0, dpace_alpha=0.5, **common)
+    assert decay.dpace_alpha is None and torch.equal(decay.anchors, dpace.anchors)
+    torch.testing.assert_close(decay.weights[0, 0], torch.tensor([0.0, 1.0, math.exp(-0.5), math.exp(-1.0)]))
+    assert torch.equal(dpace.weights, (decay.weights > 0).float())  # validity only: D-PACE weighs in the loss
+    assert all(part.dpace_alpha == 0.5 for part in dpace.slices(2))

@@ -61,11 +61,15 @@ def test_target_gets_no_gradient_and_no_optimizer_state(tiny_job, tmp_path):
     assert len(trainer.optimizer.state) == len(list(trainer.drafter.parameters()))
 
 
-def test_two_ranks_equal_one_rank_with_the_same_samples_per_step(tiny_job, tmp_path, forkserver):
-    """2 ranks x micro-batch b == 1 rank x (2 micro-batches of b): same samples each step."""
-    two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "two")), timeout=240)
-    one = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=2)),
-                    world_size=1, timeout=240)
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_two_ranks_equal_one_rank_with_the_same_samples_per_step(tiny_job, tmp_path, forkserver, weighting):
+    """2 ranks x micro-batch b == 1 rank x (2 micro-batches of b): same samples each step. With
+    D-PACE too: its weights depend on the drafter's outputs, its normaliser (the scored-slot
+    count) only on the data, so the split of a batch over ranks changes nothing."""
+    knobs = {"objective__weighting": weighting}
+    two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "two", **knobs)), timeout=240)
+    one = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=2,
+                                                                    **knobs)), world_size=1, timeout=240)
     r0, r1 = results(two)
     (single,) = results(one)
     assert r0["ddp"] == "DistributedDataParallel" and not r0["target_in_ddp"]

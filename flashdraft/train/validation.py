@@ -71,7 +71,8 @@ class Validator:
             batch = pad_batch(self.eval_dataset, idx, buffers=buffers).to(self.device)
             blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
                               mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
-                              gamma=self.gamma, seed=0, sample_ids=torch.from_numpy(idx).to(self.device))
+                              gamma=self.gamma, dpace_alpha=cfg.objective.dpace, seed=0,
+                              sample_ids=torch.from_numpy(idx).to(self.device))
             with self.autocast:
                 features = self.target.features(batch.input_ids, batch.attention_mask)
                 out = block_loss(self.drafter, self.target, features, blk, chunk_size=cfg.objective.loss_chunk_size)
