@@ -146,6 +146,9 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations (0: only at the end)
     eval_prompts: int = 8  # held-out prompts for the real draft/verify tau
     eval_max_new_tokens: int = 64  # tokens generated per eval prompt
+    eval_temperature: float = 0.0  # the eval's sampling temperature (0: greedy; > 0: rejection-sampled verify)
+    eval_top_p: float = 1.0  # the eval's nucleus for the target (1: off)
+    eval_top_k: int = 0  # the eval's top-k for the target (0: off)
     grad_accum: int = 1  # micro-batches per optimizer step (gradient sync only on the last)
     resume: str = "auto"  # auto (latest checkpoint in output_dir, if any), never, or a checkpoint dir
     device: str = "auto"  # auto (cuda if available), cuda or cpu
@@ -165,6 +168,10 @@ class TrainConfig:
         _check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every}", "use 0 (only at the end) or more")
         _check(self.eval_prompts >= 0 and self.eval_max_new_tokens >= 1, "train.eval_prompts / eval_max_new_tokens",
                f"{self.eval_prompts} / {self.eval_max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
+        _check(self.eval_temperature >= 0, "train.eval_temperature", f"{self.eval_temperature}",
+               "use 0 (greedy) or a positive temperature, e.g. 1.0")
+        _check(0 < self.eval_top_p <= 1, "train.eval_top_p", f"{self.eval_top_p}", "use a value in (0, 1] (1: off)")
+        _check(self.eval_top_k >= 0, "train.eval_top_k", f"{self.eval_top_k}", "use 0 (off) or a positive count")
         _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "train.resume", self.resume,
                "use auto, never, or an existing checkpoint directory")
         _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -12,7 +13,15 @@ import torch
 
 from flashdraft.config import DTYPES
 from flashdraft.drafter import DFlashDrafter, serving
-from flashdraft.speculative import Generation, greedy_generate, ngram_generate, speculative_generate
+from flashdraft.speculative import (
+    GREEDY,
+    Generation,
+    Sampling,
+    greedy_generate,
+    ngram_generate,
+    speculative_generate,
+    target_generate,
+)
 from flashdraft.target import TargetModel
 
 
@@ -115,31 +124,41 @@ def evaluate_tau(
     check_lossless: bool = True,
     block_size: int | None = None,
     references: list[Generation] | None = None,
+    sampling: Sampling = GREEDY,
 ) -> dict:
     """Speculative decoding over ``prompts``; tau is the mean over sequences of per-step means.
 
-    ``baseline="ngram"`` drafts by prompt lookup instead of the drafter. With
-    ``check_lossless`` every output is compared with the target's plain greedy output, and the
-    greedy wall-clock is the speedup's denominator; ``references`` (the ``greedy_generate``
-    outputs of the same prompts and settings) spares re-running greedy for each drafter compared.
+    ``baseline="ngram"`` drafts by prompt lookup instead of the drafter. ``sampling`` is the
+    target's sampling (greedy by default; prompt i is decoded with seed ``sampling.seed + i``).
+    With ``check_lossless``, greedy: every output is compared with the target's plain greedy
+    output, and the greedy wall-clock is the speedup's denominator; ``references`` (the
+    ``greedy_generate`` outputs of the same prompts and settings) spares re-running greedy for
+    each drafter compared. Sampled, the outputs are random, so there is nothing to compare
+    token for token (that the sampler keeps the target's distribution is what the tests show):
+    the plain sampled decoding of each prompt is timed for the speedup.
     """
     if references is not None and len(references) != len(prompts):
         raise ValueError(f"got {len(references)} greedy references for {len(prompts)} prompts")
+    if references is not None and not sampling.greedy:
+        raise ValueError("greedy references cannot check sampled outputs")
     bs = block_size or drafter.block_size
-    taus, accepted_all, lossless, spec_s, greedy_s, new_tokens = [], [], True, 0.0, 0.0, 0
+    taus, accepted_all, lossless, spec_s, plain_s, new_tokens = [], [], True, 0.0, 0.0, 0
     for i, prompt in enumerate(prompts):
+        each = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + i)
         if baseline == "ngram":
-            gen = ngram_generate(target, prompt, max_new_tokens, bs, eos_ids)
+            gen = ngram_generate(target, prompt, max_new_tokens, bs, eos_ids, sampling=each)
         else:
-            gen = speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids)
+            gen = speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids, sampling=each)
         taus.append(gen.tau)
         accepted_all.extend(gen.accepted)
         spec_s += gen.seconds
         new_tokens += len(gen.tokens)
-        if check_lossless:
+        if check_lossless and sampling.greedy:
             ref = references[i] if references is not None else greedy_generate(target, prompt, max_new_tokens, eos_ids)
-            greedy_s += ref.seconds
+            plain_s += ref.seconds
             lossless &= ref.tokens == gen.tokens
+        elif check_lossless:
+            plain_s += target_generate(target, prompt, max_new_tokens, eos_ids, each).seconds
     taus = [t for t in taus if t == t]  # a prompt that ended at once ran no draft step: no tau
     report = {
         "tau": float(np.mean(taus)) if taus else float("nan"),
@@ -147,12 +166,17 @@ def evaluate_tau(
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,
         "speculative_seconds": spec_s,
-        "settings": {"max_new_tokens": max_new_tokens, "block_size": bs, "greedy": True,
-                     "drafter": "ngram" if baseline == "ngram" else "dflash"},
+        "settings": {"max_new_tokens": max_new_tokens, "block_size": bs, "greedy": sampling.greedy,
+                     "drafter": "ngram" if baseline == "ngram" else "dflash",
+                     **({} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                                    "top_k": sampling.top_k, "seed": sampling.seed})},
     }
     if check_lossless:
-        report.update(lossless=bool(lossless), greedy_seconds=greedy_s,
-                      speedup=greedy_s / spec_s if spec_s > 0 else float("nan"))
+        speedup = plain_s / spec_s if spec_s > 0 else float("nan")
+        if sampling.greedy:
+            report.update(lossless=bool(lossless), greedy_seconds=plain_s, speedup=speedup)
+        else:
+            report.update(sampled_seconds=plain_s, speedup=speedup)
     return report
 
 
@@ -178,6 +202,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--baseline", choices=["ngram"], help="evaluate a no-model baseline instead of the drafter")
     parser.add_argument("--block-size", type=int, help="block size for --baseline (default: the drafter's, else 16)")
     parser.add_argument("--no-eos", action="store_true", help="ignore end-of-sequence tokens (fixed-length outputs)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the target's sampling temperature (0: greedy, checked token for token against plain "
+                             "greedy decoding; > 0: drafts sampled and verified by rejection sampling)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the target's nucleus (1: off); with --temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="the target's top-k (0: off); with --temperature")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
     parser.add_argument("--output", help="write the JSON report here")
@@ -190,6 +220,9 @@ def run(args) -> int:
     if args.dtype not in DTYPES:
         print(f"flashdraft eval: --dtype {args.dtype!r}: use one of {', '.join(DTYPES)}", file=sys.stderr)
         return 2
+    if args.temperature == 0 and (args.top_p != 1 or args.top_k != 0):
+        raise ValueError("--top-p / --top-k shape sampling: give a --temperature above 0 with them")
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)  # a bad value: one line
     drafter = None
     layer_ids, block_size = [0], args.block_size or 16  # the n-gram baseline reads no taps
     if args.drafter:  # a directory that is no drafter export (e.g. the target's) is refused here
@@ -206,7 +239,7 @@ def run(args) -> int:
         check_drafter_fits(drafter, target, args.drafter, args.target)
     eos = [] if args.no_eos else eos_ids_of(args.target, target.config)
     report = evaluate_tau(target, drafter, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
-                          baseline=args.baseline, block_size=block_size)
+                          baseline=args.baseline, block_size=block_size, sampling=sampling)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

@@ -68,3 +68,30 @@ def test_the_target_directory_given_as_drafter_and_an_unwritable_output_are_refu
     with pytest.raises(ValueError, match=r"--output .*afile/report.json: cannot write the report there"):
         main(["eval", "--target", str(d / "target"), "--baseline", "ngram", "--prompts", str(d / "prompts.jsonl"),
               "--output", str(tmp_path / "afile" / "report.json"), "--device", "cpu"])
+
+
+def test_sampled_eval_reports_tau_per_setting_and_is_reproducible(shallow_target, tmp_path, capsys):
+    import json
+
+    d = shallow_target
+    target = TargetModel.from_pretrained(d / "target", target_layer_ids=[1, 2], device="cpu")
+    make_drafter(target, num_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
+    base = ["eval", "--target", str(d / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
+            str(d / "prompts.jsonl"), "--max-new-tokens", "12", "--device", "cpu"]
+    reports = []
+    for extra in ([], ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.95", "--seed", "3"],
+                  ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.95", "--seed", "3"]):
+        assert main(base + extra + ["--output", str(tmp_path / "r.json")]) == 0
+        reports.append(json.loads((tmp_path / "r.json").read_text()))
+    capsys.readouterr()
+    greedy, sampled, again = reports
+    assert greedy["lossless"] is True and greedy["settings"]["greedy"] is True
+    assert sampled["settings"] == {"max_new_tokens": 12, "block_size": 4, "greedy": False, "drafter": "dflash",
+                                   "temperature": 0.8, "top_p": 0.95, "top_k": 20, "seed": 3}
+    assert "lossless" not in sampled and sampled["speedup"] > 0 and sampled["sampled_seconds"] > 0
+    assert sampled["tau"] >= 1 and len(sampled["per_position_acceptance"]) == 3
+    assert (sampled["tau"], sampled["new_tokens"]) == (again["tau"], again["new_tokens"])  # same seed, same run
+    for bad, match in ((["--temperature", "-1"], "--temperature"), (["--temperature", "1", "--top-p", "0"], "--top-p"),
+                       (["--top-k", "5"], "give a --temperature")):
+        with pytest.raises(ValueError, match=match):
+            main(base + bad)

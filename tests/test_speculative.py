@@ -1,8 +1,11 @@
-"""Draft/verify decoding: lossless against plain greedy, tau bookkeeping, n-gram drafting."""
+"""Draft/verify decoding: lossless against plain greedy and, sampled, against the target's
+distribution; tau bookkeeping, n-gram drafting."""
 
+import pytest
 import torch
 
 from conftest import VOCAB, make_drafter, tiny_qwen3, tiny_qwen3_5
+from flashdraft.drafter import DFlashDrafter
 from flashdraft.objective import block_input_ids, block_labels_and_weights, dflash_loss, sample_anchors
 from flashdraft.speculative import _draft_and_verify, greedy_generate, ngram_draft, ngram_generate, speculative_generate
 from flashdraft.target import TargetModel
@@ -103,9 +106,9 @@ def test_tau_counts_only_the_tokens_that_are_output():
     free = greedy_generate(target, prompt, 40).tokens
     bs = 6
 
-    def oracle(x, tokens):
+    def oracle(x, tokens, generator):
         done = len(tokens) - len(prompt)
-        return free[done:done + bs - 1]
+        return free[done:done + bs - 1], None
 
     for max_new, eos in ((8, []), (40, [free[8]])):
         gen = _draft_and_verify(target, prompt, max_new, eos, oracle)
@@ -136,3 +139,101 @@ def test_evaluate_tau_reuses_given_greedy_references_and_still_checks_them():
     wrong = [type(g)(g.tokens[:-1] + [(g.tokens[-1] + 1) % VOCAB], seconds=g.seconds) for g in greedy]
     assert not evaluate_tau(target, None, prompts, max_new_tokens=24, baseline="ngram", block_size=4,
                             references=wrong)["lossless"]
+
+
+# ---- sampled verification (temperature > 0) ------------------------------------------------
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of Pearson's chi-square test of ``counts`` against ``probs`` (cells expected below
+    ``min_expected`` pooled into one)."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a draw the target cannot make"
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def test_target_probs_apply_temperature_top_k_and_top_p():
+    from flashdraft.speculative import Sampling
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
+    plain = Sampling(temperature=2.0).target_probs(logits)
+    torch.testing.assert_close(plain, torch.softmax(logits / 2, -1))
+    top2 = Sampling(temperature=1.0, top_k=2).target_probs(logits)
+    assert (top2 > 0).tolist() == [True, False, False, False, True]
+    torch.testing.assert_close(top2.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)  # sorted: 0.636 (4), 0.234 (0), 0.086 (1), ...
+    nucleus = Sampling(temperature=1.0, top_p=0.8).target_probs(logits)  # 0.636 < 0.8: needs the second
+    assert (nucleus > 0).tolist() == [True, False, False, False, True]
+    torch.testing.assert_close(nucleus[[0, 4]], full[[0, 4]] / full[[0, 4]].sum())
+    assert (Sampling(temperature=1.0, top_p=0.5).target_probs(logits) > 0).sum() == 1
+    for bad in (dict(temperature=-1.0), dict(temperature=float("inf")), dict(top_p=0.0), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
+
+
+def test_rejection_sampling_draws_exactly_the_target_distribution():
+    """One verify step, many times: the committed token is distributed as p whatever q drew
+    the draft (a q unlike p, a one-hot q), and a verifier that keeps every draft is not."""
+    from flashdraft.speculative import Sampling, _verify
+
+    sampling = Sampling(temperature=1.0, top_k=4, seed=0)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[1.5, 0.2, -0.3, 0.9, -2.0, 0.0], [0.0] * 6])  # row 0 verifies d1
+    p = sampling.target_probs(logits[0])
+    q = torch.softmax(torch.tensor([-1.0, 1.0, 1.2, -0.5, 0.8, 0.3]), -1).unsqueeze(0)  # mass where p has none
+    trials = 8_000
+    for proposal in ("q", "one-hot"):
+        counts = torch.zeros(6)
+        for _ in range(trials):
+            if proposal == "q":
+                d = int(torch.multinomial(q[0], 1, generator=g))
+                accepted, own = _verify(logits, [d], q, sampling, g)
+            else:
+                d = 3
+                accepted, own = _verify(logits, [d], None, sampling, g)
+            counts[d if accepted else own] += 1
+        assert _chi_square_p(counts, p) > 1e-3, (proposal, counts / trials, p)
+    keep_all = torch.bincount(torch.multinomial(q[0], trials, replacement=True, generator=g), minlength=6)
+    assert _chi_square_p(keep_all.float(), q[0]) > 1e-3  # the control test accepts q as q ...
+    with pytest.raises(AssertionError, match="cannot make"):  # ... and rejects it as p
+        _chi_square_p(keep_all.float(), p)
+
+
+def test_sampled_speculative_decoding_keeps_the_targets_distribution():
+    """The whole loop at temperature 1 with top-k: the first three tokens over many seeds follow
+    the tiny target's exact distribution (computed by enumerating every continuation)."""
+    from flashdraft.speculative import Sampling
+    from flashdraft.toy import tiny_causal_lm
+
+    vocab, prompt = 12, [3, 7, 1]
+    model = tiny_causal_lm(vocab, arch="qwen3", num_layers=2, hidden=32, seed=5, max_position_embeddings=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # distributions far from uniform
+    target = TargetModel(model, [0, 1])
+    drafter = DFlashDrafter.for_target(target, num_layers=1, block_size=3, mask_token_id=vocab - 1)
+    drafter.reset_parameters(std=0.3, generator=torch.Generator().manual_seed(1))
+    drafter.eval()
+    base = Sampling(temperature=1.0, top_k=6)
+    with torch.no_grad():  # exact P(t1, t2) and P(t3) by enumeration
+        first = base.target_probs(model(torch.tensor([prompt])).logits[0, -1])
+        pairs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logits = model(pairs).logits
+        second = base.target_probs(logits[:vocab * vocab:vocab, -2])  # [t1, t2 | t1]
+        joint = first.unsqueeze(1) * second
+        third = (joint.flatten().unsqueeze(1) * base.target_probs(logits[:, -1])).sum(0)
+    trials, pair_counts, third_counts, accepted = 600, torch.zeros(vocab, vocab), torch.zeros(vocab), 0
+    for seed in range(trials):
+        sampling = Sampling(temperature=1.0, top_k=6, seed=seed)
+        gen = speculative_generate(target, drafter, prompt, 3, sampling=sampling)
+        t1, t2, t3 = gen.tokens
+        pair_counts[t1, t2] += 1
+        third_counts[t3] += 1
+        accepted += sum(gen.accepted)
+    assert accepted > trials // 4  # drafts were kept: the rejection path and the kept path both ran
+    assert _chi_square_p(pair_counts, joint) > 1e-3
+    assert _chi_square_p(third_counts, third) > 1e-3

@@ -34,6 +34,18 @@ def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
     assert any("time/drafter_share" in line and "pipe/target_busy_ms" in line for line in lines)
 
 
+def test_a_dpace_run_with_a_sampled_eval_trains_and_evaluates(tiny_job, tmp_path):
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=20, optim__lr="1e-2",
+                                          objective__weighting="dpace", data__eval_prompts=tiny_job / "prompts.jsonl",
+                                          train__eval_max_new_tokens=12, train__eval_temperature="1.0",
+                                          train__eval_top_k=20))
+    trainer = Trainer(cfg)
+    result = trainer.fit()
+    losses = [h["loss"] for h in trainer.history if "loss" in h]
+    assert losses[-1] < 0.8 * losses[0]
+    assert result["eval_tau"] >= 1.0 and len(result["eval_acceptance"]) == 3
+
+
 def test_a_hybrid_linear_attention_target_trains_evaluates_and_exports(tmp_path_factory, tmp_path):
     """Qwen3.5-style target (gated delta-net layers + full attention), the whole job: taps from
     its forward, training, periodic eval by real draft / verify decoding (whose cache rewinds

@@ -12,6 +12,7 @@ from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau
 from flashdraft.objective import block_loss, make_blocks
+from flashdraft.speculative import Sampling
 from flashdraft.train.step import StepStats
 
 
@@ -43,10 +44,12 @@ class Validator:
                     result.update(self.eval_loss())
                 if self.prompts:
                     with self.autocast:
+                        train = self.config.train
+                        sampling = Sampling(train.eval_temperature, train.eval_top_p, train.eval_top_k, train.seed)
                         report = evaluate_tau(self.target, self.shipped_drafter(), self.prompts,
-                                              max_new_tokens=self.config.train.eval_max_new_tokens,
+                                              max_new_tokens=train.eval_max_new_tokens,
                                               eos_ids=eos_ids_of(self.config.model.target, self.target.config),
-                                              check_lossless=False)
+                                              check_lossless=False, sampling=sampling)
                     result.update(eval_tau=report["tau"], eval_acceptance=report["per_position_acceptance"])
             distributed.barrier()
         return result
