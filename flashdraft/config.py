@@ -28,7 +28,7 @@ import yaml
 
 from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
-from flashdraft.drafter.attention import ATTENTION_IMPLS
+from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 from flashdraft.objective import WEIGHTINGS
 
@@ -49,6 +49,16 @@ class ModelConfig:
     drafter_attention: str = "auto"  # drafter training attention: auto, blockwise, split, flex, dense (oracle)
     activation_checkpointing: bool = False  # recompute drafter layers in backward: less activation memory, ~30% slower
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
+    # one per drafter layer, or one for all: full_attention | sliding_attention; empty: all full (DFlash v1)
+    drafter_layer_types: tuple[str, ...] = ()  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
+    drafter_sliding_window: int | None = None  # window of the sliding layers in tokens, the query counted (e.g. 2048)
+    drafter_causal: bool | None = None  # in-block causality of every layer; null: sliding causal, full not
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        """The drafter's layer kinds, one per layer (None: DFlash v1's full layers)."""
+        types = list(self.drafter_layer_types)
+        return types * self.num_draft_layers if len(types) == 1 else types or None
 
     def __post_init__(self):
         _check_finite(self, "model")
@@ -61,6 +71,14 @@ class ModelConfig:
                f"use one of {', '.join(ATTENTION_IMPLS)}")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
                "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
+        types = self.drafter_layer_types
+        _check(all(t in LAYER_TYPES for t in types) and len(types) in (0, 1, self.num_draft_layers),
+               "model.drafter_layer_types", f"{list(types)}",
+               f"give one of {', '.join(LAYER_TYPES)} per drafter layer ({self.num_draft_layers}), or one for all")
+        sliding = "sliding_attention" in types
+        _check(sliding == (self.drafter_sliding_window is not None) and (self.drafter_sliding_window or 1) >= 1,
+               "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
+               "give a positive window (e.g. 2048) exactly when a layer is sliding_attention")
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",

@@ -60,6 +60,8 @@ class Budget:
     drafter_lr: float = 1e-2
     eval_every: int = 400  # in-training evals (all held-out prompts, 32 new tokens each): at 400 and 800
     eval_max_new_tokens: int = 96
+    weighting: str = "decay"  # the loss's slot weights: decay or dpace (objective.weighting)
+    sliding_window: int = 0  # > 0: every drafter layer sliding-window, in-block bidirectional (DFlash2's layout)
 
 
 # A seconds-level budget for CI: same path, tiny sizes.
@@ -374,10 +376,12 @@ def _drafter_config(out: Path, budget: Budget, seed: int, target_dir: Path, mask
     return config_from_dict({
         "model": {"target": str(target_dir), "target_layer_ids": tap_layers(budget.target_layers),
                   "num_draft_layers": budget.drafter_layers, "block_size": budget.block_size,
-                  "mask_token_id": mask_id, "dtype": "float32"},
+                  "mask_token_id": mask_id, "dtype": "float32",
+                  **({"drafter_layer_types": ["sliding_attention"], "drafter_sliding_window": budget.sliding_window,
+                      "drafter_causal": False} if budget.sliding_window > 0 else {})},
         "data": {"path": str(out / "data" / "tokens"), "eval_prompts": str(out / "eval" / "prompts.jsonl"),
                  "max_length": 1024, "token_budget": budget.token_budget, "max_batch_size": 64},
-        "objective": {"num_anchors": budget.num_anchors},
+        "objective": {"num_anchors": budget.num_anchors, "weighting": budget.weighting},
         "optim": {"lr": budget.drafter_lr},
         # The run sees every sample ~10 times and the target is frozen: keep each sample's target
         # features after its first forward (RAM; the whole dataset fits) so later epochs skip the target.
@@ -411,8 +415,9 @@ def _train_drafter(out: Path, budget: Budget, seed: int, target_dir: Path, token
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.train.trainer import Trainer
 
-    _say(f"[5/7] drafter: {budget.drafter_layers}-layer DFlash drafter, block {budget.block_size}, "
-         f"{budget.drafter_steps} steps (flashdraft.train)")
+    layers = f"sliding-window {budget.sliding_window} " if budget.sliding_window > 0 else ""
+    _say(f"[5/7] drafter: {budget.drafter_layers}-layer {layers}DFlash drafter, block {budget.block_size}, "
+         f"{budget.weighting} weighting, {budget.drafter_steps} steps (flashdraft.train)")
     mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
     config = _drafter_config(out, budget, seed, target_dir, mask_id, num_tokens)
     trainer = Trainer(config)
@@ -437,7 +442,7 @@ def _evaluate(out: Path, budget: Budget, target_dir: Path, run: _DrafterRun, tok
     untrained one and of n-gram prompt lookup, losslessness, wall-clock, repeated 4-grams."""
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.evaluate import eos_ids_of, evaluate_tau
-    from flashdraft.speculative import greedy_generate
+    from flashdraft.speculative import Sampling, greedy_generate
     from flashdraft.target import TargetModel
 
     _say(f"[6/7] eval: {len(eval_prompts)} held-out prompts, {budget.eval_max_new_tokens} new tokens, greedy")
@@ -450,10 +455,15 @@ def _evaluate(out: Path, budget: Budget, target_dir: Path, run: _DrafterRun, tok
     baseline = evaluate_tau(target, None, eval_prompts, baseline="ngram", block_size=budget.block_size,
                             references=greedy, **settings)
     random_init = evaluate_tau(target, run.untrained.eval(), eval_prompts, check_lossless=False, **settings)
+    # Served with sampling (temperature 1): rejection-sampled verification, the tau users then see.
+    sampled = evaluate_tau(target, drafter, eval_prompts, check_lossless=False, sampling=Sampling(temperature=1.0),
+                           **settings)
     outputs = [g.tokens for g in greedy]
     human = [tokenizer(a)["input_ids"][: budget.eval_max_new_tokens] for _, a in heldout_pairs[: len(eval_prompts)]]
     scores = {
         "tau": trained["tau"],
+        "tau_temperature_1": sampled["tau"],
+        "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "tau_untrained": random_init["tau"],
         "tau_ngram": baseline["tau"],
         "per_position_acceptance": trained["per_position_acceptance"],
@@ -499,7 +509,8 @@ def format_summary(report: dict, pipeline_table: str = "") -> str:
     ]
     lines = ["| drafter | tau | wall-clock speedup vs greedy |", "|---|---|---|"]
     lines += [f"| {name} | {tau:.2f} | {'-' if math.isnan(sp) else f'{sp:.2f}x'} |" for name, tau, sp in rows]
-    lines += ["", f"lossless (speculative == greedy): {report['lossless']}",
+    lines += ["", f"trained drafter at temperature 1 (rejection-sampled verify): tau {report['tau_temperature_1']:.2f}",
+              f"lossless (speculative == greedy): {report['lossless']}",
               f"repeated 4-grams: target outputs {100 * report['repeated_4gram_share_target']:.0f}% vs held-out "
               f"human code {100 * report['repeated_4gram_share_human']:.0f}%",
               "wall-clock per quickstart stage (s): " + ", ".join(

@@ -103,18 +103,20 @@ def _verify(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, sam
             accepted += 1
         return accepted, predicted[accepted]
     p = sampling.target_probs(logits)
-    for k, d in enumerate(drafts):
-        q_d = float(q[k, d]) if q is not None else 1.0
-        u = float(torch.rand((), generator=generator, device=p.device))
-        if u * q_d < float(p[k, d]):  # keep with probability min(1, p / q)
-            continue
-        if q is not None:
-            residual = (p[k] - q[k].float()).clamp_(min=0)
-        else:
-            residual = p[k].clone()
-            residual[d] = 0
-        return k, _draw(residual if float(residual.sum()) > 0 else p[k], generator)
-    return len(drafts), _draw(p[len(drafts)], generator)
+    n = len(drafts)
+    if n:
+        rows, d = torch.arange(n, device=p.device), torch.tensor(drafts, device=p.device)
+        q_d = q[rows, d].float() if q is not None else torch.ones(n, device=p.device)
+        u = torch.rand(n, generator=generator, device=p.device)
+        keep = u * q_d < p[rows, d]  # each draft kept with probability min(1, p / q)
+        k = int(keep.long().cumprod(0).sum())  # the drafts kept before the first rejection
+        if k < n:
+            if q is not None:
+                residual = (p[k] - q[k].float()).clamp_(min=0)
+            else:  # a deterministic draft: q is one-hot at it
+                residual = p[k].clone().index_fill_(0, d[k:k + 1], 0)
+            return k, _draw(residual if float(residual.sum()) > 0 else p[k], generator)
+    return n, _draw(p[n], generator)
 
 
 def _first_token(logits: torch.Tensor, sampling: Sampling, generator) -> int:

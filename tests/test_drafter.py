@@ -120,8 +120,10 @@ def test_export_has_exactly_the_serving_names_shapes_and_config(tmp_path, target
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 5]}
-    assert cfg["layer_types"] == ["full_attention", "full_attention"]
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 5], "causal": False}
+    # Explicit attention keys (DFLASH2.md 3.3): every layer full and bidirectional, as vLLM and SGLang read them.
+    assert cfg["layer_types"] == ["full_attention", "full_attention"] and cfg["is_causal"] is False
+    assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
     assert cfg["tie_word_embeddings"] is False
     src = target.config.to_dict()
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -227,6 +229,9 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     queries from the block only, keys / values = [k/v_proj(ctx) ; k/v_proj(block)] with the same
     weights and k_norm for both, RoPE (rotate-half, inv_freq = theta^(-2i/d)) on the queries and on
     all keys, no mask (the block sees all of ctx and itself); pre-norm SwiGLU layers; final norm.
+    Sliding / causal layers (DFLASH2.md 3.1, from the config's keys): the query at position p sees
+    the key at kv only if p - kv < sliding_window (sliding layers) and kv <= p (causal layers:
+    is_causal when given, else exactly the sliding ones).
     Independent of DFlashDrafter's code: no module of it runs here."""
     d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     eps, theta = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
@@ -259,7 +264,16 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
         k = torch.cat([keys(ctx, pos_ctx), keys(h, pos_blk)]).repeat_interleave(nh // nkv, dim=1)
         v = torch.cat([ctx, h]) @ w(p + "self_attn.v_proj.weight").T
         v = v.view(-1, nkv, d).repeat_interleave(nh // nkv, dim=1)
-        attn = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5, dim=-1)
+        kind = cfg.get("layer_types", ["full_attention"] * cfg["num_hidden_layers"])[i]
+        causal = cfg["is_causal"] if cfg.get("is_causal") is not None else kind == "sliding_attention"
+        distance = pos_blk[:, None] - torch.cat([pos_ctx, pos_blk])[None, :]  # query - key position
+        visible = torch.ones_like(distance, dtype=torch.bool)
+        if kind == "sliding_attention":
+            visible &= distance < cfg["sliding_window"]
+        if causal:
+            visible &= distance >= 0
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+        attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         x = x + torch.einsum("hqk,khd->qhd", attn, v).reshape(t, nh * d) @ w(p + "self_attn.o_proj.weight").T
         m = rms(x, w(p + "post_attention_layernorm.weight"))
         gate, up = m @ w(p + "mlp.gate_proj.weight").T, m @ w(p + "mlp.up_proj.weight").T
@@ -300,19 +314,29 @@ def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path
 
 
 @pytest.mark.parametrize("change", [
-    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
-    {"use_sliding_window": True, "sliding_window": 64},
+    {"layer_types": ["chunked_attention", "full_attention"]},
+    {"layer_types": ["full_attention"]},  # one entry for two layers
+    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None},
+    {"attention_sink_bias": True},
     {"final_logit_softcapping": 30.0},
 ])
 def test_loading_a_drafter_with_layers_flashdraft_does_not_implement_is_refused(target, tmp_path, change):
-    """Newer public DFlash checkpoints may use sliding-window layers (causal, windowed) or scaled
-    outputs; silently loading them as full-attention layers would evaluate another drafter."""
+    """Newer public DFlash checkpoints may use attention sinks, scaled outputs or other layer
+    kinds; silently loading them as the layers implemented here would evaluate another drafter."""
     drafter = make_drafter(target, num_layers=2)
     drafter.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError,
                        match=r"config.json: this DFlash drafter uses .*which flashdraft does not implement"):
+        DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_a_dflash2_drafter_is_refused_with_the_reason(target, tmp_path):
+    make_drafter(target, num_layers=2).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(ValueError, match="a DFlash2 drafter .* does not implement yet"):
         DFlashDrafter.from_pretrained(tmp_path)
 
 

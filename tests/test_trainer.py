@@ -46,6 +46,23 @@ def test_a_dpace_run_with_a_sampled_eval_trains_and_evaluates(tiny_job, tmp_path
     assert result["eval_tau"] >= 1.0 and len(result["eval_acceptance"]) == 3
 
 
+def test_a_sliding_window_drafter_trains_and_exports_the_keys_the_engines_read(tiny_job, tmp_path):
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.drafter.attention import LayerMask
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=12, optim__lr="1e-2",
+                                          model__drafter_layer_types="[sliding_attention]",
+                                          model__drafter_sliding_window=6, model__drafter_causal="false",
+                                          data__eval_prompts=tiny_job / "prompts.jsonl", train__eval_max_new_tokens=8))
+    trainer = Trainer(cfg)
+    result = trainer.fit()
+    assert trainer.drafter.layer_masks == [LayerMask(6, False)] and result["eval_tau"] >= 1.0
+    exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert exported["layer_types"] == ["sliding_attention"] and exported["sliding_window"] == 6
+    assert exported["is_causal"] is False and exported["dflash_config"]["causal"] is False
+    assert DFlashDrafter.from_pretrained(tmp_path / "run" / "drafter").layer_masks == [LayerMask(6, False)]
+
+
 def test_a_hybrid_linear_attention_target_trains_evaluates_and_exports(tmp_path_factory, tmp_path):
     """Qwen3.5-style target (gated delta-net layers + full attention), the whole job: taps from
     its forward, training, periodic eval by real draft / verify decoding (whose cache rewinds

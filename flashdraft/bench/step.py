@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=0, help="MLP size (0: 3 * hidden, as Qwen3-8B)")
     parser.add_argument("--peak-tflops", type=float, default=0.0,
                         help="device peak (TFLOP/s, dense, this dtype) to report the share of; 0: do not")
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="> 0: every drafter layer sliding-window (causal in-block) with this window")
+    parser.add_argument("--weighting", default="decay", help="slot weights: decay or dpace (objective.weighting)")
     parser.add_argument("--json", default="", help="also write all results to this JSON file")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one point, JSON in
 
@@ -110,9 +113,11 @@ def build(point: dict):
         vocab, "qwen3", num_layers=max(point["taps"], 2), hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
         intermediate=point.get("intermediate", 3 * hidden), max_position_embeddings=max(4096, seq + bs),
     )
+    window = point.get("sliding_window", 0)
     cfg = drafter_config_from_target(
         tcfg, num_layers=point["layers"], block_size=bs, mask_token_id=vocab - 1,
         target_layer_ids=list(range(point["taps"])),
+        layer_types=["sliding_attention"] * point["layers"] if window else None, sliding_window=window or None,
     )
     fast = point["variant"] == "fast"
     # Weights and features are drawn where they live: at the Qwen3-8B point that is ~2.3 G random
@@ -134,10 +139,12 @@ def build(point: dict):
     n = min(n, seq - 1)
     anchors = torch.stack([torch.randperm(seq - 1, generator=host_gen)[:n].sort().values for _ in range(b)]).to(device)
     valid = torch.ones(b, n, dtype=torch.bool, device=device)
-    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs, default_gamma(bs))
+    dpace = 0.5 if point.get("weighting", "decay") == "dpace" else None
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, bs,
+                                               None if dpace else default_gamma(bs))
     block_ids = torch.full((b, n, bs), vocab - 1, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
-    return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights))
+    return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights, dpace))
 
 
 def step_fn(point: dict, drafter, heads, inputs):
@@ -283,7 +290,7 @@ def _point(args, seq, anchors, hidden, variant) -> dict:
         batch=args.batch, taps=args.taps, chunk=args.chunk, anchors_per_microbatch=args.anchors_per_microbatch,
         checkpointing=args.checkpointing, attention=args.attention, variant=variant, repeat=args.repeat,
         threads=args.threads, device=args.device, dtype=args.dtype, autocast=args.autocast, head_dim=args.head_dim,
-        intermediate=args.intermediate or 3 * hidden,
+        intermediate=args.intermediate or 3 * hidden, sliding_window=args.sliding_window, weighting=args.weighting,
     )
 
 

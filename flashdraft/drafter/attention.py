@@ -9,8 +9,8 @@ Function) and "flex" (flex_attention under a block-sparse BlockMask, compiled on
 ``resolve_attention`` picks one, ``attention_plan`` builds the masks every layer of one forward
 shares (a BlockAttentionPlan), and ``attend`` runs a layer's attention under that plan.
 
-Only torch is imported here (no transformers), so the config can import ``ATTENTION_IMPLS``
-without loading the model code.
+Only torch is imported here (no transformers), so the config can import ``ATTENTION_IMPLS`` and
+``LAYER_TYPES`` without loading the model code.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from flashdraft.autocast import autocast_suspended
 
 ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
 
 
 def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
@@ -52,21 +53,75 @@ def _flex_available() -> bool:
     return True
 
 
-def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class LayerMask:
+    """One layer's attention pattern (DFLASH2.md section 3.1): a query at position p = a + k (block
+    anchored at a, slot k) sees a key at position kv only if p - kv < ``window`` (None: no
+    window; HF convention, the query counts), and, ``causal``, in-block slots <= k only.
+    Context keys are always kv < a. Full DFlash v1 layers: LayerMask() (every slot of the block)."""
+
+    window: int | None = None
+    causal: bool = False
+
+
+FULL = LayerMask()
+
+
+def _slots_visible(q_slot: torch.Tensor, k_slot: torch.Tensor, layer: LayerMask) -> torch.Tensor:
+    """In-block visibility of slot k_slot to slot q_slot (broadcast) under ``layer``."""
+    ok = torch.ones(torch.broadcast_shapes(q_slot.shape, k_slot.shape), dtype=torch.bool, device=q_slot.device)
+    if layer.causal:
+        ok = ok & (k_slot <= q_slot)
+    if layer.window is not None:
+        ok = ok & (q_slot - k_slot < layer.window)
+    return ok
+
+
+def _context_visible(ctx_pos: torch.Tensor, limit: torch.Tensor, query_pos: torch.Tensor,
+                     layer: LayerMask) -> torch.Tensor:
+    """Context visibility (broadcast): position ctx_pos < ``limit`` (the anchor; 0 for a padded
+    block), and within the window of the query's own position ``query_pos``."""
+    ok = ctx_pos < limit
+    if layer.window is not None:
+        ok = ok & (query_pos - ctx_pos < layer.window)
+    return ok
+
+
+def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
+                     layer: LayerMask = FULL) -> torch.Tensor:
     """Bool attention mask [B, 1, Q, S + Q] over [context | all blocks] (Q = N * bs).
 
-    A valid block anchored at a sees context positions j < a and its own bs slots. A padded
-    (invalid) block sees only its own slots (so its softmax stays finite; it has zero weight).
+    A valid block anchored at a sees context positions j < a and its own bs slots, as ``layer``
+    allows (window, in-block causality). A padded (invalid) block sees only its own slots (so
+    its softmax stays finite; it has zero weight). Every row sees its own slot.
     """
     b, n = anchors.shape
     q = n * block_size
     ctx_pos = torch.arange(seq_len, device=anchors.device)
+    slot = torch.arange(block_size, device=anchors.device)
     limit = torch.where(valid, anchors, torch.zeros_like(anchors))  # invalid blocks: no context
-    sees_ctx = ctx_pos.view(1, 1, 1, -1) < limit.view(b, n, 1, 1)  # [B, N, 1, S]
+    query_pos = anchors.view(b, n, 1, 1) + slot.view(1, 1, -1, 1)  # [B, N, bs, 1]
+    sees_ctx = _context_visible(ctx_pos.view(1, 1, 1, -1), limit.view(b, n, 1, 1), query_pos, layer)
     sees_ctx = sees_ctx.expand(b, n, block_size, seq_len).reshape(b, q, seq_len)
     block_id = torch.arange(q, device=anchors.device) // block_size
-    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, q, q)
-    return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
+    q_slot = torch.arange(q, device=anchors.device) % block_size
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(q_slot.view(-1, 1),
+                                                                                  q_slot.view(1, -1), layer)
+    return torch.cat([sees_ctx, same_block.expand(b, q, q)], dim=-1).unsqueeze(1)
+
+
+def decode_mask(context: int, block_size: int, layer: LayerMask, device) -> torch.Tensor | None:
+    """Bool mask [1, 1, bs, context + bs] of one block decoded right after ``context`` rows
+    (inference: the block at positions context .. context + bs - 1); None when every key is
+    visible (a full, bidirectional layer)."""
+    if layer == FULL:
+        return None
+    slot = torch.arange(block_size, device=device)
+    ctx = torch.arange(context, device=device)
+    sees_ctx = _context_visible(ctx.view(1, -1), torch.tensor(context, device=device),
+                                (context + slot).view(-1, 1), layer).expand(block_size, context)
+    return torch.cat([sees_ctx, _slots_visible(slot.view(-1, 1), slot.view(1, -1), layer)], dim=-1).view(
+        1, 1, block_size, context + block_size)
 
 
 @dataclass
@@ -101,24 +156,33 @@ class BlockAttentionPlan:
 
 
 def split_mask(
-    anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int
+    anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int,
+    layer: LayerMask = FULL,
 ) -> torch.Tensor:
     """Bool mask [B * G, 1, g*bs, S + g*bs] of the "split" attention (G = ceil(N / g) groups).
 
     Row r of group gi is slot r % bs of block gi*g + r // bs: it sees context j < anchor (none
     for padded blocks and for the pad blocks added to fill the last group) and the slots of its
-    own block. Every row sees at least its own slots, so no softmax row is empty.
+    own block, as ``layer`` allows. Every row sees at least its own slot, so no softmax row is
+    empty.
     """
     b, n = anchors.shape
     num_groups = -(-n // group_blocks)
-    limit = torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len)
-    limit = F.pad(limit, (0, num_groups * group_blocks - n))  # [B, G*g]
+    fill = num_groups * group_blocks - n
+    limit = F.pad(torch.where(valid, anchors, torch.zeros_like(anchors)).clamp(max=seq_len), (0, fill))  # [B, G*g]
     gq = group_blocks * block_size
-    limit = limit.view(b * num_groups, group_blocks, 1).expand(-1, -1, block_size).reshape(-1, gq, 1)
-    sees_ctx = torch.arange(seq_len, device=anchors.device).view(1, 1, -1) < limit  # [B*G, gq, S]
+
+    def rows(t):  # [B, G*g] per block -> [B*G, gq, 1] per row
+        return t.view(b * num_groups, group_blocks, 1).expand(-1, -1, block_size).reshape(-1, gq, 1)
+
+    q_slot = torch.arange(gq, device=anchors.device) % block_size
+    query_pos = rows(F.pad(anchors, (0, fill))) + q_slot.view(1, -1, 1)
+    sees_ctx = _context_visible(torch.arange(seq_len, device=anchors.device).view(1, 1, -1), rows(limit), query_pos,
+                                layer)  # [B*G, gq, S]
     block_id = torch.arange(gq, device=anchors.device) // block_size
-    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b * num_groups, gq, gq)
-    return torch.cat([sees_ctx, same_block], dim=-1).unsqueeze(1)
+    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(q_slot.view(-1, 1),
+                                                                                  q_slot.view(1, -1), layer)
+    return torch.cat([sees_ctx, same_block.expand(b * num_groups, gq, gq)], dim=-1).unsqueeze(1)
 
 
 def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, enable_gqa: bool) -> torch.Tensor:
@@ -158,13 +222,16 @@ class QueryGroup:
     context: int
     groups: int
     bias: torch.Tensor
+    context_start: int = 0  # the context keys are positions context_start .. context - 1 (a window's cut)
 
 
 def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int,
-                 groups_per_call: int = 1, dtype: torch.dtype = torch.float32) -> list[QueryGroup]:
+                 groups_per_call: int = 1, dtype: torch.dtype = torch.float32,
+                 layer: LayerMask = FULL) -> list[QueryGroup]:
     """The "blockwise" plan: groups of ``group_blocks`` consecutive blocks, ``groups_per_call`` of
     them per batched call, context cut at the call's largest anchor over the batch (one host
-    sync, for the key lengths). Exact whatever the anchor order; cheapest with sorted anchors
+    sync, for the key lengths) and, under a window, started at the call's earliest key any of
+    its queries sees. Exact whatever the anchor order; cheapest with sorted anchors
     (sample_anchors sorts them). Small groups waste fewer block keys; several per call keep
     the number of (CPU-thread-synchronising) ops per layer low."""
     b, n = anchors.shape
@@ -174,17 +241,30 @@ def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block
         k = min(groups_per_call, (n - first) // group_blocks)
         spans.append((first, k, group_blocks) if k else (first, 1, n - first))
         first += spans[-1][1] * spans[-1][2]
-    lengths = torch.stack([limit[:, i:i + k * g].amax() for i, k, g in spans]).tolist()
+    bounds = [limit[:, i:i + k * g].amax() for i, k, g in spans]
+    if layer.window is not None:  # a slot-0 query sees back to anchor - (window - 1): the call's earliest key
+        lowest = torch.where(valid, anchors - (layer.window - 1), torch.full_like(anchors, seq_len)).clamp(min=0)
+        bounds += [lowest[:, i:i + k * g].amin() for i, k, g in spans]
+    bounds = torch.stack(bounds).tolist()
+    lengths = bounds[:len(spans)]
+    starts = [min(lo, hi) for lo, hi in zip(bounds[len(spans):], lengths)] if layer.window is not None else \
+        [0] * len(spans)
     calls = []
-    for (i, k, g), length in zip(spans, lengths):
+    slot = torch.arange(block_size, device=anchors.device)
+    for (i, k, g), length, begin in zip(spans, lengths, starts):
         rows = g * block_size
         row_limit = limit[:, i:i + k * g].view(b, k, g).repeat_interleave(block_size, dim=2).unsqueeze(-1)
-        sees_ctx = torch.arange(length, device=anchors.device) < row_limit  # [B, k, rows, L]
+        query_pos = (anchors[:, i:i + k * g].view(b, k, g, 1) + slot).view(b, k, rows, 1)
+        sees_ctx = _context_visible(torch.arange(begin, length, device=anchors.device), row_limit, query_pos,
+                                    layer)  # [B, k, rows, L - begin]
         block_id = torch.arange(rows, device=anchors.device) // block_size
-        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)).expand(b, k, rows, rows)
-        bias = torch.cat([torch.where(sees, 0.0, float("-inf")) for sees in (sees_ctx, same_block)], dim=-1)
+        q_slot = torch.arange(rows, device=anchors.device) % block_size
+        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(q_slot.view(-1, 1),
+                                                                                      q_slot.view(1, -1), layer)
+        bias = torch.cat([torch.where(sees, 0.0, float("-inf")) for sees in (sees_ctx,
+                                                                            same_block.expand(b, k, rows, rows))], -1)
         calls.append(QueryGroup(i * block_size, (i + k * g) * block_size, length, k,
-                                bias.to(dtype).view(b, 1, k, 1, rows, -1)))
+                                bias.to(dtype).view(b, 1, k, 1, rows, -1), begin))
     return calls
 
 
@@ -207,7 +287,7 @@ def _from_groups(x: torch.Tensor, dst: torch.Tensor, g: QueryGroup) -> None:
 def _group_kv(ctx: torch.Tensor, blk: torch.Tensor, g: QueryGroup) -> torch.Tensor:
     """Each group's keys (or values) [B, Hkv, groups, context + rows, D]."""
     b, hkv, _, d = ctx.shape
-    prefix = ctx[:, :, None, :g.context].expand(b, hkv, g.groups, g.context, d)
+    prefix = ctx[:, :, None, g.context_start:g.context].expand(b, hkv, g.groups, g.context - g.context_start, d)
     return torch.cat([prefix, _to_groups(blk, g, hkv)], dim=3)
 
 
@@ -259,9 +339,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             dv = p.transpose(-1, -2) @ do
             dk = ds.transpose(-1, -2) @ qg
             _from_groups((ds @ kg).mul_(scale), dq, g)
-            n = g.context
-            dk_ctx[:, :, :n] += dk[:, :, :, :n].sum(2)
-            dv_ctx[:, :, :n] += dv[:, :, :, :n].sum(2)
+            lo, n = g.context_start, g.context - g.context_start  # the group's context keys
+            dk_ctx[:, :, lo:g.context] += dk[:, :, :, :n].sum(2)
+            dv_ctx[:, :, lo:g.context] += dv[:, :, :, :n].sum(2)
             _from_groups(dk[:, :, :, n:], dk_blk, g)
             _from_groups(dv[:, :, :, n:], dv_blk, g)
         return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None
@@ -282,18 +362,26 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan)
         return _BlockwiseAttention.apply(*tensors, calls, keep)
 
 
-def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int):
+def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
+                    layer: LayerMask = FULL):
     """flex_attention BlockMask over keys [context S | all N*bs slots], same pattern as dense_block_mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, n = anchors.shape
     q = n * block_size
     limit = torch.where(valid, anchors, torch.zeros_like(anchors))
+    window, causal = layer.window, layer.causal
 
     def mask_mod(bi, hi, q_idx, kv_idx):
-        blk = q_idx // block_size
+        blk, q_slot = q_idx // block_size, q_idx % block_size
         sees_ctx = kv_idx < limit[bi, blk]  # limit <= S, so this is inside the context part
+        k_slot = (kv_idx - seq_len) % block_size
         own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        if window is not None:
+            sees_ctx = sees_ctx & (anchors[bi, blk] + q_slot - kv_idx < window)
+            own = own & (q_slot - k_slot < window)
+        if causal:
+            own = own & (k_slot <= q_slot)
         return sees_ctx | own
 
     return create_block_mask(mask_mod, b, None, q, seq_len + q, device=anchors.device)
@@ -348,31 +436,31 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
 
 def attention_plan(
     impl: str, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, group_blocks: int = 0,
-    needs_grad: bool = True, dtype: torch.dtype = torch.float32,
+    needs_grad: bool = True, dtype: torch.dtype = torch.float32, layer: LayerMask = FULL,
 ) -> BlockAttentionPlan:
-    """The masks every layer of one training forward shares (see BlockAttentionPlan), for blocks
-    of ``block_size`` slots anchored at ``anchors`` [B, N] (``valid`` [B, N]) over ``seq_len``
-    context positions. ``impl``: one of ATTENTION_IMPLS, resolved on the anchors' device
-    (resolve_attention); ``group_blocks``: blocks per group for "split" and "blockwise" (0: auto);
-    ``dtype``: the blockwise bias dtype (the queries')."""
+    """The masks the layers of one training forward with the same ``layer`` pattern share (see
+    BlockAttentionPlan), for blocks of ``block_size`` slots anchored at ``anchors`` [B, N]
+    (``valid`` [B, N]) over ``seq_len`` context positions. ``impl``: one of ATTENTION_IMPLS,
+    resolved on the anchors' device (resolve_attention); ``group_blocks``: blocks per group for
+    "split" and "blockwise" (0: auto); ``dtype``: the blockwise bias dtype (the queries')."""
     impl = resolve_attention(impl, anchors.device, needs_grad)
     bs = block_size
     if impl == "dense":
-        return BlockAttentionPlan("dense", mask=dense_block_mask(anchors, valid, seq_len, bs))
+        return BlockAttentionPlan("dense", mask=dense_block_mask(anchors, valid, seq_len, bs, layer))
     if impl == "flex":
-        return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs))
+        return BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, seq_len, bs, layer))
     n = anchors.shape[1]
     if impl == "blockwise":
         # Default: 64 query rows per group (4 blocks of 16), 4 groups per batched call.
         group = min(group_blocks if group_blocks > 0 else max(1, 64 // bs), n)
-        groups = query_groups(anchors, valid, seq_len, bs, group, max(1, 256 // (group * bs)), dtype)
+        groups = query_groups(anchors, valid, seq_len, bs, group, max(1, 256 // (group * bs)), dtype, layer)
         return BlockAttentionPlan("blockwise", groups=groups, num_blocks=n)
     # Default: 8 groups. More groups cut the wasted g*bs block keys per query but repeat
     # the context K/V once per group (memory G * S * Hkv * D per layer); 8 measured best here.
     group = group_blocks if group_blocks > 0 else -(-n // 8)
     group = min(group, n)
     return BlockAttentionPlan(
-        "split", mask=split_mask(anchors, valid, seq_len, bs, group),
+        "split", mask=split_mask(anchors, valid, seq_len, bs, group, layer),
         group_blocks=group, num_groups=-(-n // group), num_blocks=n,
     )
 

@@ -24,7 +24,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from flashdraft.drafter import serving
-from flashdraft.drafter.attention import ATTENTION_IMPLS, BlockAttentionPlan, attend, attention_plan
+from flashdraft.drafter.attention import ATTENTION_IMPLS, BlockAttentionPlan, attend, attention_plan, decode_mask
 from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, _SwiGLU, apply_rope, use_lean
 from flashdraft.drafter.serving import drafter_config_from_target
 
@@ -156,6 +156,7 @@ class DFlashDrafter(nn.Module):
         self.block_size = int(self.config.get("block_size") or self.config["dflash_config"]["block_size"])
         self.mask_token_id = int(self.config["dflash_config"]["mask_token_id"])
         self.target_layer_ids = list(self.config["dflash_config"]["target_layer_ids"])
+        self.layer_masks = serving.layer_attention(self.config)  # each layer's window and in-block causality
         hidden = qcfg.hidden_size
         self.layers = nn.ModuleList(DrafterLayer(qcfg) for _ in range(qcfg.num_hidden_layers))
         self.norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
@@ -172,11 +173,15 @@ class DFlashDrafter(nn.Module):
                 module.lean = bool(lean)
 
     @classmethod
-    def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int, **kwargs) -> DFlashDrafter:
-        """``kwargs``: the training-time switches of ``__init__`` (attention, group_blocks, ...)."""
+    def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int,
+                   layer_types=None, sliding_window: int | None = None, causal: bool | None = None,
+                   **kwargs) -> DFlashDrafter:
+        """``layer_types`` / ``sliding_window`` / ``causal``: the layers' attention (see
+        serving.drafter_config_from_target; default: DFlash v1's full bidirectional layers);
+        ``kwargs``: the training-time switches of ``__init__`` (attention, group_blocks, ...)."""
         cfg = drafter_config_from_target(
-            target.config, num_layers=num_layers, block_size=block_size,
-            mask_token_id=mask_token_id, target_layer_ids=target.layer_ids,
+            target.config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
+            target_layer_ids=target.layer_ids, layer_types=layer_types, sliding_window=sliding_window, causal=causal,
         )
         return cls(cfg, **kwargs)
 
@@ -253,7 +258,8 @@ class DFlashDrafter(nn.Module):
         ctx_kv = self.context_kv(ctx, torch.arange(s, device=features.device).expand(b, s))
         positions = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).flatten(1)
         rope = self.rope(positions, x)
-        plan = self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled(), dtype=x.dtype)
+        plans = {layer: self.attention_plan(anchors, valid, s, attention, needs_grad=torch.is_grad_enabled(),
+                                            dtype=x.dtype, layer=layer) for layer in set(self.layer_masks)}
         last = len(self.layers) - 1
 
         def scored_rows(t: torch.Tensor) -> torch.Tensor:  # rows [B, N*bs, ...] -> slots 1.. [B, N*(bs-1), ...]
@@ -262,10 +268,11 @@ class DFlashDrafter(nn.Module):
         # The last layer keeps its attention probabilities (blockwise): its backward comes first,
         # right after the head. The peak is at the start of the backward, so keeping them in
         # every layer would add every layer's probabilities to it, for the same saving per layer.
-        last_plan = replace(plan, keep_probs=True)
         for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
             select = scored_rows if scored_only and i == last else None
-            args = (x, rope, kv, last_plan if i == last else plan, select, distinct if i == 0 else None)
+            plan = plans[self.layer_masks[i]]
+            args = (x, rope, kv, replace(plan, keep_probs=True) if i == last else plan, select,
+                    distinct if i == 0 else None)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
@@ -274,12 +281,13 @@ class DFlashDrafter(nn.Module):
 
     def attention_plan(
         self, anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, attention: str | None = None,
-        needs_grad: bool = True, dtype: torch.dtype = torch.float32,
+        needs_grad: bool = True, dtype: torch.dtype = torch.float32, layer=None,
     ) -> BlockAttentionPlan:
-        """The masks every layer of one training forward shares (see BlockAttentionPlan), for this
-        drafter's block size and group_blocks; ``attention`` overrides ``self.attention``."""
+        """The masks the layers of one training forward with the pattern ``layer`` (a LayerMask;
+        None: the first layer's) share (see BlockAttentionPlan), for this drafter's block size
+        and group_blocks; ``attention`` overrides ``self.attention``."""
         return attention_plan(attention or self.attention, anchors, valid, seq_len, self.block_size,
-                              self.group_blocks, needs_grad, dtype)
+                              self.group_blocks, needs_grad, dtype, layer or self.layer_masks[0])
 
     # ---- decoding -------------------------------------------------------------------------
 
@@ -302,16 +310,18 @@ class DFlashDrafter(nn.Module):
     def forward_block(self, cache: ContextCache, block_embeds: torch.Tensor) -> torch.Tensor:
         """Inference forward of one block [B, bs, H] placed right after the cached context.
 
-        The block sees every cached context row and itself (bidirectionally); its own rows are
-        never added to the cache (the crop back to ``start`` of DFLASH.md is implicit).
+        The block sees the cached context rows and itself as each layer's pattern allows (DFlash
+        v1: all of them, bidirectionally); its own rows are never added to the cache (the crop
+        back to ``start`` of DFLASH.md is implicit).
         """
         b, t, _ = block_embeds.shape
         start = cache.length
         positions = torch.arange(start, start + t, device=block_embeds.device).expand(b, t)
         rope = self.rope(positions, block_embeds)
+        masks = {layer: decode_mask(start, t, layer, block_embeds.device) for layer in set(self.layer_masks)}
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, (cache.keys[i], cache.values[i]))
+            x = layer(x, rope, (cache.keys[i], cache.values[i]), masks[self.layer_masks[i]])
         return self.norm(x)
 
     # ---- serving format -------------------------------------------------------------------

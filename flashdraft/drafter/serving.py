@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from flashdraft.checkpoint import follow_umask
+from flashdraft.drafter.attention import LAYER_TYPES, LayerMask
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,9 +43,19 @@ _TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_inter
 
 
 def drafter_config_from_target(
-    target_config, *, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int]
+    target_config, *, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
+    layer_types: list[str] | tuple[str, ...] | None = None, sliding_window: int | None = None,
+    causal: bool | None = None,
 ) -> dict:
-    """The drafter's config.json as a dict: the target's Qwen3 fields + the DFlash keys."""
+    """The drafter's config.json as a dict: the target's Qwen3 fields + the DFlash keys.
+
+    ``layer_types``: one of LAYER_TYPES per layer (None: all full, DFlash v1), ``sliding_window``
+    the window of the sliding layers (HF convention: the query counts), ``causal`` in-block
+    causality for every layer (None: by layer type, sliding causal and full bidirectional). The
+    attention keys are written as every engine reads them (layer_attention; DFLASH2.md 3.3):
+    an explicit ``layer_types`` list, ``sliding_window`` with ``use_sliding_window`` and
+    ``max_window_layers``, and ``is_causal`` (with ``dflash_config.causal``) whenever all layers
+    share one causality (a mixed model keeps the by-type default, which both engines apply)."""
     src = target_config.to_dict()
     cfg = {key: src[key] for key in _COPIED_FIELDS if key in src}
     cfg.setdefault("head_dim", src["hidden_size"] // src["num_attention_heads"])
@@ -58,6 +69,8 @@ def drafter_config_from_target(
         # ... and their scaling (YaRN, linear, llama3) from rope_scaling, in its legacy form
         cfg["rope_scaling"] = {"type": rope["rope_type"], **{k: v for k, v in rope.items() if k != "rope_theta"}}
     cfg.setdefault("attention_bias", False)
+    types = list(layer_types) if layer_types else ["full_attention"] * num_layers
+    sliding = "sliding_attention" in types
     cfg.update(
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
@@ -65,12 +78,18 @@ def drafter_config_from_target(
         num_target_layers=int(src["num_hidden_layers"]),
         block_size=block_size,
         dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
-        layer_types=["full_attention"] * num_layers,
-        use_sliding_window=False,
-        sliding_window=None,
+        layer_types=types,
+        use_sliding_window=sliding,
+        sliding_window=int(sliding_window) if sliding else None,
+        max_window_layers=num_layers,
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
+    resolved = [layer.causal for layer in layer_attention(cfg if causal is None else {**cfg, "is_causal": causal})]
+    if len(set(resolved)) == 1:
+        cfg["is_causal"] = cfg["dflash_config"]["causal"] = resolved[0]
+    if sliding:
+        cfg["dflash_config"]["swa_window_size"] = int(sliding_window)
     if not 0 <= mask_token_id < cfg["vocab_size"]:
         raise ValueError(
             f"model.mask_token_id={mask_token_id} is outside the target's embedding table (vocab_size "
@@ -88,20 +107,52 @@ def qwen3_config(cfg: dict) -> Qwen3Config:
     return Qwen3Config(**{k: copy.deepcopy(v) for k, v in cfg.items() if k in keys and v is not None})
 
 
+def layer_attention(config: dict) -> list:
+    """Each layer's attention pattern (attention.LayerMask) as the serving engines resolve it
+    from ``config`` (vLLM ``_resolve_layer_attention`` / ``_dflash_layer_causal``, SGLang,
+    the reference; DFLASH2.md 3.1-3.2): the type from ``layer_types`` (all sliding when none is
+    and ``dflash_config.use_swa`` is set); a sliding layer's window from
+    ``dflash_config.swa_window_size``, else ``sliding_window``; in-block causality from
+    ``is_causal``, else ``dflash_config.causal``, else causal exactly for sliding layers."""
+    dflash = config.get("dflash_config") or {}
+    n = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or ["full_attention"] * n)
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}: give one per layer")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown}: flashdraft implements {', '.join(LAYER_TYPES)}")
+    if dflash.get("use_swa") and "sliding_attention" not in types:
+        types = ["sliding_attention"] * n
+    window = dflash.get("swa_window_size") or config.get("sliding_window")
+    if "sliding_attention" in types and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"sliding_attention layers need a window: sliding_window={window!r}; set a positive "
+                         "integer (HF convention: the query position counts)")
+    explicit = config.get("is_causal")
+    if explicit is None:
+        explicit = dflash.get("causal")
+    return [LayerMask(window if t == "sliding_attention" else None,
+                      bool(explicit) if explicit is not None else t == "sliding_attention") for t in types]
+
+
 # Config keys of newer DFlash checkpoints whose behaviour this drafter does not implement: a
 # drafter loaded while ignoring them would draft unlike the one that was trained (wrong tau).
 _UNSUPPORTED_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
 
 
 def check_supported(config: dict, where) -> None:
-    """Refuse, with the reason, a drafter config whose layers differ from the full-attention
-    Qwen3 layers implemented here (sliding-window layers, scaled embeddings or outputs)."""
-    kinds = set(config.get("layer_types") or ["full_attention"])
+    """Refuse, with the reason, a drafter config whose layers differ from the Qwen3 layers
+    implemented here (full and sliding-window attention, in-block causal or not): attention
+    sinks, scaled embeddings or outputs, unknown layer types."""
     problems = []
-    if kinds != {"full_attention"}:
-        problems.append(f"layer_types {sorted(kinds)} (only full_attention layers are implemented)")
-    if config.get("use_sliding_window") and config.get("sliding_window"):
-        problems.append(f"use_sliding_window with sliding_window={config['sliding_window']}")
+    try:
+        layer_attention(config)
+    except (ValueError, KeyError) as exc:
+        problems.append(str(exc))
+    dflash = config.get("dflash_config") or {}
+    if dflash.get("attention_sink_bias") or config.get("attention_sink_bias") or \
+            config.get("add_swa_attention_sink_bias"):
+        problems.append("attention sinks (attention_sink_bias)")
     problems += [f"{key}={config[key]!r}" for key in _UNSUPPORTED_KEYS if config.get(key) not in (None, 1, 1.0)]
     if problems:
         raise ValueError(f"{where}: this DFlash drafter uses {'; '.join(problems)}, which flashdraft does not "
@@ -134,8 +185,13 @@ def read_config(path: str | os.PathLike) -> dict:
     drafter whose layers this package implements (check_supported)."""
     path = Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
-    if "DFlashDraftModel" not in config.get("architectures", []):
-        raise ValueError(f"{path}/config.json: not a DFlash drafter (architectures={config.get('architectures')})")
+    architectures = config.get("architectures") or []
+    if "DFlash2DraftModel" in architectures:
+        raise ValueError(f"{path}/config.json: a DFlash2 drafter (grouped dynamic convolution and candidate "
+                         "selector), which flashdraft does not implement yet; only DFlash (DFlashDraftModel) "
+                         "drafters load here")
+    if "DFlashDraftModel" not in architectures:
+        raise ValueError(f"{path}/config.json: not a DFlash drafter (architectures={architectures})")
     check_supported(config, path / CONFIG_FILE)
     return config
 

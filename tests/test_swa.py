@@ -1,0 +1,155 @@
+"""Sliding-window and in-block-causal drafter layers (DFLASH2.md section 3): the masks against the
+fact sheet's per-query rule, every attention path against the dense one, training against
+per-anchor inference and against an independent implementation, and the serving config keys
+each engine reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_drafter import _blocks, _dflash_block_from_the_spec
+from test_step_equivalence import assert_same, batch, grads_of, make
+
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.drafter.attention import LayerMask, decode_mask, dense_block_mask
+from flashdraft.drafter.serving import layer_attention
+
+# (layer_types, window, causal): W < bs and W >= bs, explicit causality or by layer type.
+LAYOUTS = [
+    (["sliding_attention", "sliding_attention"], 3, False),  # DFlash2's: all sliding, is_causal false
+    (["sliding_attention", "sliding_attention"], 6, None),  # sliding, causal by type
+    (["sliding_attention", "full_attention"], 2, None),  # [S, F]: causal windowed, then full bidirectional
+    (["full_attention", "full_attention"], None, True),  # full but in-block causal
+]
+
+
+def _visible_by_hand(a: int, valid: bool, k: int, key: int, key_is_slot: bool, key_slot: int, same: bool,
+                     layer: LayerMask) -> bool:
+    """DFLASH2.md 3.1 for the query at slot k of the block anchored at a: context a + k - (W-1)
+    <= kv < a; in-block slots <= k when causal, within the window; a padded block: its slots."""
+    if key_is_slot:
+        return same and (not layer.causal or key_slot <= k) and (layer.window is None or k - key_slot < layer.window)
+    return valid and key < a and (layer.window is None or a + k - (layer.window - 1) <= key)
+
+
+@pytest.mark.parametrize("layer", [LayerMask(), LayerMask(2, False), LayerMask(3, True), LayerMask(9, False),
+                                   LayerMask(None, True)])
+def test_the_dense_mask_is_the_per_query_rule(layer):
+    bs, s = 4, 20
+    anchors = torch.tensor([[3, 7, 15, 0], [0, 5, 12, 18]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    mask = dense_block_mask(anchors, valid, s, bs, layer)[:, 0]
+    for b in range(2):
+        for n in range(4):
+            for k in range(bs):
+                row = mask[b, n * bs + k]
+                for key in range(s + 4 * bs):
+                    is_slot = key >= s
+                    expected = _visible_by_hand(int(anchors[b, n]), bool(valid[b, n]), k, key, is_slot,
+                                                (key - s) % bs, is_slot and (key - s) // bs == n, layer)
+                    assert bool(row[key]) == expected, (b, n, k, key)
+
+
+@pytest.mark.parametrize("impl", ["split", "blockwise"])
+@pytest.mark.parametrize("layer_types,window,causal", LAYOUTS)
+def test_every_attention_path_equals_the_dense_one(impl, layer_types, window, causal):
+    target, drafter = make(block_size=4, group_blocks=2, layer_types=layer_types, sliding_window=window,
+                           causal=causal)
+    inputs = batch(target, drafter, [40, 23], 12, seed=3)
+    ref = grads_of(drafter, target, inputs, attention="dense")
+    assert_same(ref, grads_of(drafter, target, inputs, attention=impl))
+    assert_same(ref, grads_of(drafter, target, inputs, attention=impl, chunk_size=7, anchors_per_microbatch=5))
+
+
+@pytest.mark.parametrize("layer_types,window,causal", LAYOUTS)
+def test_flex_forward_equals_dense(layer_types, window, causal):
+    target, drafter = make(block_size=4, layer_types=layer_types, sliding_window=window, causal=causal)
+    features, embeds, anchors, valid, *_ = batch(target, drafter, [40, 23], 12, seed=5)
+    with torch.no_grad():
+        dense = drafter(features, embeds, anchors, valid, attention="dense")
+        flex = drafter(features, embeds, anchors, valid, attention="flex")
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_shorter_than_the_context_changes_the_output():
+    """The window bites: the same weights with full attention give another output (so the
+    equalities above compare masks that do something)."""
+    target, swa = make(block_size=4, layer_types=["sliding_attention"] * 2, sliding_window=3, causal=False)
+    full = DFlashDrafter({**swa.config, "layer_types": ["full_attention"] * 2, "use_sliding_window": False})
+    full.load_state_dict(swa.state_dict())
+    features, embeds, anchors, valid, *_ = batch(target, swa, [40], 8, seed=1)
+    with torch.no_grad():
+        assert not torch.allclose(swa(features, embeds, anchors, valid, attention="dense"),
+                                  full(features, embeds, anchors, valid, attention="dense"), atol=1e-3)
+
+
+@pytest.mark.parametrize("layer_types,window,causal", LAYOUTS)
+def test_training_equals_per_anchor_inference_and_the_independent_implementation(layer_types, window, causal,
+                                                                                  target, tmp_path):
+    drafter = DFlashDrafter.for_target(target, num_layers=2, block_size=8, mask_token_id=299,
+                                       layer_types=layer_types, sliding_window=window, causal=causal)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.3 * noise if "norm" in name else 0.15 * noise)
+    drafter.eval().save_pretrained(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    reloaded = DFlashDrafter.from_pretrained(tmp_path)
+    weights = reloaded.state_dict()
+    ids, anchors, valid, block_ids = _blocks(target, seed=3)
+    features = target.features(ids)
+    with torch.no_grad():
+        trained = drafter(features, target.embed(block_ids), anchors, valid)
+        again = reloaded(features, target.embed(block_ids), anchors, valid)
+        assert torch.equal(trained, again)  # the export reloads to the same drafter
+        checked = 0
+        for n in range(anchors.shape[1]):
+            a = int(anchors[0, n])
+            if not valid[0, n] or a == 0:
+                continue
+            expected = _dflash_block_from_the_spec(weights, cfg, features[0, :a], target.embed(block_ids[0, n]))
+            cache = drafter.new_cache()
+            drafter.extend_context(cache, features[:1, :a])
+            torch.testing.assert_close(drafter.forward_block(cache, target.embed(block_ids[:1, n]))[0], expected,
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(trained[0, n], expected, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 4
+
+
+def test_the_export_writes_what_vllm_and_sglang_read(target):
+    mixed = DFlashDrafter.for_target(target, num_layers=3, block_size=8, mask_token_id=299,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                     sliding_window=2048).config
+    assert mixed["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert mixed["sliding_window"] == 2048 and mixed["use_sliding_window"] is True and mixed["max_window_layers"] == 3
+    assert mixed["dflash_config"]["swa_window_size"] == 2048
+    assert "is_causal" not in mixed and "causal" not in mixed["dflash_config"]  # mixed: the by-type default
+    assert layer_attention(mixed) == [LayerMask(2048, True), LayerMask(2048, True), LayerMask(None, False)]
+    v2 = DFlashDrafter.for_target(target, num_layers=2, block_size=8, mask_token_id=299,
+                                  layer_types=["sliding_attention"] * 2, sliding_window=2048, causal=False).config
+    assert v2["is_causal"] is False and v2["dflash_config"]["causal"] is False  # DFlash2's released layout
+    assert layer_attention(v2) == [LayerMask(2048, False)] * 2
+
+
+def test_layer_attention_follows_the_engines_precedence():
+    base = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}
+    assert layer_attention(base) == [LayerMask(16, True), LayerMask(None, False)]  # by type
+    assert layer_attention({**base, "dflash_config": {"causal": True}}) == [LayerMask(16, True), LayerMask(None, True)]
+    assert layer_attention({**base, "is_causal": False, "dflash_config": {"causal": True}}) == \
+        [LayerMask(16, False), LayerMask(None, False)]  # top-level is_causal first
+    assert layer_attention({**base, "dflash_config": {"swa_window_size": 8}})[0].window == 8
+    use_swa = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
+               "dflash_config": {"use_swa": True, "swa_window_size": 32, "causal": False}}
+    assert layer_attention(use_swa) == [LayerMask(32, False)] * 2  # MiMo-style: all sliding, non-causal
+
+
+def test_decode_mask_is_the_training_rule_for_one_block():
+    layer = LayerMask(3, True)
+    mask = decode_mask(10, 4, layer, "cpu")[0, 0]
+    expected = dense_block_mask(torch.tensor([[10]]), torch.tensor([[True]]), 10, 4, layer)[0, 0]
+    assert torch.equal(mask, expected)
+    assert decode_mask(10, 4, LayerMask(), "cpu") is None
