@@ -281,11 +281,19 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     return rms(x, w("norm.weight"))
 
 
-def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path):
+@pytest.mark.parametrize("layout", [
+    {},  # DFlash v1: full, bidirectional
+    {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3, "causal": False},  # DFlash2's layout, W < bs
+    {"layer_types": ["sliding_attention"] * 2, "sliding_window": 12},  # causal by type, W >= bs
+    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},  # [S, F], mixed causality
+    {"causal": True},  # full layers, causal in-block
+], ids=["v1", "swa-bidirectional", "swa-causal", "mixed", "full-causal"])
+def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path, layout):
     """Golden test against an independent implementation of the architecture (above), so that a
     convention broken in code the training and inference paths share (fusion, KV injection, RoPE
-    on the context keys, no input norm on the context) cannot pass by agreeing with itself."""
-    drafter = make_drafter(target, num_layers=2, block_size=8)
+    on the context keys, no input norm on the context, the layers' windows and causality) cannot
+    pass by agreeing with itself."""
+    drafter = DFlashDrafter.for_target(target, num_layers=2, block_size=8, mask_token_id=MASK_ID, **layout)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # weights far from init, norms included, so every term shows
         for name, p in drafter.named_parameters():
