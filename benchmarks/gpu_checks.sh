@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of this project in one run, for the one device session a task may get
-# (<= 9 minutes on one H200). Each part has its own time limit, so a part that fails or hangs
+# (<= 9.5 minutes on one H200). Each part has its own time limit, so a part that fails or hangs
 # does not eat the others' time. Everything lands in $OUT (default ./gpu_results):
 #   env.txt                      torch, CUDA and the device
 #   gpu_step.txt / .json         the drafter step at the Qwen3-8B point: ms, peak memory,
@@ -9,6 +9,9 @@
 #   gpu_pipeline.txt / .json     the trainer sequential vs pipelined: tokens/s, GPU busy share,
 #                                stage split, loss agreement (does the pipeline keep the GPU busy,
 #                                without changing the results?)
+#   gpu_swa.txt / .json          the same drafter step with every layer sliding-window 1024 and
+#                                D-PACE weights, fast path only: the compiled flex kernel under a
+#                                window mask (a GPU-only code path) and its cost next to gpu_step
 # Then copy the numbers into docs/benchmarks.md.
 #
 #   bash benchmarks/gpu_checks.sh            # on the GPU machine
@@ -28,8 +31,10 @@ else
   pipeline_args=()
 fi
 status=0
-timeout "${STEP_TIMEOUT:-270}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_step.json" "${step_args[@]}" 2>&1 \
+timeout "${STEP_TIMEOUT:-240}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_step.json" "${step_args[@]}" 2>&1 \
   | tee "$OUT/gpu_step.txt" || status=1
-timeout "${PIPELINE_TIMEOUT:-270}" python -m flashdraft.cli bench gpu-pipeline "${pipeline_args[@]}" 2>&1 \
+timeout "${PIPELINE_TIMEOUT:-240}" python -m flashdraft.cli bench gpu-pipeline "${pipeline_args[@]}" 2>&1 \
   | tee "$OUT/gpu_pipeline.txt" || status=1
+timeout "${SWA_TIMEOUT:-90}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_swa.json" --variants fast \
+  --sliding-window 1024 --weighting dpace "${step_args[@]}" 2>&1 | tee "$OUT/gpu_swa.txt" || status=1
 exit $status

@@ -205,6 +205,22 @@ def pace_steps(seconds: float) -> None:
     DrafterStep.__call__ = paced
 
 
+def pace_checkpoint_writes(seconds: float) -> None:
+    """Make every checkpoint part's write of this process last ``seconds`` longer (its temp dir
+    exists meanwhile), so that a test's kill lands inside a write however busy the machine is."""
+    if seconds <= 0:
+        return
+    from flashdraft import checkpoint
+
+    write = checkpoint._write_part
+
+    def paced(tmp, name, state):
+        time.sleep(seconds)
+        return write(tmp, name, state)
+
+    checkpoint._write_part = paced
+
+
 def cli(*argv: str) -> None:
     """``flashdraft ARGV...`` exactly as the console script runs it; exits with its status."""
     import signal
@@ -215,6 +231,7 @@ def cli(*argv: str) -> None:
     if os.environ.get("FLASHDRAFT_TEST_IGNORE_SIGXFSZ"):  # a file-size limit then fails writes (EFBIG), like ENOSPC
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     pace_steps(float(os.environ.get("FLASHDRAFT_TEST_STEP_SLEEP", "0")))
+    pace_checkpoint_writes(float(os.environ.get("FLASHDRAFT_TEST_WRITE_SLEEP", "0")))
     try:
         code = main(list(argv))
     except Stopped as exc:  # as the console script reports it (flashdraft.cli.entry)

@@ -152,8 +152,11 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
     moments = []
     for trial in range(10):
         newest_before = CheckpointManager(ckpts).latest_complete()
-        pid, log = _spawn_train(trainer_forkserver, args, sleep=0.1)
         kind = ("write", "step", "anytime")[trial % 3]
+        # A write's temp dir lives milliseconds; stretched to 0.2 s for the write kills, so that
+        # the poll below sees it on a busy machine too (it once missed every write of a run).
+        pid, log = _spawn_train(trainer_forkserver, args, sleep=0.1,
+                                FLASHDRAFT_TEST_WRITE_SLEEP="0.2" if kind == "write" else "0")
         if kind == "write":  # the moment a checkpoint's temp dir appears
             _wait_for(lambda pid=pid: any(ckpts.glob(f".tmp-step_*-{pid}"))
                       or trainer_forkserver.exits.get(pid) is not None, 120, "a checkpoint write", log)

@@ -29,6 +29,10 @@ def test_gpu_checks_script_smoke(tmp_path):
     assert "% of peak" in step  # the achieved share of the device's peak is reported
     assert {r["variant"] for r in json.loads((tmp_path / "gpu_step.json").read_text())} == {"fast", "reference"}
 
+    swa = json.loads((tmp_path / "gpu_swa.json").read_text())
+    assert [(r["variant"], r["sliding_window"], r["weighting"]) for r in swa] == [("fast", 1024, "dpace")]
+    assert "fast ms_per_step=" in (tmp_path / "gpu_swa.txt").read_text()
+
     result = json.loads((tmp_path / "gpu_pipeline.json").read_text())
     for mode in ("sequential", "pipelined"):
         assert result[mode]["steps_per_s"] > 0 and result[mode]["pipeline"]["bound"].endswith("-bound")
