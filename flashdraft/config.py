@@ -76,7 +76,8 @@ class ModelConfig:
                "model.drafter_layer_types", f"{list(types)}",
                f"give one of {', '.join(LAYER_TYPES)} per drafter layer ({self.num_draft_layers}), or one for all")
         sliding = "sliding_attention" in types
-        _check(sliding == (self.drafter_sliding_window is not None) and (self.drafter_sliding_window or 1) >= 1,
+        _check(sliding == (self.drafter_sliding_window is not None) and
+               (self.drafter_sliding_window is None or self.drafter_sliding_window >= 1),
                "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
                "give a positive window (e.g. 2048) exactly when a layer is sliding_attention")
         if self.target_layer_ids is not None:
@@ -109,7 +110,7 @@ class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
     weighting: str = "decay"  # slot weights: decay (exp(-(k-1)/gamma)) | dpace (confidence-based, detached; D-PACE)
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
-    dpace_alpha: float = 0.5  # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: uniform)
+    dpace_alpha: float = 0.5  # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: linear decay)
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes context KV
 
@@ -190,6 +191,9 @@ class TrainConfig:
                "use 0 (greedy) or a positive temperature, e.g. 1.0")
         _check(0 < self.eval_top_p <= 1, "train.eval_top_p", f"{self.eval_top_p}", "use a value in (0, 1] (1: off)")
         _check(self.eval_top_k >= 0, "train.eval_top_k", f"{self.eval_top_k}", "use 0 (off) or a positive count")
+        _check(self.eval_temperature > 0 or (self.eval_top_p == 1 and self.eval_top_k == 0),
+               "train.eval_top_p / eval_top_k", f"{self.eval_top_p} / {self.eval_top_k}",
+               "they shape sampling: set train.eval_temperature above 0 with them (0 is greedy)")
         _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "train.resume", self.resume,
                "use auto, never, or an existing checkpoint directory")
         _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")

@@ -92,6 +92,10 @@ def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, t
     ({"model__block_size": 8}, r"model.block_size: checkpoint 4 vs now 8"),
     ({"model__num_draft_layers": 2}, r"model.num_draft_layers: checkpoint 1 vs now 2"),
     ({"data__token_budget": 200}, r"data.token_budget: checkpoint 160 vs now 200"),
+    # the drafter's attention layout: the same weights under other masks would train another drafter
+    ({"model__drafter_layer_types": "[sliding_attention]", "model__drafter_sliding_window": 4},
+     r"model.drafter_layer_types: checkpoint \[\] vs now \['sliding_attention'\]"),
+    ({"model__drafter_causal": "true"}, r"model.drafter_causal: checkpoint None vs now True"),
 ])
 def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tmp_path, change, message):  # noqa: F811
     out = tmp_path / "run"
@@ -102,6 +106,19 @@ def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tm
                                                    r"train.output_dir"):
         changed.fit()
     assert changed.step == 0
+
+
+def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):  # noqa: F811
+    """A checkpoint whose saved config predates model.drafter_layer_types & co. had their
+    defaults then (full, bidirectional layers): it resumes under the defaults, and only them."""
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run")))
+    saved = trainer.config.to_dict()
+    for key in ("drafter_layer_types", "drafter_sliding_window", "drafter_causal"):
+        del saved["model"][key]
+    trainer.checkpoints._check_compatible(saved)  # no difference
+    swa = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "swa", model__drafter_causal="true")))
+    with pytest.raises(ValueError, match=r"model.drafter_causal: checkpoint None vs now True"):
+        swa.checkpoints._check_compatible(saved)
 
 
 def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(tiny_job, tmp_path):  # noqa: F811
@@ -303,12 +320,29 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
     assert "cannot check that" in caplog.text and "no tokenizer files" in caplog.text
 
 
+@pytest.mark.parametrize("overrides_,field", [
+    (["model.drafter_layer_types=[sliding_attention]"], "model.drafter_sliding_window"),  # no window
+    (["model.drafter_layer_types=[sliding_attention]", "model.drafter_sliding_window=0"],
+     "model.drafter_sliding_window"),
+    (["model.drafter_sliding_window=64"], "model.drafter_sliding_window"),  # a window without a sliding layer
+    (["model.drafter_layer_types=[sliding_attention, full_attention]"], "model.drafter_layer_types"),  # 5 layers
+    (["model.drafter_layer_types=[chunked_attention]"], "model.drafter_layer_types"),
+    (["objective.weighting=kl"], "objective.weighting"),
+    (["train.eval_top_k=20"], "train.eval_top_p / eval_top_k"),  # top-k without a temperature
+])
+def test_drafter_layout_and_sampling_mistakes_are_refused_at_load_naming_the_field(overrides_, field):
+    with pytest.raises(ValueError, match=f"config {re.escape(field)}="):
+        load_config(overrides=overrides_)
+
+
 @pytest.mark.parametrize("override,field", [
     ("objective.gamma=.inf", "objective.gamma"), ("optim.lr=inf", "optim.lr"), ("optim.lr=.nan", "optim.lr"),
     ("train.collective_timeout_s=.inf", "train.collective_timeout_s"), ("optim.init_std=.nan", "optim.init_std"),
     ("optim.init_std=-0.02", "optim.init_std"), ("optim.betas=[0.9, 1.5]", "optim.betas"),
     ("optim.betas=[.nan, 0.9]", "optim.betas"), ("optim.weight_decay=.nan", "optim.weight_decay"),
     ("optim.weight_decay=-1", "optim.weight_decay"), ("pipeline.join_timeout_s=.inf", "pipeline.join_timeout_s"),
+    ("objective.dpace_alpha=0", "objective.dpace_alpha"), ("objective.dpace_alpha=1.5", "objective.dpace_alpha"),
+    ("train.eval_temperature=-1", "train.eval_temperature"), ("train.eval_top_p=0", "train.eval_top_p"),
 ])
 def test_non_finite_or_out_of_range_floats_are_refused_at_load_naming_the_field(override, field):
     with pytest.raises(ValueError, match=rf"config {re.escape(field)}=.+ is invalid"):

@@ -118,8 +118,13 @@ def test_layer_attention_follows_the_engines_precedence():
         [LayerMask(16, False), LayerMask(None, False)]  # top-level is_causal first
     assert layer_attention({**base, "dflash_config": {"swa_window_size": 8}})[0].window == 8
     use_swa = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
-               "dflash_config": {"use_swa": True, "swa_window_size": 32, "causal": False}}
-    assert layer_attention(use_swa) == [LayerMask(32, False)] * 2  # MiMo-style: all sliding, non-causal
+               "dflash_config": {"use_swa": True, "swa_window_size": 32}}
+    assert layer_attention(use_swa) == [LayerMask(32, False)] * 2  # MiMo-style: forced sliding, still bidirectional
+    assert layer_attention({**use_swa, "is_causal": True}) == [LayerMask(32, True)] * 2
+    # Without layer_types, as HF's Qwen3Config derives them (sliding from max_window_layers on).
+    hf = {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    assert layer_attention(hf) == [LayerMask(None, False), LayerMask(8, True), LayerMask(8, True)]
+    assert layer_attention({**hf, "use_sliding_window": False}) == [LayerMask()] * 3
 
 
 def test_decode_mask_is_the_training_rule_for_one_block():

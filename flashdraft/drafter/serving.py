@@ -110,20 +110,28 @@ def qwen3_config(cfg: dict) -> Qwen3Config:
 def layer_attention(config: dict) -> list:
     """Each layer's attention pattern (attention.LayerMask) as the serving engines resolve it
     from ``config`` (vLLM ``_resolve_layer_attention`` / ``_dflash_layer_causal``, SGLang,
-    the reference; DFLASH2.md 3.1-3.2): the type from ``layer_types`` (all sliding when none is
-    and ``dflash_config.use_swa`` is set); a sliding layer's window from
+    the reference; DFLASH2.md 3.1-3.2): the type from ``layer_types`` (without it, as HF's
+    Qwen3Config derives it from ``use_sliding_window`` / ``max_window_layers``; all sliding when
+    none is and ``dflash_config.use_swa`` is set); a sliding layer's window from
     ``dflash_config.swa_window_size``, else ``sliding_window``; in-block causality from
-    ``is_causal``, else ``dflash_config.causal``, else causal exactly for sliding layers."""
+    ``is_causal``, else ``dflash_config.causal``, else causal exactly for the layers
+    ``layer_types`` lists as sliding."""
     dflash = config.get("dflash_config") or {}
     n = int(config["num_hidden_layers"])
-    types = list(config.get("layer_types") or ["full_attention"] * n)
+    types = config.get("layer_types")
+    if not types:  # HF Qwen3Config's derivation: sliding from layer max_window_layers on, when enabled
+        first = config.get("max_window_layers", 28)  # Qwen3Config's default
+        sliding = bool(config.get("use_sliding_window") and config.get("sliding_window"))
+        types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
+    types = list(types)
     if len(types) != n:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}: give one per layer")
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown}: flashdraft implements {', '.join(LAYER_TYPES)}")
-    if dflash.get("use_swa") and "sliding_attention" not in types:
-        types = ["sliding_attention"] * n
+    by_type = [t == "sliding_attention" for t in types]  # the default causality: the listed type's
+    if dflash.get("use_swa") and not any(by_type):
+        types = ["sliding_attention"] * n  # forced sliding, still bidirectional by default (vLLM; MiMo)
     window = dflash.get("swa_window_size") or config.get("sliding_window")
     if "sliding_attention" in types and not (isinstance(window, int) and window >= 1):
         raise ValueError(f"sliding_attention layers need a window: sliding_window={window!r}; set a positive "
@@ -131,8 +139,8 @@ def layer_attention(config: dict) -> list:
     explicit = config.get("is_causal")
     if explicit is None:
         explicit = dflash.get("causal")
-    return [LayerMask(window if t == "sliding_attention" else None,
-                      bool(explicit) if explicit is not None else t == "sliding_attention") for t in types]
+    return [LayerMask(window if t == "sliding_attention" else None, bool(explicit) if explicit is not None else c)
+            for t, c in zip(types, by_type)]
 
 
 # Config keys of newer DFlash checkpoints whose behaviour this drafter does not implement: a

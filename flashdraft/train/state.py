@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 # Config fields a resume must find unchanged: they change what is trained or in which order.
 RESUME_KEYS = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
-                                       "mask_token_id")]
+                                       "mask_token_id", "drafter_layer_types", "drafter_sliding_window",
+                                       "drafter_causal")]
                + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
 
 
@@ -182,9 +183,11 @@ class RunCheckpoints:
 
     def _check_compatible(self, saved: dict) -> None:
         """A resume must not silently change what is being trained."""
-        mine = self.config.to_dict()
-        diffs = [f"{s}.{k}: checkpoint {saved.get(s, {}).get(k)!r} vs now {mine[s][k]!r}"
-                 for s, k in RESUME_KEYS if saved.get(s, {}).get(k) != mine[s][k]]
+        mine, defaults = self.config.to_dict(), type(self.config)().to_dict()
+        # A key the checkpoint's config predates had its default then (the drafter's attention layout).
+        then = {(s, k): saved.get(s, {}).get(k, defaults[s][k]) for s, k in RESUME_KEYS}
+        diffs = [f"{s}.{k}: checkpoint {then[s, k]!r} vs now {mine[s][k]!r}"
+                 for s, k in RESUME_KEYS if then[s, k] != mine[s][k]]
         if diffs:
             raise ValueError(
                 f"cannot resume from {self.manager.root}: the config changed ({'; '.join(diffs)}); restore those "
