@@ -218,6 +218,12 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     """Run every stage; returns the report written to ``output/eval/report.json``."""
     from transformers import AutoTokenizer
 
+    from flashdraft.objective import WEIGHTINGS
+
+    if budget.weighting not in WEIGHTINGS:  # checked before minutes of target training and data
+        raise ValueError(f"--weighting {budget.weighting!r}: use one of {', '.join(WEIGHTINGS)}")
+    if budget.sliding_window < 0:
+        raise ValueError(f"--sliding-window {budget.sliding_window}: use 0 (full layers) or a positive window")
     out = Path(output)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,11 @@ def test_periodic_eval_tau_matches_flashdraft_eval_on_the_export(smoke_run, tmp_
     main(["eval", "--target", str(out / "target"), "--drafter", str(out / "drafter"), "--prompts",
           str(tmp_path / "p.jsonl"), "--max-new-tokens", "32", "--output", str(tmp_path / "r.json")])
     assert json.loads((tmp_path / "r.json").read_text())["tau"] == last_eval["eval_tau"]
+
+
+@pytest.mark.parametrize("flags,message", [(["--weighting", "foo"], "--weighting 'foo': use one of decay, dpace"),
+                                           (["--sliding-window", "-5"], "--sliding-window -5: use 0")])
+def test_bad_variant_flags_are_refused_before_any_stage_runs(tmp_path, flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["quickstart", "--smoke", "--output", str(tmp_path / "qs"), *flags])
+    assert not (tmp_path / "qs").exists()  # nothing written, no target trained
