@@ -30,7 +30,7 @@ from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
 from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
-from flashdraft.objective import WEIGHTINGS
+from flashdraft.objective import LOSSES, WEIGHTINGS, SlotLoss
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 
@@ -111,6 +111,9 @@ class ObjectiveConfig:
     weighting: str = "decay"  # slot weights: decay (exp(-(k-1)/gamma)) | dpace (confidence-based, detached; D-PACE)
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
     dpace_alpha: float = 0.5  # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: linear decay)
+    loss: str = "ce"  # per-slot loss: ce (= LK^alpha for hard labels) | tv (1 - q(label)) | lk_lambda (CE/TV mix)
+    lk_kl_scale: float = 1.0  # lk_lambda: lambda = lk_kl_scale * exp(-lk_kl_decay * mean q(label))
+    lk_kl_decay: float = 1.0  # lk_lambda: how fast lambda falls as the drafter gets confident
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes context KV
 
@@ -123,6 +126,9 @@ class ObjectiveConfig:
                f"use one of {', '.join(WEIGHTINGS)}")
         _check(0 < self.dpace_alpha <= 1, "objective.dpace_alpha", f"{self.dpace_alpha}",
                "use a value in (0, 1], e.g. 0.5")
+        _check(self.loss in LOSSES, "objective.loss", self.loss, f"use one of {', '.join(LOSSES)}")
+        _check(self.lk_kl_scale >= 0 and self.lk_kl_decay >= 0, "objective.lk_kl_scale / lk_kl_decay",
+               f"{self.lk_kl_scale} / {self.lk_kl_decay}", "use values >= 0 (1.0 / 1.0: SpecForge's defaults)")
         _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
         _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch", f"{self.anchors_per_microbatch}",
                "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
@@ -131,6 +137,11 @@ class ObjectiveConfig:
     def dpace(self) -> float | None:
         """D-PACE's alpha when the slots are weighted by D-PACE, else None (decay)."""
         return self.dpace_alpha if self.weighting == "dpace" else None
+
+    @property
+    def slot_loss(self) -> SlotLoss:
+        """What each scored slot contributes to the loss (objective.SlotLoss)."""
+        return SlotLoss(self.loss, self.dpace, self.lk_kl_scale, self.lk_kl_decay)
 
 
 @dataclass(frozen=True)

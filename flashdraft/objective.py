@@ -28,6 +28,7 @@ _MASK64 = (1 << 64) - 1
 
 
 WEIGHTINGS = ("decay", "dpace")  # objective.weighting: exp(-(k-1)/gamma), or D-PACE (dpace_weights)
+LOSSES = ("ce", "tv", "lk_lambda")  # objective.loss: what each weighted slot contributes (SlotLoss)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -42,6 +43,45 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
     q = torch.where(valid, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
     c = q.cumprod(-1) * valid
     return c.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+@dataclass(frozen=True)
+class SlotLoss:
+    """What each scored slot contributes, from its CE against the hard label (DFLASH2.md 5.1):
+
+    - ``ce``: CE (equal to LK^alpha, -log of the acceptance probability, for a one-hot target);
+    - ``tv``: the total variation 1 - q(y), q the drafter's probability of the label;
+    - ``lk_lambda``: lambda * CE + (1 - lambda) * TV with lambda = kl_scale * exp(-kl_decay * a),
+      a = sum(w q(y)) / sum(w) over the forward's slots, detached (SpecForge's batch-level form).
+
+    ``dpace_alpha`` weights the slots by D-PACE first (else the given weights). ``rows`` maps
+    the per-row CE [R] to (each row's loss [R], differentiable where ``ce`` is, and each row's
+    d loss / d CE [R], detached): the chunked LM head scales each row's CE gradient by the latter.
+    """
+
+    kind: str = "ce"
+    dpace_alpha: float | None = None
+    kl_scale: float = 1.0
+    kl_decay: float = 1.0
+
+    @property
+    def plain(self) -> bool:
+        """Fixed weights times CE: the chunked head's single-pass path."""
+        return self.kind == "ce" and self.dpace_alpha is None
+
+    def rows(self, ce: torch.Tensor, weights: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        fixed = ce.detach()
+        w = weights if self.dpace_alpha is None else \
+            dpace_weights(fixed.view(-1, slots), weights.view(-1, slots), self.dpace_alpha).view(-1)
+        w = w.float()
+        if self.kind == "ce":
+            return w * ce, w
+        q = torch.exp(-fixed)
+        tv = w * (1 - torch.exp(-ce))
+        if self.kind == "tv":
+            return tv, w * q
+        lam = self.kl_scale * torch.exp(-self.kl_decay * (w * q).sum() / w.sum().clamp(min=1e-12))
+        return lam * w * ce + (1 - lam) * tv, w * (lam + (1 - lam) * q)
 
 
 def _signed(value: int) -> int:
@@ -158,11 +198,11 @@ class LossOutput:
         return 1 + self.position_accuracy().cumprod(0).sum()
 
 
-def _ce_chunk(hidden, head_weight, labels, weights, weight_fn=None):
+def _ce_chunk(hidden, head_weight, labels, weights, rows_fn=None):
     logits = F.linear(hidden, head_weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
-    if weight_fn is not None:
-        weights = weight_fn(ce)
+    if rows_fn is not None:
+        return rows_fn(ce)[0].sum(), logits.argmax(-1) == labels
     return (ce * weights).sum(), logits.argmax(-1) == labels
 
 
@@ -199,16 +239,16 @@ class _ChunkedHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_size, want_grads, weight_fn=None):
+    def forward(ctx, h, head_weight, labels, weights, chunk_size, want_grads, rows_fn=None):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(head_weight, dtype=torch.float32) if want_grads and ctx.needs_input_grad[1] else None
-        if weight_fn is not None and grad_w is not None:
-            raise ValueError("D-PACE weights with a trainable LM head: the head's gradient would need a second pass; "
-                             "flashdraft trains against the target's frozen head")
-        # weight_fn (D-PACE): the weights depend on every slot's CE, known only after the loop.
-        # Each row's gradient is its weight times the unit-weight one, so the loop computes
-        # those (``weights`` is then the 0/1 validity) and scales them once the weights are known.
+        if rows_fn is not None and grad_w is not None:
+            raise ValueError("D-PACE weights or a TV / LK loss with a trainable LM head: the head's gradient would "
+                             "need a second pass; flashdraft trains against the target's frozen head")
+        # rows_fn (D-PACE, TV, LK): each row's loss depends on every slot's CE, known only after
+        # the loop. Each row's gradient is d loss / d CE times its CE gradient, so the loop
+        # computes those for the scored rows (weight > 0), and scales them once it is known.
         ces = []
         correct = []
         # One [chunk, V] logits buffer for every chunk (a fresh multi-MB tensor per chunk costs
@@ -219,12 +259,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
             rows = min(chunk_size, h.shape[0] - start)
             logits = torch.mm(h[part], head_weight.t(), out=buffer[:rows]).float()
             y, w = labels[part], weights[part].float()
+            if rows_fn is not None:
+                w = (w > 0).float()  # unit gradients of the scored rows: rows_fn's scale carries the weight
             picked = logits.gather(1, y.unsqueeze(1))
             top, best = row_max(logits)
             correct.append(best == y)  # argmax == label, as _ce_chunk
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
-            if weight_fn is None:
+            if rows_fn is None:
                 total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
             else:
                 ces.append((top + z.log() - picked).squeeze(1))
@@ -236,12 +278,11 @@ class _ChunkedHeadCE(torch.autograd.Function):
                     torch.mm(g, head_weight, out=grad_h[part])
                 if grad_w is not None:
                     grad_w += (g.t() @ h[part]).float()
-        if weight_fn is not None:
-            ce = torch.cat(ces)
-            final = weight_fn(ce)
-            total = (ce * final).sum()
+        if rows_fn is not None:
+            values, scale = rows_fn(torch.cat(ces))
+            total = values.sum()
             if grad_h is not None:
-                grad_h.mul_(final.unsqueeze(1).to(grad_h.dtype))
+                grad_h.mul_(scale.unsqueeze(1).to(grad_h.dtype))
         ctx.head_dtype = head_weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(correct_all := torch.cat(correct))
@@ -263,13 +304,15 @@ def dflash_loss(
     chunk_size: int = 0,
     normalizer: torch.Tensor | None = None,
     dpace_alpha: float | None = None,
+    slot_loss: SlotLoss | None = None,
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
 
     With ``dpace_alpha`` the ``weights`` are each slot's 0/1 validity and the CE is weighted by
     the detached D-PACE weights of its block (``dpace_weights``); the default normalizer,
     sum(weights), is then the count of scored slots -- known before the forward, so the
-    trainer's global normaliser keeps every split of a batch exact.
+    trainer's global normaliser keeps every split of a batch exact. ``slot_loss`` replaces the
+    CE by TV or the LK mix (SlotLoss; its own ``dpace_alpha`` then applies).
 
     hidden [B, N, bs, H] (drafter output after its final norm), or [B, N, bs - 1, H] for
     slots 1..bs-1 only (``drafter(..., scored_only=True)``: slot 0's weight is always 0, so
@@ -288,20 +331,21 @@ def dflash_loss(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels[:, :, skip:].reshape(-1)
     w = weights[:, :, skip:].reshape(-1)
-    weight_fn = None
-    if dpace_alpha is not None:
+    slot_loss = slot_loss or SlotLoss(dpace_alpha=dpace_alpha)
+    rows_fn = None
+    if not slot_loss.plain:
         slots = shape[2] - skip
 
-        def weight_fn(ce: torch.Tensor) -> torch.Tensor:  # rows are [B * N blocks, slots], block-major
-            return dpace_weights(ce.view(-1, slots), w.view(-1, slots), dpace_alpha).view(-1)
+        def rows_fn(ce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # rows [B * N blocks, slots], block-major
+            return slot_loss.rows(ce, w, slots)
     if chunk_size <= 0 or chunk_size >= h.shape[0]:
-        total, correct = _ce_chunk(h, head_weight, y, w, weight_fn)
+        total, correct = _ce_chunk(h, head_weight, y, w, rows_fn)
     else:
         head = head_weight
         with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
             if dtype is not None:
                 h, head = h.to(dtype), head.to(dtype)
-            total, correct = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(), weight_fn)
+            total, correct = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(), rows_fn)
     correct = correct.view(*shape[:2], -1)
     if skip:
         correct = F.pad(correct, (1, 0), value=False)
@@ -326,7 +370,12 @@ class Blocks:
     input_ids: torch.Tensor  # [B, N, bs] anchor token then MASK
     labels: torch.Tensor  # [B, N, bs] same-position labels
     weights: torch.Tensor  # [B, N, bs] float32: the decay weights, or (D-PACE) each slot's 0/1 validity
-    dpace_alpha: float | None = None  # D-PACE: the loss weights each block from its CE (dpace_weights)
+    loss: SlotLoss = SlotLoss()  # what each slot contributes (CE, TV, LK), D-PACE-weighted or not
+
+    @property
+    def dpace_alpha(self) -> float | None:
+        """D-PACE's alpha when the loss weights each block from its CE (dpace_weights), else None."""
+        return self.loss.dpace_alpha
 
     @property
     def weight_sum(self) -> torch.Tensor:
@@ -338,7 +387,7 @@ class Blocks:
         if anchors_per_slice <= 0 or anchors_per_slice >= n:
             return [self]
         return [Blocks(*(t[:, i : i + anchors_per_slice] for t in
-                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)), self.dpace_alpha)
+                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)), self.loss)
                 for i in range(0, n, anchors_per_slice)]
 
 
@@ -354,14 +403,17 @@ def make_blocks(
     seed: int,
     sample_ids: torch.Tensor | None = None,
     dpace_alpha: float | None = None,
+    loss: SlotLoss | None = None,
 ) -> Blocks:
     """Draw anchors and build block inputs, labels and weights for a padded micro-batch [B, S].
-    With ``dpace_alpha`` the loss weights the slots by D-PACE (``gamma`` is not used)."""
+    ``loss``: what each slot contributes (default: CE, D-PACE-weighted with ``dpace_alpha``);
+    under D-PACE ``gamma`` is not used."""
+    loss = loss or SlotLoss(dpace_alpha=dpace_alpha)
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed, sample_ids)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, block_size,
-                                               None if dpace_alpha is not None else gamma)
+                                               None if loss.dpace_alpha is not None else gamma)
     return Blocks(anchors, valid, block_input_ids(input_ids, anchors, block_size, mask_token_id), labels, weights,
-                  dpace_alpha)
+                  loss)
 
 
 def mask_token_id(drafter) -> int:
@@ -390,4 +442,4 @@ def block_loss(
     hidden = drafter(features, embeds, blocks.anchors, blocks.valid, attention=attention, scored_only=scored_only,
                      mask_embed=mask_embed)
     return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer,
-                       blocks.dpace_alpha)
+                       slot_loss=blocks.loss)

@@ -328,6 +328,8 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
     (["model.drafter_layer_types=[sliding_attention, full_attention]"], "model.drafter_layer_types"),  # 5 layers
     (["model.drafter_layer_types=[chunked_attention]"], "model.drafter_layer_types"),
     (["objective.weighting=kl"], "objective.weighting"),
+    (["objective.loss=kl"], "objective.loss"),
+    (["objective.lk_kl_scale=-1"], "objective.lk_kl_scale / lk_kl_decay"),
     (["train.eval_top_k=20"], "train.eval_top_p / eval_top_k"),  # top-k without a temperature
 ])
 def test_drafter_layout_and_sampling_mistakes_are_refused_at_load_naming_the_field(overrides_, field):

@@ -234,3 +234,55 @@ def test_decay_is_the_default_and_dpace_ignores_gamma():
     torch.testing.assert_close(decay.weights[0, 0], torch.tensor([0.0, 1.0, math.exp(-0.5), math.exp(-1.0)]))
     assert torch.equal(dpace.weights, (decay.weights > 0).float())  # validity only: D-PACE weighs in the loss
     assert all(part.dpace_alpha == 0.5 for part in dpace.slices(2))
+
+
+# ---- TV and LK ---------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [0, 5])
+@pytest.mark.parametrize("kind", ["tv", "lk_lambda"])
+@pytest.mark.parametrize("dpace", [None, 0.5])
+def test_tv_and_lk_losses_match_their_definitions(chunk, kind, dpace):
+    """DFLASH2.md 5.1 for a one-hot target, written out: TV = 1 - q(y); LK^lambda = lambda CE +
+    (1 - lambda) TV with lambda = kl_scale exp(-kl_decay a), a = sum(w q(y)) / sum(w), detached."""
+    from flashdraft.objective import SlotLoss
+
+    torch.manual_seed(2)
+    b, n, bs, h, v = 2, 3, 4, 8, 23
+    hidden = torch.randn(b, n, bs - 1, h, requires_grad=True)
+    head, labels = torch.randn(v, h), torch.randint(0, v, (b, n, bs))
+    weights = torch.rand(b, n, bs) * (torch.rand(b, n, bs) > 0.2)
+    weights[:, :, 0] = 0
+    if dpace is not None:
+        weights = (weights > 0).float()
+    loss = SlotLoss(kind, dpace, kl_scale=0.8, kl_decay=2.0)
+    out = dflash_loss(hidden, head, labels, weights, chunk_size=chunk, slot_loss=loss)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    logits = (hidden @ head.t()).reshape(-1, v)
+    ce = torch.nn.functional.cross_entropy(logits, labels[:, :, 1:].reshape(-1), reduction="none")
+    q = torch.softmax(logits, -1).gather(1, labels[:, :, 1:].reshape(-1, 1)).squeeze(1)
+    w = weights[:, :, 1:].reshape(-1)
+    if dpace is not None:
+        rows = ce.detach().view(b * n, bs - 1)
+        w = dpace_weights(rows, w.view(b * n, bs - 1), dpace).view(-1)
+    tv = (w * (1 - q)).sum()
+    if kind == "tv":
+        reference = tv
+    else:
+        a = ((w * q).sum() / w.sum()).detach()
+        lam = 0.8 * torch.exp(-2.0 * a)
+        reference = lam * (w * ce).sum() + (1 - lam) * tv
+    reference = reference / weights.sum()
+    (grad_ref,) = torch.autograd.grad(reference, hidden)
+    torch.testing.assert_close(out.loss, reference)
+    torch.testing.assert_close(grad, grad_ref)
+
+
+def test_lk_lambda_moves_from_ce_to_tv_as_the_drafter_gets_confident():
+    from flashdraft.objective import SlotLoss
+
+    ce = torch.tensor([0.1, 0.2, 3.0])
+    w = torch.ones(3)
+    values, scale = SlotLoss("lk_lambda", kl_scale=1.0, kl_decay=0.0).rows(ce, w, 3)  # lambda 1: CE
+    torch.testing.assert_close(values, ce) and torch.testing.assert_close(scale, w)
+    values, scale = SlotLoss("lk_lambda", kl_scale=0.0).rows(ce, w, 3)  # lambda 0: TV
+    torch.testing.assert_close(values, 1 - torch.exp(-ce))
+    torch.testing.assert_close(scale, torch.exp(-ce))  # d(1 - e^-ce)/d ce

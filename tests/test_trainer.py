@@ -34,9 +34,11 @@ def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
     assert any("time/drafter_share" in line and "pipe/target_busy_ms" in line for line in lines)
 
 
-def test_a_dpace_run_with_a_sampled_eval_trains_and_evaluates(tiny_job, tmp_path):
+@pytest.mark.parametrize("loss", ["ce", "lk_lambda"])
+def test_a_dpace_run_with_a_sampled_eval_trains_and_evaluates(tiny_job, tmp_path, loss):
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=20, optim__lr="1e-2",
-                                          objective__weighting="dpace", data__eval_prompts=tiny_job / "prompts.jsonl",
+                                          objective__weighting="dpace", objective__loss=loss,
+                                          data__eval_prompts=tiny_job / "prompts.jsonl",
                                           train__eval_max_new_tokens=12, train__eval_temperature="1.0",
                                           train__eval_top_k=20))
     trainer = Trainer(cfg)

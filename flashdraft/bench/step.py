@@ -101,7 +101,7 @@ def build(point: dict):
     The target is only a Qwen3 config (the drafter's shapes follow it); its features, embeddings
     and LM head are random tensors, so a Qwen3-8B-sized point needs no 8B weights."""
     from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
-    from flashdraft.objective import Blocks, block_labels_and_weights, default_gamma
+    from flashdraft.objective import Blocks, SlotLoss, block_labels_and_weights, default_gamma
     from flashdraft.toy import causal_lm_config
 
     device, dtype = torch.device(point["device"]), getattr(torch, point["dtype"])
@@ -144,7 +144,8 @@ def build(point: dict):
                                                None if dpace else default_gamma(bs))
     block_ids = torch.full((b, n, bs), vocab - 1, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
-    return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights, dpace))
+    return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights,
+                                                          SlotLoss(dpace_alpha=dpace)))
 
 
 def step_fn(point: dict, drafter, heads, inputs):

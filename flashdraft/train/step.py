@@ -126,7 +126,7 @@ class DrafterStep:
         cfg = self.cfg
         return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
                             block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
-                            num_anchors=cfg.objective.num_anchors, gamma=self.gamma, dpace_alpha=cfg.objective.dpace,
+                            num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=cfg.objective.slot_loss,
                             seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids)
                 for m in micro]
 

@@ -74,7 +74,7 @@ class Validator:
             batch = pad_batch(self.eval_dataset, idx, buffers=buffers).to(self.device)
             blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
                               mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
-                              gamma=self.gamma, dpace_alpha=cfg.objective.dpace, seed=0,
+                              gamma=self.gamma, loss=cfg.objective.slot_loss, seed=0,
                               sample_ids=torch.from_numpy(idx).to(self.device))
             with self.autocast:
                 features = self.target.features(batch.input_ids, batch.attention_mask)
