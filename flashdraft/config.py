@@ -112,10 +112,10 @@ class ObjectiveConfig:
     gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
     dpace_alpha: float = 0.5  # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: linear decay)
     loss: str = "ce"  # per-slot loss: ce (= LK^alpha for hard labels) | tv (1 - q(label)) | lk_lambda (CE/TV mix)
-    lk_kl_scale: float = 1.0  # lk_lambda: lambda = lk_kl_scale * exp(-lk_kl_decay * mean q(label))
+    lk_kl_scale: float = 1.0  # lk_lambda: lambda = lk_kl_scale * exp(-lk_kl_decay * mean q(label)), per forward
     lk_kl_decay: float = 1.0  # lk_lambda: how fast lambda falls as the drafter gets confident
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
-    anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes context KV
+    anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes ctx KV
 
     def __post_init__(self):
         _check_finite(self, "objective")

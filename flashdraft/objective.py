@@ -52,7 +52,8 @@ class SlotLoss:
     - ``ce``: CE (equal to LK^alpha, -log of the acceptance probability, for a one-hot target);
     - ``tv``: the total variation 1 - q(y), q the drafter's probability of the label;
     - ``lk_lambda``: lambda * CE + (1 - lambda) * TV with lambda = kl_scale * exp(-kl_decay * a),
-      a = sum(w q(y)) / sum(w) over the forward's slots, detached (SpecForge's batch-level form).
+      a = the mean q(y) over the forward's scored slots, detached (SpecForge's batch-level form;
+      per forward, so splitting a batch into micro-batches, ranks or anchor slices changes it).
 
     ``dpace_alpha`` weights the slots by D-PACE first (else the given weights). ``rows`` maps
     the per-row CE [R] to (each row's loss [R], differentiable where ``ce`` is, and each row's
@@ -80,7 +81,8 @@ class SlotLoss:
         tv = w * (1 - torch.exp(-ce))
         if self.kind == "tv":
             return tv, w * q
-        lam = self.kl_scale * torch.exp(-self.kl_decay * (w * q).sum() / w.sum().clamp(min=1e-12))
+        scored = (weights > 0).float()  # a: the plain mean of q(y) over the scored slots (DFLASH2.md 5.1)
+        lam = self.kl_scale * torch.exp(-self.kl_decay * (scored * q).sum() / scored.sum().clamp(min=1))
         return lam * w * ce + (1 - lam) * tv, w * (lam + (1 - lam) * q)
 
 

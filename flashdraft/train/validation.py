@@ -62,7 +62,8 @@ class Validator:
         return shipped.to(self.device).eval()
 
     def eval_loss(self, max_batches: int = 8) -> dict:
-        """Weighted CE / accuracy / simulated tau on the held-out set (fixed anchors: seed 0)."""
+        """The training loss (objective.loss, weighted as in training) / accuracy / simulated tau on
+        the held-out set (fixed anchors: seed 0)."""
         cfg, bs = self.config, self.drafter.block_size
         stats = StepStats.zeros(bs, self.device)
         plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
