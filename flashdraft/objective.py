@@ -305,16 +305,15 @@ def dflash_loss(
     weights: torch.Tensor,
     chunk_size: int = 0,
     normalizer: torch.Tensor | None = None,
-    dpace_alpha: float | None = None,
     slot_loss: SlotLoss | None = None,
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
 
-    With ``dpace_alpha`` the ``weights`` are each slot's 0/1 validity and the CE is weighted by
-    the detached D-PACE weights of its block (``dpace_weights``); the default normalizer,
+    ``slot_loss`` (default: CE) may replace the CE by TV or the LK mix, and with its
+    ``dpace_alpha`` the ``weights`` are each slot's 0/1 validity and the loss is weighted by the
+    detached D-PACE weights of its block (``dpace_weights``); the default normalizer,
     sum(weights), is then the count of scored slots -- known before the forward, so the
-    trainer's global normaliser keeps every split of a batch exact. ``slot_loss`` replaces the
-    CE by TV or the LK mix (SlotLoss; its own ``dpace_alpha`` then applies).
+    trainer's global normaliser keeps every split of a batch exact.
 
     hidden [B, N, bs, H] (drafter output after its final norm), or [B, N, bs - 1, H] for
     slots 1..bs-1 only (``drafter(..., scored_only=True)``: slot 0's weight is always 0, so
@@ -333,7 +332,7 @@ def dflash_loss(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels[:, :, skip:].reshape(-1)
     w = weights[:, :, skip:].reshape(-1)
-    slot_loss = slot_loss or SlotLoss(dpace_alpha=dpace_alpha)
+    slot_loss = slot_loss or SlotLoss()
     rows_fn = None
     if not slot_loss.plain:
         slots = shape[2] - skip
@@ -404,13 +403,12 @@ def make_blocks(
     gamma: float | None,
     seed: int,
     sample_ids: torch.Tensor | None = None,
-    dpace_alpha: float | None = None,
     loss: SlotLoss | None = None,
 ) -> Blocks:
     """Draw anchors and build block inputs, labels and weights for a padded micro-batch [B, S].
-    ``loss``: what each slot contributes (default: CE, D-PACE-weighted with ``dpace_alpha``);
-    under D-PACE ``gamma`` is not used."""
-    loss = loss or SlotLoss(dpace_alpha=dpace_alpha)
+    ``loss``: what each slot contributes (default: CE with the decay weights); under D-PACE
+    (``loss.dpace_alpha``) ``gamma`` is not used."""
+    loss = loss or SlotLoss()
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed, sample_ids)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, block_size,
                                                None if loss.dpace_alpha is not None else gamma)

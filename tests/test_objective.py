@@ -7,6 +7,7 @@ import torch
 
 from flashdraft.objective import (
     LossOutput,
+    SlotLoss,
     block_input_ids,
     block_labels_and_weights,
     default_gamma,
@@ -203,7 +204,7 @@ def test_dpace_loss_weights_are_detached_and_normalised_by_the_scored_slot_count
     head, labels = torch.randn(v, h), torch.randint(0, v, (b, n, bs))
     valid = (torch.rand(b, n, bs) > 0.25).float()
     valid[:, :, 0] = 0  # slot 0 is the anchor
-    out = dflash_loss(hidden, head, labels, valid, chunk_size=chunk, dpace_alpha=0.5)
+    out = dflash_loss(hidden, head, labels, valid, chunk_size=chunk, slot_loss=SlotLoss(dpace_alpha=0.5))
     (grad,) = torch.autograd.grad(out.loss, hidden)
     # Independently: per-slot CE, the weights by hand as constants, sum(w * CE) / #scored slots.
     ce = torch.nn.functional.cross_entropy((hidden @ head.t()).reshape(-1, v), labels[:, :, 1:].reshape(-1),
@@ -229,7 +230,7 @@ def test_decay_is_the_default_and_dpace_ignores_gamma():
     mask, lengths = torch.ones(1, 40, dtype=torch.uint8), torch.tensor([40])
     common = dict(block_size=4, mask_token_id=99, num_anchors=6, seed=3)
     decay = make_blocks(ids, mask, lengths, gamma=2.0, **common)
-    dpace = make_blocks(ids, mask, lengths, gamma=2.0, dpace_alpha=0.5, **common)
+    dpace = make_blocks(ids, mask, lengths, gamma=2.0, loss=SlotLoss(dpace_alpha=0.5), **common)
     assert decay.dpace_alpha is None and torch.equal(decay.anchors, dpace.anchors)
     torch.testing.assert_close(decay.weights[0, 0], torch.tensor([0.0, 1.0, math.exp(-0.5), math.exp(-1.0)]))
     assert torch.equal(dpace.weights, (decay.weights > 0).float())  # validity only: D-PACE weighs in the loss
@@ -243,8 +244,6 @@ def test_decay_is_the_default_and_dpace_ignores_gamma():
 def test_tv_and_lk_losses_match_their_definitions(chunk, kind, dpace):
     """DFLASH2.md 5.1 for a one-hot target, written out: TV = 1 - q(y); LK^lambda = lambda CE +
     (1 - lambda) TV with lambda = kl_scale exp(-kl_decay a), a = sum(q(y) mask) / sum(mask), detached."""
-    from flashdraft.objective import SlotLoss
-
     torch.manual_seed(2)
     b, n, bs, h, v = 2, 3, 4, 8, 23
     hidden = torch.randn(b, n, bs - 1, h, requires_grad=True)
@@ -278,8 +277,6 @@ def test_tv_and_lk_losses_match_their_definitions(chunk, kind, dpace):
 
 
 def test_lk_lambda_moves_from_ce_to_tv_as_the_drafter_gets_confident():
-    from flashdraft.objective import SlotLoss
-
     ce = torch.tensor([0.1, 0.2, 3.0])
     w = torch.ones(3)
     values, scale = SlotLoss("lk_lambda", kl_scale=1.0, kl_decay=0.0).rows(ce, w, 3)  # lambda 1: CE

@@ -204,12 +204,7 @@ def _probe_tool_arguments(tokenizer, kwargs) -> str:
 
 def _common_token_prefix(tokenizer, a: str, b: str) -> str:
     """The longest prefix of ``a`` that ends on one of its token boundaries and starts ``b``."""
-    out = ""
-    for _, end in tokenizer.backend_tokenizer.encode(a, add_special_tokens=False).offsets:
-        if not b.startswith(a[:end]):
-            break
-        out = a[:end]
-    return out
+    return max((prefix for prefix in _token_prefixes(tokenizer, a) if b.startswith(prefix)), key=len, default="")
 
 
 def probe_template(tokenizer, enable_thinking: bool | None = None) -> TemplateInfo:
@@ -425,7 +420,8 @@ def assistant_replies(tokenizer, messages: list[dict], info: TemplateInfo, *, to
                       where: str = "sample") -> tuple[str, list[Reply]]:
     """Render ``messages`` and locate each assistant reply in the text (module docstring)."""
     kwargs = info.template_kwargs
-    full = _render_sample(tokenizer, _for_template(messages, info.tool_arguments), tools, kwargs, where)
+    templated = _for_template(messages, info.tool_arguments)  # its prefixes are each reply's context
+    full = _render_sample(tokenizer, templated, tools, kwargs, where)
     fields = _field_positions(tokenizer, messages, tools, info, full, where)
     firsts = [min((p for (_, e), ps in f.items() if e == "open" for p in ps), default=None) for f in fields]
     replies, lo = [], 0
@@ -435,7 +431,7 @@ def assistant_replies(tokenizer, messages: list[dict], info: TemplateInfo, *, to
         if m["role"] != "assistant" or firsts[i] is None:
             continue  # a reply the template does not render (nothing of it to supervise)
         first = firsts[i]
-        start = _reply_start(tokenizer, full, lo, first, _for_template(messages[:i], info.tool_arguments), tools, info)
+        start = _reply_start(tokenizer, full, lo, first, templated[:i], tools, info)
         last = max(p for (_, e), ps in fields[i].items() if e == "close" for p in ps)
         # The reply ends with the first stop token after its last text, before any later
         # message's text (a template may render a message elsewhere: DeepSeek puts every system
@@ -475,11 +471,7 @@ def text_replies(text: str, info: TemplateInfo, where: str = "sample") -> list[R
 
 
 def _text_has_reasoning(text: str, replies: list[Reply]) -> bool:
-    for r in replies:
-        body = text[r.start: r.end]
-        if THINK_CLOSE in body and body.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1].strip():
-            return True
-    return False
+    return any(has_reasoning({"content": text[r.start: r.end]}) for r in replies)
 
 
 # ---- tokens ------------------------------------------------------------------------------

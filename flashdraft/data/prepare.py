@@ -92,17 +92,21 @@ def _init_worker(tokenizer_dir: str, options: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _load_state(tokenizer_dir, options)
+
+
+def _load_state(tokenizer_dir, options: dict) -> None:
+    """This process's tokenizer, options and template probe, for ``_tokens`` (prepare has
+    refused a tokenizer without a chat template before any record)."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    _STATE.update(tokenizer=tokenizer, options=options,
-                  info=probe_template(tokenizer, options["enable_thinking"]) if tokenizer.chat_template else None)
+    _STATE.clear()
+    _STATE.update(tokenizer=tokenizer, options=options, info=probe_template(tokenizer, options["enable_thinking"]))
 
 
 def _tokens(where: str, payload: Any) -> tuple[np.ndarray, np.ndarray]:
     """One record -> its whole (untruncated) ids and loss mask. Raises ``SampleError``."""
     opts, tokenizer, info = _STATE["options"], _STATE["tokenizer"], _STATE["info"]
     record = normalize_record(decode_record(where, payload), where)
-    if info is None:
-        raise SampleError("template_mismatch", f"{where}: the tokenizer has no chat template")
     return tokenize_conversation(tokenizer, record.get("messages"), tools=record.get("tools"), text=record.get("text"),
                                  supervise_thinking=opts["supervise_thinking"], info=info, where=where)
 
@@ -144,9 +148,7 @@ def _chunks(records, size: int):
 def _results(chunks, tokenizer_dir: str, options: dict, num_workers: int):
     """Yield per-record results in input order; at most a few chunks per worker in flight."""
     if num_workers <= 1:
-        _STATE.clear()
-        tokenizer = load_tokenizer(tokenizer_dir)
-        _STATE.update(tokenizer=tokenizer, options=options, info=probe_template(tokenizer, options["enable_thinking"]))
+        _load_state(tokenizer_dir, options)
         for chunk in chunks:
             yield from _process_chunk(chunk)
         return
@@ -271,11 +273,10 @@ def explain(inputs, tokenizer_dir, index: int, *, max_length: int = 3072, min_su
     text with every supervised run between ⟦ and ⟧, where --max-length cuts it, and whether the
     sample is kept (or why not)."""
     inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
-    tokenizer = load_tokenizer(tokenizer_dir)
     options = {"max_length": int(max_length), "min_supervised": int(min_supervised),
                "supervise_thinking": bool(supervise_thinking), "enable_thinking": enable_thinking, "split": split}
-    _STATE.clear()
-    _STATE.update(tokenizer=tokenizer, options=options, info=probe_template(tokenizer, enable_thinking))
+    _load_state(tokenizer_dir, options)
+    tokenizer = _STATE["tokenizer"]
     found = next(itertools.islice(iter_records(inputs, split), index, None), None) if index >= 0 else None
     if found is None:
         raise ValueError(f"--explain {index}: the inputs hold {sum(1 for _ in iter_records(inputs, split))} "

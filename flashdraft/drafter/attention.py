@@ -77,6 +77,14 @@ def _slots_visible(q_slot: torch.Tensor, k_slot: torch.Tensor, layer: LayerMask)
     return ok
 
 
+def _in_block_visible(rows: int, block_size: int, layer: LayerMask, device) -> torch.Tensor:
+    """[rows, rows] bool: key row j visible to query row i, rows being consecutive whole blocks
+    of ``block_size`` slots -- the same block, as ``layer`` allows its slots."""
+    block_id = torch.arange(rows, device=device) // block_size
+    slot = torch.arange(rows, device=device) % block_size
+    return (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(slot.view(-1, 1), slot.view(1, -1), layer)
+
+
 def _context_visible(ctx_pos: torch.Tensor, limit: torch.Tensor, query_pos: torch.Tensor,
                      layer: LayerMask) -> torch.Tensor:
     """Context visibility (broadcast): position ctx_pos < ``limit`` (the anchor; 0 for a padded
@@ -103,25 +111,18 @@ def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, b
     query_pos = anchors.view(b, n, 1, 1) + slot.view(1, 1, -1, 1)  # [B, N, bs, 1]
     sees_ctx = _context_visible(ctx_pos.view(1, 1, 1, -1), limit.view(b, n, 1, 1), query_pos, layer)
     sees_ctx = sees_ctx.expand(b, n, block_size, seq_len).reshape(b, q, seq_len)
-    block_id = torch.arange(q, device=anchors.device) // block_size
-    q_slot = torch.arange(q, device=anchors.device) % block_size
-    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(q_slot.view(-1, 1),
-                                                                                  q_slot.view(1, -1), layer)
+    same_block = _in_block_visible(q, block_size, layer, anchors.device)
     return torch.cat([sees_ctx, same_block.expand(b, q, q)], dim=-1).unsqueeze(1)
 
 
 def decode_mask(context: int, block_size: int, layer: LayerMask, device) -> torch.Tensor | None:
     """Bool mask [1, 1, bs, context + bs] of one block decoded right after ``context`` rows
-    (inference: the block at positions context .. context + bs - 1); None when every key is
+    (inference: the training mask of one block anchored at ``context``); None when every key is
     visible (a full, bidirectional layer)."""
     if layer == FULL:
         return None
-    slot = torch.arange(block_size, device=device)
-    ctx = torch.arange(context, device=device)
-    sees_ctx = _context_visible(ctx.view(1, -1), torch.tensor(context, device=device),
-                                (context + slot).view(-1, 1), layer).expand(block_size, context)
-    return torch.cat([sees_ctx, _slots_visible(slot.view(-1, 1), slot.view(1, -1), layer)], dim=-1).view(
-        1, 1, block_size, context + block_size)
+    return dense_block_mask(torch.tensor([[context]], device=device), torch.tensor([[True]], device=device), context,
+                            block_size, layer)
 
 
 @dataclass
@@ -179,9 +180,7 @@ def split_mask(
     query_pos = rows(F.pad(anchors, (0, fill))) + q_slot.view(1, -1, 1)
     sees_ctx = _context_visible(torch.arange(seq_len, device=anchors.device).view(1, 1, -1), rows(limit), query_pos,
                                 layer)  # [B*G, gq, S]
-    block_id = torch.arange(gq, device=anchors.device) // block_size
-    same_block = (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(q_slot.view(-1, 1),
-                                                                                  q_slot.view(1, -1), layer)
+    same_block = _in_block_visible(gq, block_size, layer, anchors.device)
     return torch.cat([sees_ctx, same_block.expand(b * num_groups, gq, gq)], dim=-1).unsqueeze(1)
 
 
@@ -257,10 +256,7 @@ def query_groups(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block
         query_pos = (anchors[:, i:i + k * g].view(b, k, g, 1) + slot).view(b, k, rows, 1)
         sees_ctx = _context_visible(torch.arange(begin, length, device=anchors.device), row_limit, query_pos,
                                     layer)  # [B, k, rows, L - begin]
-        block_id = torch.arange(rows, device=anchors.device) // block_size
-        q_slot = torch.arange(rows, device=anchors.device) % block_size
-        same_block = (block_id.view(-1, 1) == block_id.view(1, -1)) & _slots_visible(q_slot.view(-1, 1),
-                                                                                      q_slot.view(1, -1), layer)
+        same_block = _in_block_visible(rows, block_size, layer, anchors.device)
         bias = torch.cat([torch.where(sees, 0.0, float("-inf")) for sees in (sees_ctx,
                                                                             same_block.expand(b, k, rows, rows))], -1)
         calls.append(QueryGroup(i * block_size, (i + k * g) * block_size, length, k,
