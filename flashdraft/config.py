@@ -29,10 +29,12 @@ import yaml
 from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
 from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES
+from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
-from flashdraft.objective import LOSSES, WEIGHTINGS, SlotLoss
+from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
+DRAFTERS = ("dflash", "dflash2")  # model.drafter: the drafter family
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,18 @@ class ModelConfig:
     drafter_layer_types: tuple[str, ...] = ()  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
     drafter_sliding_window: int | None = None  # window of the sliding layers in tokens, the query counted (e.g. 2048)
     drafter_causal: bool | None = None  # in-block causality of every layer; null: sliding causal, full not
+    drafter: str = "dflash"  # drafter family: dflash | dflash2 (conv around every sublayer + candidate selector)
+    conv_kernel_size: int = 2  # dflash2: the conv's taps along the block's slots (1 .. block_size)
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel (must divide the hidden size)
+    selector_rank: int = 256  # dflash2: rank of the selector's predecessor x successor codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector re-ranks (the head's top-k)
+
+    @property
+    def dflash2(self) -> DFlash2Modules | None:
+        """DFlash2's module sizes (None: a DFlash drafter)."""
+        if self.drafter != "dflash2":
+            return None
+        return DFlash2Modules(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
 
     @property
     def layer_types(self) -> list[str] | None:
@@ -80,6 +94,11 @@ class ModelConfig:
                (self.drafter_sliding_window is None or self.drafter_sliding_window >= 1),
                "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
                "give a positive window (e.g. 2048) exactly when a layer is sliding_attention")
+        _check(self.drafter in DRAFTERS, "model.drafter", self.drafter, f"use one of {', '.join(DRAFTERS)}")
+        _check(1 <= self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", f"{self.conv_kernel_size}",
+               f"use 1 .. model.block_size ({self.block_size}); 2 is the released drafters'")
+        for key in ("conv_group_size", "selector_rank", "selector_top_k"):
+            _check(getattr(self, key) >= 1, f"model.{key}", f"{getattr(self, key)}", "use 1 or more")
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
@@ -116,6 +135,10 @@ class ObjectiveConfig:
     lk_kl_decay: float = 1.0  # lk_lambda: how fast lambda falls as the drafter gets confident
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes ctx KV
+    selector_alpha: float = 1.0  # dflash2: weight of the selector's CE over its candidates (0: selector frozen)
+    selector_warmup_frac: float = 0.0  # dflash2: the selector term is off for this share of the steps ...
+    selector_ramp_frac: float = 0.0  # ... then rises linearly to selector_alpha over this share
+    selector_stop_gradient: bool = False  # dflash2: the selector CE trains the selector only (not the backbone)
 
     def __post_init__(self):
         _check_finite(self, "objective")
@@ -132,6 +155,11 @@ class ObjectiveConfig:
         _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
         _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch", f"{self.anchors_per_microbatch}",
                "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
+        _check(self.selector_alpha >= 0, "objective.selector_alpha", f"{self.selector_alpha}",
+               "use 0 (selector frozen) or a positive weight (1.0: SpecForge's and speculators')")
+        _check(0 <= self.selector_warmup_frac <= 1 and 0 <= self.selector_ramp_frac <= 1,
+               "objective.selector_warmup_frac / selector_ramp_frac",
+               f"{self.selector_warmup_frac} / {self.selector_ramp_frac}", "use shares of the run in [0, 1]")
 
     @property
     def dpace(self) -> float | None:
@@ -142,6 +170,15 @@ class ObjectiveConfig:
     def slot_loss(self) -> SlotLoss:
         """What each scored slot contributes to the loss (objective.SlotLoss)."""
         return SlotLoss(self.loss, self.dpace, self.lk_kl_scale, self.lk_kl_decay)
+
+    def selector_loss(self, position: float, total_steps: float) -> SelectorLoss | None:
+        """A DFlash2 drafter's selector term at schedule position ``position`` (the optimizer step,
+        0-based) of ``total_steps``; None when the selector is frozen (selector_alpha 0)."""
+        if self.selector_alpha == 0:
+            return None
+        alpha = selector_schedule(self.selector_alpha, self.selector_warmup_frac, self.selector_ramp_frac, position,
+                                  total_steps)
+        return SelectorLoss(alpha, self.selector_stop_gradient)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
         shutil.rmtree(tmp, ignore_errors=True)
     target = (loaded.config or {}).get("model", {}).get("target", "TARGET")
     return {"step": loaded.step, "target": target, "block_size": drafter.block_size, "dtype": dtype, "path": out,
-            "mixed_layers": len({m.window is None for m in drafter.layer_masks}) > 1}
+            "v2_runner": len({m.window is None for m in drafter.layer_masks}) > 1 or drafter.convolved}
 
 
 def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
@@ -155,13 +155,15 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def serving_commands(target: str, path, block_size: int, mixed_layers: bool = False) -> list[str]:
+def serving_commands(target: str, path, block_size: int, v2_runner: bool = False) -> list[str]:
     """SGLang and vLLM command lines for the export, quoted for a POSIX shell. vLLM needs the
     method spelled out: it detects DFlash from the draft path only when the path contains "dflash";
-    a drafter mixing sliding-window and full layers needs its V2 model runner (``mixed_layers``)."""
+    a drafter mixing sliding-window and full layers, and DFlash2's selector, need its V2 model
+    runner (``v2_runner``). DFlash2's conv spans 1 + num_speculative_tokens slots in vLLM, so
+    block_size - 1 is the only value that serves what was trained."""
     spec = json.dumps({"method": "dflash", "model": str(path), "num_speculative_tokens": block_size - 1})
     target, draft = shlex.quote(str(target)), shlex.quote(str(path))
-    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed_layers else ""
+    runner = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2_runner else ""
     return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
             f"--speculative-draft-model-path {draft} --speculative-num-draft-tokens {block_size}",
             f"{runner}vllm serve {target} --speculative-config {shlex.quote(spec)}"]
@@ -185,6 +187,6 @@ def run(args) -> int:
     print("serve it with the target it was trained on:")
     # absolute paths: an engine started elsewhere would take a relative one for a hub model id
     target = Path(done["target"]).resolve() if Path(done["target"]).exists() else done["target"]
-    for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["mixed_layers"]):
+    for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
     return 0

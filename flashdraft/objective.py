@@ -86,6 +86,30 @@ class SlotLoss:
         return lam * w * ce + (1 - lam) * tv, w * (lam + (1 - lam) * q)
 
 
+@dataclass(frozen=True)
+class SelectorLoss:
+    """DFlash2's selector term (DFLASH2.md 1.4): sum_k w_k * hit_k * CE(scores_k, j*_k) over the
+    scored slots, added to the base term with weight ``alpha`` (this step's, after the warm-up /
+    ramp schedule) before the shared normaliser. The candidates are the head's top-k of the slot
+    (strict: a label outside them adds nothing), the predecessor of slot k is the token at a + k - 1
+    (teacher forcing: the anchor for slot 1), and w_k is the base term's weight (the decay, or the
+    block's D-PACE weight from its full CE). ``stop_gradient``: the selector CE trains the
+    selector alone (the unary logits and the drafter's hidden states detached inside it)."""
+
+    alpha: float = 1.0
+    stop_gradient: bool = False
+
+
+def selector_schedule(alpha: float, warmup_frac: float, ramp_frac: float, step: int, total_steps: int) -> float:
+    """The selector term's weight at optimizer step ``step`` (0-based) of ``total_steps``: 0 for
+    the first warmup_frac of the steps, then a linear rise over the next ramp_frac, then alpha
+    (SpecForge's alpha * clip((step - W T) / (R T), 0, 1); without a ramp, alpha from W T on)."""
+    start, ramp = warmup_frac * total_steps, ramp_frac * total_steps
+    if ramp <= 0:
+        return alpha if step >= start else 0.0
+    return alpha * min(1.0, max(0.0, (step - start) / ramp))
+
+
 def _signed(value: int) -> int:
     """An unsigned 64-bit constant as the int64 torch stores (same bits)."""
     value &= _MASK64
@@ -187,7 +211,9 @@ class LossOutput:
     correct: torch.Tensor  # [B, N, bs] bool: argmax == label (greedy would propose it)
     scored: torch.Tensor  # [B, N, bs] bool: weight > 0
     weight_sum: torch.Tensor  # scalar: sum of this micro-batch's weights
-    total: torch.Tensor  # scalar, detached: sum(w * CE) of this micro-batch
+    total: torch.Tensor  # scalar, detached: sum(w * CE) of this micro-batch (the base term; DFlash2's selector apart)
+    selector_total: torch.Tensor | None = None  # DFlash2: the selector term's sum, detached, before its alpha
+    recall: torch.Tensor | None = None  # DFlash2: [B, N, bs] bool, the label among the slot's candidates
 
     def position_accuracy(self) -> torch.Tensor:
         """[bs - 1] accuracy of slots 1..bs-1 over scored slots (stays on device)."""
@@ -200,12 +226,35 @@ class LossOutput:
         return 1 + self.position_accuracy().cumprod(0).sum()
 
 
-def _ce_chunk(hidden, head_weight, labels, weights, rows_fn=None):
+def _ce_chunk(hidden, head_weight, labels, weights, rows_fn=None, top_k=0):
+    """The unchunked head: (total, correct, each row's CE detached, the rows' top-k logits [R, k]
+    (differentiable) and ids, or None)."""
     logits = F.linear(hidden, head_weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
-    if rows_fn is not None:
-        return rows_fn(ce)[0].sum(), logits.argmax(-1) == labels
-    return (ce * weights).sum(), logits.argmax(-1) == labels
+    total = rows_fn(ce)[0].sum() if rows_fn is not None else (ce * weights).sum()
+    top = None
+    if top_k:
+        ids = logits.detach().topk(top_k, dim=-1).indices
+        top = (logits.gather(1, ids), ids)
+    return total, logits.argmax(-1) == labels, ce.detach(), top
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """The head's logits of each row's candidates, h_r . W[c] [R, k], given their values (the
+    chunked head computed them): the backward is grad_h[r] = sum_j g[r, j] W[c_rj], one
+    embedding-bag over the frozen head's rows, so no [R, k, H] gather is kept."""
+
+    @staticmethod
+    def forward(ctx, h, head_weight, ids, values):
+        ctx.save_for_backward(head_weight, ids)
+        ctx.h_dtype = h.dtype
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        head_weight, ids = ctx.saved_tensors
+        grad_h = F.embedding_bag(ids, head_weight, per_sample_weights=grad.to(head_weight.dtype), mode="sum")
+        return grad_h.to(ctx.h_dtype), None, None, None
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +290,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_size, want_grads, rows_fn=None):
+    def forward(ctx, h, head_weight, labels, weights, chunk_size, want_grads, rows_fn=None, top_k=0):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(head_weight, dtype=torch.float32) if want_grads and ctx.needs_input_grad[1] else None
@@ -251,8 +300,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         # rows_fn (D-PACE, TV, LK): each row's loss depends on every slot's CE, known only after
         # the loop. Each row's gradient is d loss / d CE times its CE gradient, so the loop
         # computes those for the scored rows (weight > 0), and scales them once it is known.
-        ces = []
-        correct = []
+        ces, correct, tops = [], [], []
         # One [chunk, V] logits buffer for every chunk (a fresh multi-MB tensor per chunk costs
         # page faults on CPU); the head's matmul writes straight into it.
         buffer = torch.empty(min(chunk_size, h.shape[0]), head_weight.shape[0], dtype=h.dtype, device=h.device)
@@ -266,12 +314,13 @@ class _ChunkedHeadCE(torch.autograd.Function):
             picked = logits.gather(1, y.unsqueeze(1))
             top, best = row_max(logits)
             correct.append(best == y)  # argmax == label, as _ce_chunk
+            if top_k:
+                tops.append(logits.topk(top_k, dim=-1))  # DFlash2's candidates, before the in-place softmax
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
+            ces.append((top + z.log() - picked).squeeze(1))
             if rows_fn is None:
-                total += (top + z.log() - picked).squeeze(1).mul_(w).sum()
-            else:
-                ces.append((top + z.log() - picked).squeeze(1))
+                total += (ces[-1] * w).sum()
             if grad_h is not None or grad_w is not None:
                 g = p.mul_(w.unsqueeze(1) / z)  # w * softmax
                 g[torch.arange(g.shape[0], device=g.device), y] -= w
@@ -280,22 +329,26 @@ class _ChunkedHeadCE(torch.autograd.Function):
                     torch.mm(g, head_weight, out=grad_h[part])
                 if grad_w is not None:
                     grad_w += (g.t() @ h[part]).float()
+        ce = torch.cat(ces)
         if rows_fn is not None:
-            values, scale = rows_fn(torch.cat(ces))
+            values, scale = rows_fn(ce)
             total = values.sum()
             if grad_h is not None:
                 grad_h.mul_(scale.unsqueeze(1).to(grad_h.dtype))
+        top_values = torch.cat([t.values for t in tops]) if tops else ce.new_empty(0)
+        top_ids = torch.cat([t.indices for t in tops]) if tops else labels.new_empty(0)
         ctx.head_dtype = head_weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.mark_non_differentiable(correct_all := torch.cat(correct))
-        return total, correct_all
+        outputs = (torch.cat(correct), ce, top_values, top_ids)
+        ctx.mark_non_differentiable(*outputs)
+        return (total, *outputs)
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
+    def backward(ctx, grad_total, *_):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * grad_total.to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * grad_total).to(ctx.head_dtype)
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def dflash_loss(
@@ -306,6 +359,8 @@ def dflash_loss(
     chunk_size: int = 0,
     normalizer: torch.Tensor | None = None,
     slot_loss: SlotLoss | None = None,
+    selector=None,
+    selector_loss: SelectorLoss | None = None,
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
 
@@ -324,6 +379,11 @@ def dflash_loss(
     chunks of that many slots, each chunk's gradient computed on the spot (_ChunkedHeadCE), so
     [N*bs, V] logits never exist at once: peak is one chunk's [chunk, V] fp32 logits; loss and
     gradients equal the unchunked ones (tested), at no extra FLOPs.
+
+    DFlash2: ``selector`` (the drafter's CandidateSelector) with ``selector_loss`` adds the
+    selector term (SelectorLoss) on the head's top-k candidates of each row, which the head's
+    pass also returns; ``correct`` is then the selector's teacher-forced pick (what a greedy walk
+    proposes along an accepted prefix) and ``recall`` whether the label was a candidate.
     """
     shape = labels.shape
     skip = shape[2] - hidden.shape[2]  # 1: slot 0 was not computed
@@ -339,14 +399,32 @@ def dflash_loss(
 
         def rows_fn(ce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # rows [B * N blocks, slots], block-major
             return slot_loss.rows(ce, w, slots)
+    top_k = selector.top_k if selector is not None and selector_loss is not None else 0
+    hidden_rows = h
     if chunk_size <= 0 or chunk_size >= h.shape[0]:
-        total, correct = _ce_chunk(h, head_weight, y, w, rows_fn)
+        total, correct, ce, top = _ce_chunk(h, head_weight, y, w, rows_fn, top_k)
     else:
         head = head_weight
         with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
             if dtype is not None:
                 h, head = h.to(dtype), head.to(dtype)
-            total, correct = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(), rows_fn)
+            total, correct, ce, values, ids = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(),
+                                                                   rows_fn, top_k)
+            top = None
+            if top_k:
+                if head.requires_grad:
+                    raise ValueError("DFlash2's selector term with a trainable LM head: flashdraft trains against "
+                                     "the target's frozen head")
+                unary = values if selector_loss.stop_gradient else _CandidateLogits.apply(h, head, ids, values)
+                top = (unary, ids)
+    selector_total = recall = None
+    base = total
+    if top_k:
+        previous = torch.cat([labels[:, :, :1], labels[:, :, :-1]], dim=2)[:, :, skip:].reshape(-1)
+        selector_total, correct, recall = _selector_term(selector, selector_loss, hidden_rows, previous, y, w, ce, top,
+                                                         slot_loss, shape[2] - skip)
+        total = total + selector_loss.alpha * selector_total
+        recall = F.pad(recall.view(*shape[:2], -1), (skip, 0), value=False)
     correct = correct.view(*shape[:2], -1)
     if skip:
         correct = F.pad(correct, (1, 0), value=False)
@@ -358,8 +436,27 @@ def dflash_loss(
         correct=correct,
         scored=(weights > 0),
         weight_sum=weight_sum,
-        total=total.detach(),
+        total=base.detach(),
+        selector_total=None if selector_total is None else selector_total.detach(),
+        recall=recall,
     )
+
+
+def _selector_term(selector, spec: SelectorLoss, hidden: torch.Tensor, previous: torch.Tensor, labels: torch.Tensor,
+                   weights: torch.Tensor, ce: torch.Tensor, top, slot_loss: SlotLoss, slots: int):
+    """(sum_k w_k hit_k CE(scores_k, j*_k), the selector's pick == label, label among the
+    candidates), each over rows [R] of ``slots`` slots per block (SelectorLoss)."""
+    unary, candidates = top
+    if spec.stop_gradient:
+        hidden, unary = hidden.detach(), unary.detach()
+    scores = selector.scores(hidden, previous, candidates, unary).float()
+    hit = candidates == labels.unsqueeze(1)
+    recall = hit.any(1)
+    strict = F.cross_entropy(scores, hit.to(torch.uint8).argmax(1), reduction="none") * recall  # misses add nothing
+    w = weights if slot_loss.dpace_alpha is None else \
+        dpace_weights(ce.view(-1, slots), weights.view(-1, slots), slot_loss.dpace_alpha).view(-1)
+    picked = candidates.gather(1, scores.detach().argmax(1, keepdim=True)).squeeze(1)
+    return (w.float() * strict).sum(), picked == labels, recall
 
 
 @dataclass
@@ -372,6 +469,7 @@ class Blocks:
     labels: torch.Tensor  # [B, N, bs] same-position labels
     weights: torch.Tensor  # [B, N, bs] float32: the decay weights, or (D-PACE) each slot's 0/1 validity
     loss: SlotLoss = SlotLoss()  # what each slot contributes (CE, TV, LK), D-PACE-weighted or not
+    selector: SelectorLoss | None = None  # DFlash2's selector term at this step (None: no selector term)
 
     @property
     def dpace_alpha(self) -> float | None:
@@ -388,7 +486,8 @@ class Blocks:
         if anchors_per_slice <= 0 or anchors_per_slice >= n:
             return [self]
         return [Blocks(*(t[:, i : i + anchors_per_slice] for t in
-                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)), self.loss)
+                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)), self.loss,
+                       self.selector)
                 for i in range(0, n, anchors_per_slice)]
 
 
@@ -404,16 +503,17 @@ def make_blocks(
     seed: int,
     sample_ids: torch.Tensor | None = None,
     loss: SlotLoss | None = None,
+    selector: SelectorLoss | None = None,
 ) -> Blocks:
     """Draw anchors and build block inputs, labels and weights for a padded micro-batch [B, S].
     ``loss``: what each slot contributes (default: CE with the decay weights); under D-PACE
-    (``loss.dpace_alpha``) ``gamma`` is not used."""
+    (``loss.dpace_alpha``) ``gamma`` is not used. ``selector``: DFlash2's selector term."""
     loss = loss or SlotLoss()
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, seed, sample_ids)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, lengths, anchors, valid, block_size,
                                                None if loss.dpace_alpha is not None else gamma)
     return Blocks(anchors, valid, block_input_ids(input_ids, anchors, block_size, mask_token_id), labels, weights,
-                  loss)
+                  loss, selector)
 
 
 def mask_token_id(drafter) -> int:
@@ -441,5 +541,6 @@ def block_loss(
         embeds, mask_embed = target.embed(blocks.input_ids).to(features.dtype), None
     hidden = drafter(features, embeds, blocks.anchors, blocks.valid, attention=attention, scored_only=scored_only,
                      mask_embed=mask_embed)
+    selector = getattr(drafter, "module", drafter).candidate_selector if blocks.selector is not None else None
     return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer,
-                       slot_loss=blocks.loss)
+                       slot_loss=blocks.loss, selector=selector, selector_loss=blocks.selector)

@@ -18,6 +18,10 @@ normalize(max(p_k - q_k, 0)) (p_k where that is all zero), and when every draft 
 bonus is drawn from p. Each committed token is then distributed exactly as the target's own
 sampling would give it (Leviathan et al. 2023; tested by chi-square against the exact
 distribution of a tiny target).
+
+DFlash2 (DFLASH2.md 1.6): the same forward, then the candidate selector's walk from x over each
+slot's top-k head candidates (CandidateSelector.walk) replaces the per-slot argmax or draw; at
+temperature > 0 its q rows (zero off the candidates) are what the rejection sampling divides by.
 """
 
 from __future__ import annotations
@@ -222,6 +226,8 @@ def speculative_generate(
         block = torch.cat([torch.tensor([[x]], device=device), mask_ids], dim=1)
         hidden = drafter.forward_block(context, target.embed(block).to(dtype))
         logits = target.lm_head(hidden[:, 1:].to(target.dtype))[0]
+        if drafter.candidate_selector is not None:  # DFlash2: the selector's walk over each slot's candidates
+            return drafter.candidate_selector.walk(hidden[0, 1:], logits, x, sampling.temperature, generator)
         if sampling.greedy:
             return logits.argmax(-1).tolist(), None
         q = sampling.draft_probs(logits)

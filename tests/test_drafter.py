@@ -11,6 +11,7 @@ from transformers import Qwen3Config
 from conftest import MASK_ID, VOCAB, make_drafter, tiny_qwen3
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.attention import dense_block_mask
+from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.objective import block_input_ids, sample_anchors
 from flashdraft.target import TargetModel
 
@@ -232,6 +233,11 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     Sliding / causal layers (DFLASH2.md 3.1, from the config's keys): the query at position p sees
     the key at kv only if p - kv < sliding_window (sliding layers) and kv <= p (causal layers:
     is_causal when given, else exactly the sliding ones).
+    DFlash2 (DFLASH2.md 1.2, when the layer has ``attention_conv`` / ``mlp_conv`` tensors): each
+    sublayer's normalised input m gives the kernels delta = kernel_projection(m) viewed (side,
+    tap, group); the sublayer runs on conv(m, side 0) and its output is conv(., side 1) before the
+    residual add, conv(x)[i, c] = sum_t (base[s, t, c] + delta[i, s, t, c // gs]) x[i - t, c]
+    over the block's own slots; the context is never convolved.
     Independent of DFlashDrafter's code: no module of it runs here."""
     d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     eps, theta = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
@@ -247,13 +253,27 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     def w(name):
         return weights[name]
 
+    def conv(x, m, name, side):  # x: the block's rows [T, H]; m: the sublayer's normalised input
+        if name + ".base_kernel" not in weights:
+            return x  # DFlash v1: no conv
+        base = w(name + ".base_kernel")  # [2, K, H]
+        taps = base.shape[1]
+        gs = x.shape[1] * 2 * taps // w(name + ".kernel_projection.weight").shape[0]
+        delta = (m @ w(name + ".kernel_projection.weight").T).view(-1, 2, taps, x.shape[1] // gs)
+        out = torch.zeros_like(x)
+        for t in range(taps):
+            shifted = torch.cat([torch.zeros(t, x.shape[1]), x[:x.shape[0] - t]])  # x[i - t], 0 before slot 0
+            out = out + (base[side, t] + delta[:, side, t].repeat_interleave(gs, dim=1)) * shifted
+        return out
+
     ctx = rms(taps @ w("fc.weight").T, w("hidden_norm.weight"))
     a, t = ctx.shape[0], block.shape[0]
     pos_ctx, pos_blk = torch.arange(a), torch.arange(a, a + t)
     x = block
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        h = rms(x, w(p + "input_layernorm.weight"))
+        m = rms(x, w(p + "input_layernorm.weight"))
+        h = conv(m, m, p + "attention_conv", 0)
 
         def keys(src, pos, p=p):
             k = (src @ w(p + "self_attn.k_proj.weight").T).view(-1, nkv, d)
@@ -274,10 +294,12 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
             visible &= distance >= 0
         scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
         attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        x = x + torch.einsum("hqk,khd->qhd", attn, v).reshape(t, nh * d) @ w(p + "self_attn.o_proj.weight").T
+        out = torch.einsum("hqk,khd->qhd", attn, v).reshape(t, nh * d) @ w(p + "self_attn.o_proj.weight").T
+        x = x + conv(out, m, p + "attention_conv", 1)
         m = rms(x, w(p + "post_attention_layernorm.weight"))
-        gate, up = m @ w(p + "mlp.gate_proj.weight").T, m @ w(p + "mlp.up_proj.weight").T
-        x = x + (torch.nn.functional.silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+        hm = conv(m, m, p + "mlp_conv", 0)
+        gate, up = hm @ w(p + "mlp.gate_proj.weight").T, hm @ w(p + "mlp.up_proj.weight").T
+        x = x + conv((torch.nn.functional.silu(gate) * up) @ w(p + "mlp.down_proj.weight").T, m, p + "mlp_conv", 1)
     return rms(x, w("norm.weight"))
 
 
@@ -287,7 +309,10 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     {"layer_types": ["sliding_attention"] * 2, "sliding_window": 12},  # causal by type, W >= bs
     {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},  # [S, F], mixed causality
     {"causal": True},  # full layers, causal in-block
-], ids=["v1", "swa-bidirectional", "swa-causal", "mixed", "full-causal"])
+    {"dflash2": DFlash2Modules(2, 8, 8, 5)},  # DFlash2: the conv around every sublayer
+    {"dflash2": DFlash2Modules(3, 16, 8, 5), "layer_types": ["sliding_attention"] * 2, "sliding_window": 4,
+     "causal": False},  # DFlash2's released layout
+], ids=["v1", "swa-bidirectional", "swa-causal", "mixed", "full-causal", "dflash2", "dflash2-swa"])
 def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path, layout):
     """Golden test against an independent implementation of the architecture (above), so that a
     convention broken in code the training and inference paths share (fusion, KV injection, RoPE
@@ -298,7 +323,7 @@ def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path
     with torch.no_grad():  # weights far from init, norms included, so every term shows
         for name, p in drafter.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.3 * noise if "norm" in name else 0.15 * noise)
+            p.copy_(1 + 0.3 * noise if "norm" in name else 0.15 * noise + ("base_kernel" in name))
     drafter.save_pretrained(tmp_path, dtype=torch.float32)
     cfg = json.loads((tmp_path / "config.json").read_text())
     weights = load_file(tmp_path / "model.safetensors")
@@ -337,14 +362,6 @@ def test_loading_a_drafter_with_layers_flashdraft_does_not_implement_is_refused(
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError,
                        match=r"config.json: this DFlash drafter uses .*which flashdraft does not implement"):
-        DFlashDrafter.from_pretrained(tmp_path)
-
-
-def test_a_dflash2_drafter_is_refused_with_the_reason(target, tmp_path):
-    make_drafter(target, num_layers=2).save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
-    with pytest.raises(ValueError, match="a DFlash2 drafter .* does not implement yet"):
         DFlashDrafter.from_pretrained(tmp_path)
 
 

@@ -141,7 +141,7 @@ def test_the_readme_serving_lines_say_what_the_engines_read():
     assert json.loads(printed[1].split("--speculative-config ", 1)[1].strip("'")) == spec
     assert printed[0].split()[3:] == sglang.split()  # the same flags and values
     # sliding-window and full layers mixed: vLLM serves those on its V2 model runner only (DFLASH2.md 3.2)
-    mixed = serving_commands("/models/Qwen3-8B", spec["model"], bs, mixed_layers=True)
+    mixed = serving_commands("/models/Qwen3-8B", spec["model"], bs, v2_runner=True)
     assert mixed[1].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve ") and mixed[0] == printed[0]
 
 

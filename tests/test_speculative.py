@@ -204,9 +204,13 @@ def test_rejection_sampling_draws_exactly_the_target_distribution():
         _chi_square_p(keep_all.float(), p)
 
 
-def test_sampled_speculative_decoding_keeps_the_targets_distribution():
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_sampled_speculative_decoding_keeps_the_targets_distribution(family):
     """The whole loop at temperature 1 with top-k: the first three tokens over many seeds follow
-    the tiny target's exact distribution (computed by enumerating every continuation)."""
+    the tiny target's exact distribution (computed by enumerating every continuation). DFlash2:
+    the drafts come from the selector's sampled walk over 3 candidates of 12, whose q (zero off
+    the candidates) the rejection sampling divides by."""
+    from flashdraft.drafter.dflash2 import DFlash2Modules
     from flashdraft.speculative import Sampling
     from flashdraft.toy import tiny_causal_lm
 
@@ -215,8 +219,12 @@ def test_sampled_speculative_decoding_keeps_the_targets_distribution():
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # distributions far from uniform
     target = TargetModel(model, [0, 1])
-    drafter = DFlashDrafter.for_target(target, num_layers=1, block_size=3, mask_token_id=vocab - 1)
+    drafter = DFlashDrafter.for_target(target, num_layers=1, block_size=3, mask_token_id=vocab - 1,
+                                       dflash2=DFlash2Modules(2, 8, 4, 3) if family == "dflash2" else None)
     drafter.reset_parameters(std=0.3, generator=torch.Generator().manual_seed(1))
+    if family == "dflash2":
+        with torch.no_grad():  # a selector that re-ranks (fresh, it would only follow the head)
+            drafter.candidate_selector.successor_codebook.normal_(0, 2.0, generator=torch.Generator().manual_seed(2))
     drafter.eval()
     base = Sampling(temperature=1.0, top_k=6)
     with torch.no_grad():  # exact P(t1, t2) and P(t3) by enumeration

@@ -56,11 +56,13 @@ def grads_of(drafter, target, inputs, **kw):
     kw.setdefault("scored_only", fast)
     kw.setdefault("distinct_rows", fast)
     kw["anchors_per_slice"] = kw.pop("anchors_per_microbatch", 0)
+    selector = kw.pop("selector", None)  # DFlash2's selector term (objective.SelectorLoss)
     features, _, anchors, valid, labels, weights, block_ids = inputs
     drafter.zero_grad(set_to_none=True)
     drafter.set_lean(fast)  # the oracle runs transformers' stock RMSNorm / RoPE / MLP
     try:
-        outs = forward_backward(drafter, target, features, Blocks(anchors, valid, block_ids, labels, weights), **kw)
+        outs = forward_backward(drafter, target, features,
+                                Blocks(anchors, valid, block_ids, labels, weights, selector=selector), **kw)
     finally:
         drafter.set_lean(True)
     out = SimpleNamespace(loss=torch.stack([o.loss.detach() for o in outs]).sum(),

@@ -65,6 +65,55 @@ def test_a_sliding_window_drafter_trains_and_exports_the_keys_the_engines_read(t
     assert DFlashDrafter.from_pretrained(tmp_path / "run" / "drafter").layer_masks == [LayerMask(6, False)]
 
 
+DFLASH2 = {"model__drafter": "dflash2", "model__conv_group_size": 8, "model__selector_rank": 8,
+           "model__selector_top_k": 8}
+
+
+def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, tmp_path):
+    """DFlash2 end to end: the selector term ramps in, trains the codebooks, the logs carry its CE
+    and the candidates' recall, the periodic greedy and sampled evals walk the selector, and the
+    export loads back as a DFlash2 drafter."""
+    from flashdraft.drafter import DFlashDrafter
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=16, optim__lr="1e-2",
+                                          objective__selector_warmup_frac="0.25", objective__selector_ramp_frac="0.25",
+                                          train__log_every=1, data__eval_prompts=tiny_job / "prompts.jsonl",
+                                          train__eval_max_new_tokens=8, train__eval_temperature="1.0", **DFLASH2))
+    trainer = Trainer(cfg)
+    alphas = []
+    trainer_step = trainer.step_fn.blocks
+
+    def record(micro, step):
+        blocks = trainer_step(micro, step)
+        alphas.append(blocks[0].selector.alpha)
+        return blocks
+
+    trainer.step_fn.blocks = record
+    result = trainer.fit()
+    assert alphas[:4] == [0.0] * 4 and alphas[4:8] == pytest.approx([0.0, 0.25, 0.5, 0.75]) and alphas[8:] == [1.0] * 8
+    losses = [h["loss"] for h in trainer.history if "loss" in h]
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(0 <= h["topk_recall"] <= 1 and h["selector_loss"] >= 0 for h in trainer.history if "loss" in h)
+    assert trainer.drafter.candidate_selector.successor_codebook.abs().sum() > 0  # trained from its zero start
+    assert result["eval_tau"] >= 1.0
+    exported = DFlashDrafter.from_pretrained(tmp_path / "run" / "drafter")
+    assert exported.convolved and exported.candidate_selector.top_k == 8
+
+
+def test_selector_alpha_0_freezes_the_selector_out_of_the_optimizer(tiny_job, tmp_path):
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, objective__selector_alpha=0,
+                                          **DFLASH2))
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.drafter.candidate_selector.state_dict().items()}
+    trainer.fit()
+    selector = trainer.drafter.candidate_selector
+    assert not any(p.requires_grad for p in selector.parameters())
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in trainer.drafter.parameters() if p.requires_grad} and optimized
+    assert not optimized & {id(p) for p in selector.parameters()}
+    assert all(torch.equal(before[k], v) for k, v in selector.state_dict().items())
+
+
 def test_a_hybrid_linear_attention_target_trains_evaluates_and_exports(tmp_path_factory, tmp_path):
     """Qwen3.5-style target (gated delta-net layers + full attention), the whole job: taps from
     its forward, training, periodic eval by real draft / verify decoding (whose cache rewinds
@@ -92,12 +141,14 @@ def test_target_gets_no_gradient_and_no_optimizer_state(tiny_job, tmp_path):
     assert len(trainer.optimizer.state) == len(list(trainer.drafter.parameters()))
 
 
-@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+@pytest.mark.parametrize("weighting", ["decay", "dpace", "dflash2"])
 def test_two_ranks_equal_one_rank_with_the_same_samples_per_step(tiny_job, tmp_path, forkserver, weighting):
     """2 ranks x micro-batch b == 1 rank x (2 micro-batches of b): same samples each step. With
     D-PACE too: its weights depend on the drafter's outputs, its normaliser (the scored-slot
-    count) only on the data, so the split of a batch over ranks changes nothing."""
-    knobs = {"objective__weighting": weighting}
+    count) only on the data, so the split of a batch over ranks changes nothing. DFlash2 (with
+    D-PACE): the selector, used by the loss outside DDP's forward, is all-reduced like the rest."""
+    knobs = {"objective__weighting": weighting} if weighting != "dflash2" else {"objective__weighting": "dpace",
+                                                                               **DFLASH2}
     two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "two", **knobs)), timeout=240)
     one = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=2,
                                                                     **knobs)), world_size=1, timeout=240)

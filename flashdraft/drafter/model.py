@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from flashdraft.drafter import serving
 from flashdraft.drafter.attention import ATTENTION_IMPLS, BlockAttentionPlan, attend, attention_plan, decode_mask
+from flashdraft.drafter.dflash2 import CandidateSelector, GroupedDynamicConv
 from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, _SwiGLU, apply_rope, use_lean
 from flashdraft.drafter.serving import drafter_config_from_target
 
@@ -91,28 +92,51 @@ class DrafterAttention(nn.Module):
 class DrafterLayer(nn.Module):
     lean = True  # training MLP through _SwiGLU; False: Qwen3MLP under autograd
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, conv: tuple[int, int, int] | None = None):
+        """``conv``: DFlash2's (kernel size, group size, block size): a GroupedDynamicConv around the
+        attention (``attention_conv``) and around the MLP (``mlp_conv``); None: DFlash's layer."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DrafterAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
         self.swiglu = config.hidden_act == "silu"  # Qwen3MLP: bias-free gate / up / down
+        self.attention_conv = self.mlp_conv = None
+        if conv is not None:
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, *conv)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, *conv)
 
     def forward(self, x, rope, ctx_kv, mask=None, rows=None, distinct=None) -> torch.Tensor:
         """``rows``: output only these rows of the block stream (DrafterAttention.forward).
         ``distinct``: (x's distinct rows [B, U, H], index [Q]) with x = distinct rows[:, index]:
-        the input norm and the q / k / v projections run on the U distinct rows only."""
+        the input norm and the q / k / v projections run on the U distinct rows only. Neither
+        applies to a DFlash2 layer, whose convolutions mix each row with the slots before it."""
+        if self.attention_conv is not None:
+            return self._convolved(x, rope, ctx_kv, mask)
         if distinct is None:
             attn = self.self_attn(self.input_layernorm(x), rope, ctx_kv, mask, rows)
         else:
             attn = self.self_attn(self.input_layernorm(distinct[0]), rope, ctx_kv, mask, rows, distinct[1])
         x = (x if rows is None else rows(x)) + attn
+        return x + self._mlp(self.post_attention_layernorm(x))
+
+    def _convolved(self, x, rope, ctx_kv, mask) -> torch.Tensor:
+        """DFlash2's layer (DFLASH2.md 1.2): each sublayer runs on its convolved normalised input,
+        its output is convolved again before the residual add, and both kernels come from that
+        normalised input. The context K/V (``ctx_kv``) are never convolved."""
+        h = self.input_layernorm(x)
+        delta = self.attention_conv.kernels(h)
+        attn = self.self_attn(self.attention_conv(h, delta, 0), rope, ctx_kv, mask)
+        x = x + self.attention_conv(attn, delta, 1)
         h = self.post_attention_layernorm(x)
+        delta = self.mlp_conv.kernels(h)
+        return x + self.mlp_conv(self._mlp(self.mlp_conv(h, delta, 0)), delta, 1)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu and use_lean(self, h):  # the memory-lean MLP (same values)
             mlp = self.mlp
-            return x + _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        return x + self.mlp(h)
+            return _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        return self.mlp(h)
 
 
 @dataclass
@@ -157,11 +181,15 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = int(self.config["dflash_config"]["mask_token_id"])
         self.target_layer_ids = list(self.config["dflash_config"]["target_layer_ids"])
         self.layer_masks = serving.layer_attention(self.config)  # each layer's window and in-block causality
+        modules = serving.dflash2_modules(self.config)  # DFlash2: the conv's and the selector's sizes
         hidden = qcfg.hidden_size
-        self.layers = nn.ModuleList(DrafterLayer(qcfg) for _ in range(qcfg.num_hidden_layers))
+        conv = (modules.conv_kernel_size, modules.conv_group_size, self.block_size) if modules else None
+        self.layers = nn.ModuleList(DrafterLayer(qcfg, conv) for _ in range(qcfg.num_hidden_layers))
         self.norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
+        self.candidate_selector = (CandidateSelector(hidden, qcfg.vocab_size, modules.selector_rank,
+                                                     modules.selector_top_k) if modules else None)
         self.rotary_emb = RotaryEmbedding(qcfg)  # non-persistent fp32 buffers: never saved, never cast
         self.set_lean(lean)
 
@@ -172,21 +200,30 @@ class DFlashDrafter(nn.Module):
             if isinstance(module, (RMSNorm, DrafterAttention, DrafterLayer)):
                 module.lean = bool(lean)
 
+    @property
+    def convolved(self) -> bool:
+        """DFlash2's layers: each sublayer wrapped in a GroupedDynamicConv."""
+        return self.layers[0].attention_conv is not None
+
     @classmethod
     def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int,
                    layer_types=None, sliding_window: int | None = None, causal: bool | None = None,
-                   **kwargs) -> DFlashDrafter:
-        """``layer_types`` / ``sliding_window`` / ``causal``: the layers' attention (see
-        serving.drafter_config_from_target; default: DFlash v1's full bidirectional layers);
-        ``kwargs``: the training-time switches of ``__init__`` (attention, group_blocks, ...)."""
+                   dflash2: serving.DFlash2Modules | None = None, **kwargs) -> DFlashDrafter:
+        """``layer_types`` / ``sliding_window`` / ``causal``: the layers' attention, ``dflash2``
+        DFlash2's conv and selector sizes (see serving.drafter_config_from_target; default: DFlash
+        v1's full bidirectional layers); ``kwargs``: the training-time switches of ``__init__``
+        (attention, group_blocks, ...)."""
         cfg = drafter_config_from_target(
             target.config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
             target_layer_ids=target.layer_ids, layer_types=layer_types, sliding_window=sliding_window, causal=causal,
+            dflash2=dflash2,
         )
         return cls(cfg, **kwargs)
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """The published recipe's init: normal(0, std) linears, ones for norms."""
+        """The published recipe's init: normal(0, std) linears, ones for norms; DFlash2's conv as
+        the identity and its selector as a no-op (the trainers' start: a fresh DFlash2 drafts what
+        its DFlash backbone drafts)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std, generator=generator)
@@ -194,6 +231,11 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():  # after the loop above, which re-drew their linears
+            if isinstance(module, GroupedDynamicConv):
+                module.reset_parameters()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(std, generator)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] for integer positions [B, T]."""
@@ -236,11 +278,16 @@ class DFlashDrafter(nn.Module):
         q / k / v projections run on the N + 1 distinct rows (every MASK row is the same vector
         before RoPE) instead of N * bs: same result, ~(bs - 1) / bs of that work saved.
 
+        DFlash2's convolutions mix each slot with the ones before it, so its layers compute
+        every row: ``scored_only`` then drops slot 0 before the final norm only, and with
+        ``mask_embed`` layer 0 gets the expanded rows.
+
         Each layer's context K/V is computed once per sequence; a valid block anchored at a
         attends context j < a and its own bs slots, a padded block only its own slots.
         """
         b, s, _ = features.shape
         distinct = None
+        convolved = self.convolved  # DFlash2: every row of every layer (see DrafterLayer.forward)
         if mask_embed is None:
             _, n, bs, hidden = block_embeds.shape
             x = block_embeds.reshape(b, n * bs, hidden)
@@ -269,14 +316,16 @@ class DFlashDrafter(nn.Module):
         # right after the head. The peak is at the start of the backward, so keeping them in
         # every layer would add every layer's probabilities to it, for the same saving per layer.
         for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
-            select = scored_rows if scored_only and i == last else None
+            select = scored_rows if scored_only and i == last and not convolved else None
             plan = plans[self.layer_masks[i]]
             args = (x, rope, kv, replace(plan, keep_probs=True) if i == last else plan, select,
-                    distinct if i == 0 else None)
+                    distinct if i == 0 and not convolved else None)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)
+        if scored_only and convolved:
+            x = scored_rows(x)
         return self.norm(x).view(b, n, bs - int(scored_only), hidden)
 
     def attention_plan(

@@ -12,6 +12,7 @@ classes; DFlashDrafter.save_pretrained / from_pretrained delegate their file wor
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from transformers import Qwen3Config
 
 from flashdraft.checkpoint import follow_umask
 from flashdraft.drafter.attention import LAYER_TYPES, LayerMask
+from flashdraft.drafter.dflash2 import DFlash2Modules
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,10 +44,27 @@ _COPIED_FIELDS = (
 _TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+
+def dflash2_modules(config: dict) -> DFlash2Modules | None:
+    """The DFlash2 sizes of a drafter ``config`` (None: a DFlash drafter), each read from
+    ``dflash_config`` with the top-level key as fallback (the reference's rule)."""
+    if DFLASH2_ARCHITECTURE not in (config.get("architectures") or []):
+        return None
+    dflash = config.get("dflash_config") or {}
+    values = {f.name: dflash.get(f.name, config.get(f.name)) for f in dataclasses.fields(DFlash2Modules)}
+    missing = [name for name, value in values.items() if not isinstance(value, int) or isinstance(value, bool)]
+    if missing:
+        raise ValueError(f"a DFlash2 drafter needs the integers dflash_config.{', '.join(missing)} (vLLM requires "
+                         f"all four); got {', '.join(f'{n}={values[n]!r}' for n in missing)}")
+    return DFlash2Modules(**values)
+
+
 def drafter_config_from_target(
     target_config, *, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
     layer_types: list[str] | tuple[str, ...] | None = None, sliding_window: int | None = None,
-    causal: bool | None = None,
+    causal: bool | None = None, dflash2: DFlash2Modules | None = None,
 ) -> dict:
     """The drafter's config.json as a dict: the target's Qwen3 fields + the DFlash keys.
 
@@ -55,7 +74,9 @@ def drafter_config_from_target(
     attention keys are written as every engine reads them (layer_attention; DFLASH2.md 3.3):
     an explicit ``layer_types`` list, ``sliding_window`` with ``use_sliding_window`` and
     ``max_window_layers``, and ``is_causal`` (with ``dflash_config.causal``) whenever all layers
-    share one causality (a mixed model keeps the by-type default, which both engines apply)."""
+    share one causality (a mixed model keeps the by-type default, which both engines apply).
+    ``dflash2``: a DFlash2DraftModel with these conv / selector sizes in ``dflash_config``
+    (with ``block_size``: SGLang reads it there first)."""
     src = target_config.to_dict()
     cfg = {key: src[key] for key in _COPIED_FIELDS if key in src}
     cfg.setdefault("head_dim", src["hidden_size"] // src["num_attention_heads"])
@@ -90,6 +111,9 @@ def drafter_config_from_target(
         cfg["is_causal"] = cfg["dflash_config"]["causal"] = resolved[0]
     if sliding:
         cfg["dflash_config"]["swa_window_size"] = int(sliding_window)
+    if dflash2 is not None:
+        cfg["architectures"] = [DFLASH2_ARCHITECTURE]
+        cfg["dflash_config"].update(block_size=block_size, **dataclasses.asdict(dflash2))
     if not 0 <= mask_token_id < cfg["vocab_size"]:
         raise ValueError(
             f"model.mask_token_id={mask_token_id} is outside the target's embedding table (vocab_size "
@@ -150,13 +174,15 @@ _UNSUPPORTED_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_
 
 def check_supported(config: dict, where) -> None:
     """Refuse, with the reason, a drafter config whose layers differ from the Qwen3 layers
-    implemented here (full and sliding-window attention, in-block causal or not): attention
-    sinks, scaled embeddings or outputs, unknown layer types."""
+    implemented here (full and sliding-window attention, in-block causal or not, DFlash2's conv
+    and selector): attention sinks, scaled embeddings or outputs, unknown layer types, a DFlash2
+    config without its module sizes."""
     problems = []
-    try:
-        layer_attention(config)
-    except (ValueError, KeyError) as exc:
-        problems.append(str(exc))
+    for check in (layer_attention, dflash2_modules):
+        try:
+            check(config)
+        except (ValueError, KeyError) as exc:
+            problems.append(str(exc))
     dflash = config.get("dflash_config") or {}
     if dflash.get("attention_sink_bias") or config.get("attention_sink_bias") or \
             config.get("add_swa_attention_sink_bias"):
@@ -194,12 +220,8 @@ def read_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
     architectures = config.get("architectures") or []
-    if "DFlash2DraftModel" in architectures:
-        raise ValueError(f"{path}/config.json: a DFlash2 drafter (grouped dynamic convolution and candidate "
-                         "selector), which flashdraft does not implement yet; only DFlash (DFlashDraftModel) "
-                         "drafters load here")
-    if "DFlashDraftModel" not in architectures:
-        raise ValueError(f"{path}/config.json: not a DFlash drafter (architectures={architectures})")
+    if not {"DFlashDraftModel", DFLASH2_ARCHITECTURE} & set(architectures):
+        raise ValueError(f"{path}/config.json: not a DFlash or DFlash2 drafter (architectures={architectures})")
     check_supported(config, path / CONFIG_FILE)
     return config
 

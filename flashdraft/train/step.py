@@ -68,17 +68,24 @@ class StepStats:
     weight_total: torch.Tensor
     hits: torch.Tensor  # [bs - 1]
     counts: torch.Tensor  # [bs - 1]
+    selector_total: torch.Tensor  # DFlash2: the selector term's sum (before its alpha)
+    recalled: torch.Tensor  # DFlash2: scored slots whose label was among the candidates
+    selector: bool = False  # a DFlash2 LossOutput was added (its two values are logged)
 
     @classmethod
     def zeros(cls, block_size: int, device) -> StepStats:
         z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
-        return cls(z(()), z(()), z(block_size - 1), z(block_size - 1))
+        return cls(z(()), z(()), z(block_size - 1), z(block_size - 1), z(()), z(()))
 
     def add(self, out: LossOutput) -> None:
         self.loss_total += out.total.double()
         self.weight_total += out.weight_sum.double()
         self.hits += (out.correct & out.scored).flatten(0, 1).sum(0)[1:].double()
         self.counts += out.scored.flatten(0, 1).sum(0)[1:].double()
+        if out.recall is not None:
+            self.selector = True
+            self.selector_total += out.selector_total.double()
+            self.recalled += (out.recall & out.scored).sum().double()
 
     def reduce(self) -> dict:
         """All-reduce over ranks and return host floats (deliberate sync: log time only)."""
@@ -89,18 +96,24 @@ class StepStats:
         return self._values(self._packed())
 
     def _packed(self) -> torch.Tensor:
-        return torch.cat([self.loss_total.view(1), self.weight_total.view(1), self.hits, self.counts])
+        return torch.cat([self.loss_total.view(1), self.weight_total.view(1), self.hits, self.counts,
+                          self.selector_total.view(1), self.recalled.view(1)])
 
     def _values(self, packed: torch.Tensor) -> dict:
         packed = packed.cpu()
         n = self.hits.numel()
-        acc = packed[2 : 2 + n] / packed[2 + n :].clamp(min=1)
-        return {
+        counts = packed[2 + n : 2 + 2 * n]
+        acc = packed[2 : 2 + n] / counts.clamp(min=1)
+        values = {
             "loss": float(packed[0] / packed[1].clamp(min=1e-12)),
             "acc": float(acc.mean()),
             "acc_first": float(acc[0]),
             "tau_sim": float(1 + acc.cumprod(0).sum()),
         }
+        if self.selector:  # the selector CE on the base term's scale, and the candidates' top-k recall
+            values["selector_loss"] = float(packed[-2] / packed[1].clamp(min=1e-12))
+            values["topk_recall"] = float(packed[-1] / counts.sum().clamp(min=1))
+        return values
 
 
 @dataclass
@@ -124,10 +137,14 @@ class DrafterStep:
     def blocks(self, micro, step: int) -> list[Blocks]:
         """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only."""
         cfg = self.cfg
+        selector = None
+        if self.drafter.candidate_selector is not None:  # DFlash2: the selector term's weight at this step
+            schedule = self.scheduler.lr_lambdas[0]  # the run's steps, as the LR schedule counts them
+            selector = cfg.objective.selector_loss(schedule.position(step), schedule.total)
         return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
                             block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
                             num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=cfg.objective.slot_loss,
-                            seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids)
+                            seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids, selector=selector)
                 for m in micro]
 
     def __call__(self, micro, step: int, stats: StepStats) -> tuple[torch.Tensor, NonFinite | None]:

@@ -61,8 +61,8 @@ class Trainer:
         self._open_data()
         self.sampler = batch_sampler(self.dataset, cfg, self.dist.rank, self.dist.world_size)
         self.total_steps = max(1, steps_left(self.sampler, cfg, 0))  # a resume recounts it (_recount_budget)
-        self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim, self.total_steps,
-                                                         self.device)
+        self.optimizer, self.scheduler = build_optimizer([p for p in self.drafter.parameters() if p.requires_grad],
+                                                         cfg.optim, self.total_steps, self.device)
         self.state = TrainState(self.sampler, self.dist.world_size,
                                 run_identity(self.target, self.drafter.mask_token_id, self.dataset))
         self.checkpoints = RunCheckpoints(
@@ -97,10 +97,12 @@ class Trainer:
             self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
             mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
             layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-            causal=cfg.model.drafter_causal,
+            causal=cfg.model.drafter_causal, dflash2=cfg.model.dflash2,
             attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
         )
         self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
+        if self.drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
+            self.drafter.candidate_selector.requires_grad_(False)  # frozen: no selector term, not optimised
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
         if self.dist.world_size == 1 or self.dist.role == "target":
             return self.drafter

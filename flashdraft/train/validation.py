@@ -63,9 +63,11 @@ class Validator:
 
     def eval_loss(self, max_batches: int = 8) -> dict:
         """The training loss (objective.loss, weighted as in training) / accuracy / simulated tau on
-        the held-out set (fixed anchors: seed 0)."""
+        the held-out set (fixed anchors: seed 0); DFlash2: the accuracy of the selector's picks."""
         cfg, bs = self.config, self.drafter.block_size
         stats = StepStats.zeros(bs, self.device)
+        # DFlash2: the selector term at its full weight (its schedule's end), so evals compare across the run
+        selector = cfg.objective.selector_loss(1.0, 1.0) if self.drafter.candidate_selector is not None else None
         plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
                             max_batch_size=cfg.data.max_batch_size, seed=0)
         buffers = CollateBuffers()
@@ -76,7 +78,7 @@ class Validator:
             blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
                               mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
                               gamma=self.gamma, loss=cfg.objective.slot_loss, seed=0,
-                              sample_ids=torch.from_numpy(idx).to(self.device))
+                              sample_ids=torch.from_numpy(idx).to(self.device), selector=selector)
             with self.autocast:
                 features = self.target.features(batch.input_ids, batch.attention_mask)
                 out = block_loss(self.drafter, self.target, features, blk, chunk_size=cfg.objective.loss_chunk_size)
