@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of this project in one run, for the one device session a task may get
-# (<= 9.5 minutes on one H200). Each part has its own time limit, so a part that fails or hangs
+# (<= 9.8 minutes on one H200: the parts' time limits add up to 590 s). Each part has its own time limit, so a part that fails or hangs
 # does not eat the others' time. Everything lands in $OUT (default ./gpu_results):
 #   env.txt                      torch, CUDA and the device
 #   gpu_step.txt / .json         the drafter step at the Qwen3-8B point: ms, peak memory,
@@ -12,6 +12,10 @@
 #   gpu_swa.txt / .json          the same drafter step with every layer sliding-window 1024 and
 #                                D-PACE weights, fast path only: the compiled flex kernel under a
 #                                window mask (a GPU-only code path) and its cost next to gpu_step
+#   gpu_dflash2.txt / .json      the DFlash2 step (conv + selector) next to the DFlash step at a
+#                                Qwen3-8B-wide, 2-layer point: the cost of DFlash2's modules
+#   gpu_sharded.txt              a tensor-parallel target on 2 GPUs (NCCL, DTensor) against the
+#                                same eval unsharded; skipped on a 1-GPU machine
 # Then copy the numbers into docs/benchmarks.md.
 #
 #   bash benchmarks/gpu_checks.sh            # on the GPU machine
@@ -31,10 +35,13 @@ else
   pipeline_args=()
 fi
 status=0
-timeout "${STEP_TIMEOUT:-240}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_step.json" "${step_args[@]}" 2>&1 \
+timeout "${STEP_TIMEOUT:-200}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_step.json" "${step_args[@]}" 2>&1 \
   | tee "$OUT/gpu_step.txt" || status=1
-timeout "${PIPELINE_TIMEOUT:-240}" python -m flashdraft.cli bench gpu-pipeline "${pipeline_args[@]}" 2>&1 \
+timeout "${PIPELINE_TIMEOUT:-190}" python -m flashdraft.cli bench gpu-pipeline "${pipeline_args[@]}" 2>&1 \
   | tee "$OUT/gpu_pipeline.txt" || status=1
-timeout "${SWA_TIMEOUT:-90}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_swa.json" --variants fast \
+timeout "${SWA_TIMEOUT:-60}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_swa.json" --variants fast \
   --sliding-window 1024 --weighting dpace "${step_args[@]}" 2>&1 | tee "$OUT/gpu_swa.txt" || status=1
+timeout "${DFLASH2_TIMEOUT:-60}" bash benchmarks/gpu_step.sh --json "$OUT/gpu_dflash2.json" --variants fast,dflash2 \
+  --layers 2 --anchors 256 --repeat 3 "${step_args[@]}" 2>&1 | tee "$OUT/gpu_dflash2.txt" || status=1
+timeout "${SHARDED_TIMEOUT:-80}" bash benchmarks/gpu_sharded.sh 2>&1 | tee "$OUT/gpu_sharded.txt" || status=1
 exit $status

@@ -60,6 +60,8 @@ class ModelConfig:
     conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel (must divide the hidden size)
     selector_rank: int = 256  # dflash2: rank of the selector's predecessor x successor codebooks
     selector_top_k: int = 16  # dflash2: candidates per slot the selector re-ranks (the head's top-k)
+    tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
+    expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
 
     @property
     def dflash2(self) -> DFlash2Modules | None:
@@ -97,6 +99,10 @@ class ModelConfig:
         _check(self.drafter in DRAFTERS, "model.drafter", self.drafter, f"use one of {', '.join(DRAFTERS)}")
         _check(1 <= self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", f"{self.conv_kernel_size}",
                f"use 1 .. model.block_size ({self.block_size}); 2 is the released drafters'")
+        _check(self.tensor_parallel >= 1, "model.tensor_parallel", f"{self.tensor_parallel}",
+               "use 1 (every rank holds the whole target) or the ranks to shard it over, e.g. 8")
+        _check(not self.expert_parallel or self.tensor_parallel > 1, "model.expert_parallel", "true",
+               "expert parallelism splits the experts over a target group: set model.tensor_parallel > 1 too")
         for key in ("conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, key) >= 1, f"model.{key}", f"{getattr(self, key)}", "use 1 or more")
         if self.target_layer_ids is not None:
@@ -297,6 +303,12 @@ class Config:
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
+        if self.model.tensor_parallel > 1:
+            _check(self.pipeline.placement == "colocated", "pipeline.placement", self.pipeline.placement,
+                   "a tensor-parallel target (model.tensor_parallel > 1) trains colocated for now: use colocated")
+            _check(not (self.pipeline.feature_cache_bytes or self.pipeline.feature_cache_disk_bytes),
+                   "pipeline.feature_cache_bytes", f"{self.pipeline.feature_cache_bytes}",
+                   "the feature cache is not used with a tensor-parallel target: set it (and the disk tier) to 0")
         _check(self.model.block_size <= self.data.max_length, "model.block_size", f"{self.model.block_size}",
                f"a block cannot be longer than a sample (data.max_length={self.data.max_length}): lower "
                "model.block_size or raise data.max_length")

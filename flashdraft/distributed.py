@@ -14,6 +14,14 @@ group: drafter ranks see a world of the drafter ranks only (``Dist.rank`` / ``wo
 a target rank. Target ranks feed their drafter ranks with the point-to-point ``isend`` /
 ``irecv`` (global ranks, on the default group).
 
+Tensor-parallel targets (``tensor_parallel`` T > 1, colocated): the ranks form a mesh
+[data, tensor] of shape (world / T, T), row-major, so ranks ``d*T .. d*T + T-1`` are target
+group d (consecutive: one node's GPUs for T <= GPUs per node). ``Dist.data_rank`` /
+``data_world_size`` index the groups (each group reads one data-parallel share of the batch
+plan), ``Dist.tensor_rank`` a rank inside its group; ``target_mesh()`` holds the meshes
+transformers shards the target over, and ``target_group()`` the group's process group. The
+drafter still trains data-parallel over every rank.
+
 Failure contract: the process group is created with ``timeout_s``. When a peer dies or hangs,
 a collective on a live rank raises :class:`CollectiveError` (naming the operation, the rank
 and the timeout) instead of blocking forever. With gloo the timeout is enforced per
@@ -53,6 +61,22 @@ class Dist:
     role: Literal["both", "drafter", "target"] = "both"  # both: colocated; else disaggregated
     global_rank: int = 0  # rank in the whole job (rank / world_size are within the role's group)
     peers: tuple[int, ...] = ()  # global ranks of the other role this rank talks to (disaggregated)
+    tensor_size: int = 1  # ranks per target group: the target's tensor-parallel size
+
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's place in its target group."""
+        return self.rank % self.tensor_size
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's target group: its share of the batch plan."""
+        return self.rank // self.tensor_size
+
+    @property
+    def data_world_size(self) -> int:
+        """Target groups in the job (data-parallel shares of the batch plan)."""
+        return self.world_size // self.tensor_size
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +89,9 @@ class Dist:
 _STATE: Dist | None = None
 # This rank's role group (disaggregated placement), which every helper runs in; None: the world.
 _GROUP: Any = None
+# Tensor-parallel targets: (the dense and the expert mesh transformers shards over); None when
+# the target is not sharded.
+_TARGET_MESH: Any = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -122,7 +149,8 @@ def _peers(rank: int, drafters: list[int], targets: list[int]) -> tuple[int, ...
     return tuple(drafters[t * per_target : (t + 1) * per_target])
 
 
-def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_target_ranks: int = 0) -> Dist:
+def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_target_ranks: int = 0,
+                     tensor_parallel: int = 1) -> Dist:
     """Read the torchrun environment, pick the device and (when WORLD_SIZE > 1) join the group.
 
     ``device_type``: "auto" (CUDA when available, else CPU), "cuda" or "cpu". On CUDA this
@@ -131,6 +159,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     Idempotent: a second call returns the existing topology. Blocks until all WORLD_SIZE
     ranks have joined the rendezvous (or ``timeout_s`` passes). ``num_target_ranks > 0``
     splits the job into drafter and target roles (module doc); it needs WORLD_SIZE > 1.
+    ``tensor_parallel`` > 1 groups the ranks into target groups of that many (module doc).
     """
     global _STATE, _GROUP
     if _STATE is not None:
@@ -138,6 +167,14 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} is invalid: use a positive number of seconds")
     world_size = _env_int("WORLD_SIZE", 1)
+    if tensor_parallel > 1 and (world_size % tensor_parallel or num_target_ranks):
+        raise ValueError(
+            f"model.tensor_parallel={tensor_parallel} on WORLD_SIZE={world_size}"
+            f"{' with pipeline.placement=disaggregated' if num_target_ranks else ''}: "
+            + ("a tensor-parallel target trains colocated only for now; use pipeline.placement=colocated"
+               if num_target_ranks else
+               f"the world must be a multiple of it; launch e.g. torchrun --nproc-per-node={tensor_parallel}")
+        )
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -158,8 +195,10 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
         tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
                                  timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     if num_target_ranks == 0:
+        if tensor_parallel > 1:
+            _make_target_mesh(device, backend, world_size, tensor_parallel, timeout_s)
         _STATE = Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
-                      timeout_s=float(timeout_s), global_rank=rank)
+                      timeout_s=float(timeout_s), global_rank=rank, tensor_size=tensor_parallel)
         return _STATE
     if world_size == 1:
         raise ValueError("pipeline.placement=disaggregated needs separate target and drafter processes: launch with "
@@ -176,6 +215,35 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
                   backend=backend, timeout_s=float(timeout_s), role=role, global_rank=rank,
                   peers=_peers(rank, drafters, targets))
     return _STATE
+
+
+def _make_target_mesh(device: torch.device, backend: str, world_size: int, tensor_parallel: int,
+                      timeout_s: float) -> None:
+    """The meshes transformers shards a tensor-parallel target over (collective: every rank).
+    Dense layers on (pp, dp_replicate, fsdp, tp) = (1, D, 1, T), experts on (pp, dp_replicate,
+    efsdp, ep) = (1, D, 1, T): expert parallelism inside the target group, as wide as it. The
+    groups get the job's collective timeout (a new group's default is torch's 30 minutes), so a
+    rank of a target group that hangs fails the others in ``timeout_s``."""
+    global _TARGET_MESH
+    from torch._C._distributed_c10d import Backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (1, world_size // tensor_parallel, 1, tensor_parallel)
+    options = Backend.Options(backend, datetime.timedelta(seconds=timeout_s))
+    meshes = [init_device_mesh(device.type, shape, mesh_dim_names=names,
+                               backend_override={dim: (backend, options) for dim in (1, 3)})
+              for names in (("pp", "dp_replicate", "fsdp", "tp"), ("pp", "dp_replicate", "efsdp", "ep"))]
+    _TARGET_MESH = tuple(meshes)
+
+
+def target_mesh() -> tuple[Any, Any] | None:
+    """(dense mesh, expert mesh) of a tensor-parallel target (module doc); None when unsharded."""
+    return _TARGET_MESH
+
+
+def target_group() -> Any:
+    """The process group of this rank's target group (tensor-parallel targets), else None."""
+    return _TARGET_MESH[0].get_group("tp") if _TARGET_MESH is not None else None
 
 
 def group() -> Any:
@@ -205,10 +273,10 @@ def get_world_size() -> int:
 
 def teardown() -> None:
     """Leave the process group (if any) and forget the topology. Safe to call twice."""
-    global _STATE, _GROUP
+    global _STATE, _GROUP, _TARGET_MESH
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _STATE = _GROUP = None
+    _STATE = _GROUP = _TARGET_MESH = None
 
 
 def _active() -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft import distributed
 from flashdraft.config import DTYPES
 from flashdraft.drafter import DFlashDrafter, serving
 from flashdraft.speculative import (
@@ -211,6 +212,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
     parser.add_argument("--output", help="write the JSON report here")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="shard the target over this many ranks (launch that many with torchrun; rank 0 reports)")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="with --tensor-parallel: split a MoE target's experts over the ranks instead")
 
 
 def run(args) -> int:
@@ -232,7 +237,17 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     if args.output:  # found now, not after the whole evaluation
         _check_writable(Path(args.output))
-    target = TargetModel.from_pretrained(args.target, target_layer_ids=layer_ids, device=args.device, dtype=args.dtype)
+    if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
+        raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
+    main = True
+    if args.tensor_parallel > 1:  # every rank runs the same decoding in lockstep; rank 0 reports
+        dist = distributed.init_distributed(args.device, tensor_parallel=args.tensor_parallel)
+        if dist.world_size != args.tensor_parallel:
+            raise ValueError(f"--tensor-parallel {args.tensor_parallel} on WORLD_SIZE={dist.world_size}: launch "
+                             f"exactly that many ranks (torchrun --nproc-per-node={args.tensor_parallel})")
+        main = dist.rank == 0
+    target = TargetModel.from_pretrained(args.target, target_layer_ids=layer_ids, device=args.device, dtype=args.dtype,
+                                         tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     check_prompts_fit(prompts, target.config, args.prompts, max_new_tokens=args.max_new_tokens, block_size=block_size)
     if args.drafter:
         drafter = DFlashDrafter.from_pretrained(args.drafter, dtype=target.dtype, device=args.device).eval()
@@ -240,6 +255,13 @@ def run(args) -> int:
     eos = [] if args.no_eos else eos_ids_of(args.target, target.config)
     report = evaluate_tau(target, drafter, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
                           baseline=args.baseline, block_size=block_size, sampling=sampling)
+    if args.tensor_parallel > 1:
+        local, whole = target.weight_bytes()
+        report["target_sharding"] = {"ranks": args.tensor_parallel, "expert_parallel": args.expert_parallel,
+                                     "weight_bytes_per_rank": local, "weight_bytes_unsharded": whole}
+        distributed.teardown()
+    if not main:
+        return 0 if report.get("lossless", True) else 1
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

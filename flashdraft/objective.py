@@ -480,6 +480,23 @@ class Blocks:
     def weight_sum(self) -> torch.Tensor:
         return self.weights.sum()
 
+    def shard(self, index: int, count: int) -> Blocks:
+        """Share ``index`` of ``count`` of the anchor axis, contiguous (the ranks of a tensor-
+        parallel target group each train on one; together they hold every block once). The axis
+        is padded with invalid blocks (weight 0) to a multiple of ``count`` first, so every share
+        has the same number of blocks."""
+        if count == 1:
+            return self
+        n = self.anchors.shape[1]
+        per = -(-n // count)
+        pad = per * count - n
+        def padded(t: torch.Tensor) -> torch.Tensor:  # zeros: anchor 0, invalid, weight 0
+            return torch.cat([t, t.new_zeros((t.shape[0], pad, *t.shape[2:]))], dim=1) if pad else t
+
+        fields = [padded(t) for t in (self.anchors, self.valid, self.input_ids, self.labels, self.weights)]
+        part = slice(index * per, (index + 1) * per)
+        return Blocks(*(t[:, part] for t in fields), self.loss, self.selector)
+
     def slices(self, anchors_per_slice: int) -> list[Blocks]:
         """Split along the anchor axis (0: no split); forward+backward per slice bounds memory."""
         n = self.anchors.shape[1]

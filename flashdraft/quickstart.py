@@ -62,6 +62,7 @@ class Budget:
     eval_max_new_tokens: int = 96
     weighting: str = "decay"  # the loss's slot weights: decay or dpace (objective.weighting)
     sliding_window: int = 0  # > 0: every drafter layer sliding-window, in-block bidirectional (DFlash2's layout)
+    drafter: str = "dflash"  # the drafter family: dflash, or dflash2 (conv + candidate selector, the released sizes)
 
 
 # A seconds-level budget for CI: same path, tiny sizes.
@@ -218,10 +219,13 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     """Run every stage; returns the report written to ``output/eval/report.json``."""
     from transformers import AutoTokenizer
 
+    from flashdraft.config import DRAFTERS
     from flashdraft.objective import WEIGHTINGS
 
     if budget.weighting not in WEIGHTINGS:  # checked before minutes of target training and data
         raise ValueError(f"--weighting {budget.weighting!r}: use one of {', '.join(WEIGHTINGS)}")
+    if budget.drafter not in DRAFTERS:
+        raise ValueError(f"--drafter {budget.drafter!r}: use one of {', '.join(DRAFTERS)}")
     if budget.sliding_window < 0:
         raise ValueError(f"--sliding-window {budget.sliding_window}: use 0 (full layers) or a positive window")
     out = Path(output)
@@ -384,7 +388,8 @@ def _drafter_config(out: Path, budget: Budget, seed: int, target_dir: Path, mask
                   "num_draft_layers": budget.drafter_layers, "block_size": budget.block_size,
                   "mask_token_id": mask_id, "dtype": "float32",
                   **({"drafter_layer_types": ["sliding_attention"], "drafter_sliding_window": budget.sliding_window,
-                      "drafter_causal": False} if budget.sliding_window > 0 else {})},
+                      "drafter_causal": False} if budget.sliding_window > 0 else {}),
+                  "drafter": budget.drafter},
         "data": {"path": str(out / "data" / "tokens"), "eval_prompts": str(out / "eval" / "prompts.jsonl"),
                  "max_length": 1024, "token_budget": budget.token_budget, "max_batch_size": 64},
         "objective": {"num_anchors": budget.num_anchors, "weighting": budget.weighting},
@@ -422,7 +427,8 @@ def _train_drafter(out: Path, budget: Budget, seed: int, target_dir: Path, token
     from flashdraft.train.trainer import Trainer
 
     layers = f"sliding-window {budget.sliding_window} " if budget.sliding_window > 0 else ""
-    _say(f"[5/7] drafter: {budget.drafter_layers}-layer {layers}DFlash drafter, block {budget.block_size}, "
+    _say(f"[5/7] drafter: {budget.drafter_layers}-layer {layers}{_FAMILY[budget.drafter]} drafter, "
+         f"block {budget.block_size}, "
          f"{budget.weighting} weighting, {budget.drafter_steps} steps (flashdraft.train)")
     mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
     config = _drafter_config(out, budget, seed, target_dir, mask_id, num_tokens)
@@ -507,9 +513,13 @@ def _write_outputs(out: Path, budget: Budget, seed: int, run: _DrafterRun, score
     return report
 
 
+_FAMILY = {"dflash": "DFlash", "dflash2": "DFlash2"}
+
+
 def format_summary(report: dict, pipeline_table: str = "") -> str:
+    family = _FAMILY[report.get("settings", {}).get("budget", {}).get("drafter", "dflash")]
     rows = [
-        ("trained DFlash drafter", report["tau"], report["speedup"]),
+        (f"trained {family} drafter", report["tau"], report["speedup"]),
         ("n-gram prompt lookup", report["tau_ngram"], report["ngram_speedup"]),
         ("untrained drafter", report["tau_untrained"], float("nan")),
     ]

@@ -115,6 +115,87 @@ def _heads_only_model(path: Path, device: torch.device, dtype: torch.dtype,
     return model
 
 
+def _load_sharded(path: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+                  trust_remote_code: bool, tensor_parallel: int, expert_parallel: bool) -> nn.Module:
+    """The target of ``path`` sharded over this rank's target group by transformers' own
+    tensor- (and expert-) parallel plan of the architecture: each rank loads only its shards
+    (DTensors over distributed.target_mesh()). transformers builds its mesh over the whole world;
+    here the world holds several target groups side by side (data x tensor), so the model class
+    is handed flashdraft's mesh instead (the one hook from_pretrained calls for it)."""
+    try:
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.utils import TransformersDeviceMesh
+    except ImportError:
+        raise ValueError("model.tensor_parallel > 1 needs transformers' distributed loading (DistributedConfig with "
+                         "expert parallelism, 5.24 or newer): pip install -U transformers") from None
+
+    from flashdraft import distributed
+
+    meshes = distributed.target_mesh()
+    if meshes is None:
+        raise RuntimeError("a tensor-parallel target needs distributed.init_distributed(tensor_parallel=T) first")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{path}: model.tensor_parallel needs a causal LM architecture transformers itself implements "
+                         f"(this one, {type(config).__name__}, is not among them: remote code?); use "
+                         "model.tensor_parallel=1") from None
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"{path}: transformers has no tensor-parallel plan for {model_class.__name__} "
+                         f"(config.base_model_tp_plan is empty), so model.tensor_parallel={tensor_parallel} cannot "
+                         "shard it; use model.tensor_parallel=1 on a device that holds the whole target")
+    if expert_parallel and not getattr(config, "base_model_ep_plan", None):
+        raise ValueError(f"{path}: {model_class.__name__} has no expert-parallel plan (not a mixture-of-experts "
+                         "model, or none in transformers); use model.expert_parallel=false")
+    _check_divisible(path, config, tensor_parallel, expert_parallel)
+
+    class Sharded(model_class):
+        @classmethod
+        def prepare_distribute_model(cls, distributed_config, device_map=None):
+            return distributed_config, device, TransformersDeviceMesh(*meshes)
+
+    Sharded.__name__ = Sharded.__qualname__ = model_class.__name__
+    settings = DistributedConfig(tp_size=tensor_parallel, ep_size=tensor_parallel if expert_parallel else None)
+    return Sharded.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                   trust_remote_code=trust_remote_code, distributed_config=settings)
+
+
+# Head and expert counts a tensor-parallel plan splits over the group (transformers' plans split
+# them evenly and do not replicate KV heads, so a count the group size does not divide would fail
+# mid-forward with a shape error).
+_SPLIT_COUNTS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
+_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _check_divisible(path: Path, config, tensor_parallel: int, expert_parallel: bool) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    keys = _SPLIT_COUNTS + (_EXPERT_COUNTS if expert_parallel else ())
+    counts = {k: getattr(text, k) for k in keys if isinstance(getattr(text, k, None), int)}
+    bad = {k: v for k, v in counts.items() if v % tensor_parallel}
+    if bad:
+        fits = [t for t in range(2, max(counts.values()) + 1) if all(v % t == 0 for v in counts.values())]
+        raise ValueError(
+            f"{path}: model.tensor_parallel={tensor_parallel} must divide the target's "
+            f"{', '.join(f'{k}={v}' for k, v in bad.items())} (its plan splits them evenly over the group); use "
+            f"{' or '.join(map(str, fits)) if fits else 'model.tensor_parallel=1'}, with more data-parallel groups "
+            "for the other GPUs")
+
+
+def _replicated(module: nn.Module, kind: type) -> nn.Module:
+    """A frozen plain copy of an embedding or head whose weight may be sharded (the whole table on
+    every rank); the module itself when it is not."""
+    weight = module.weight
+    if not hasattr(weight, "full_tensor"):
+        return module
+    full = weight.full_tensor().detach()
+    copy = kind(*full.shape[::-1], bias=False, device="meta") if kind is nn.Linear else kind(*full.shape,
+                                                                                              device="meta")
+    copy.weight = nn.Parameter(full, requires_grad=False)
+    return copy
+
+
 class TargetModel(nn.Module):
     """A frozen causal LM with tapped layers.
 
@@ -144,6 +225,10 @@ class TargetModel(nn.Module):
         self.hidden_size = int(self.config.hidden_size)
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self.sharded = any(hasattr(p, "to_local") for p in model.parameters())  # a tensor-parallel target
+        if self.sharded:  # the drafter embeds and scores with whole tables: gathered once (V x H each)
+            self.embed = _replicated(self.embed, nn.Embedding)
+            self.lm_head = _replicated(self.lm_head, nn.Linear)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
@@ -158,16 +243,27 @@ class TargetModel(nn.Module):
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         heads_only: bool = False,
+        tensor_parallel: int = 1,
+        expert_parallel: bool = False,
     ) -> TargetModel:
         """Load a local Hugging Face causal LM directory, frozen, in eval mode.
 
         ``heads_only``: only the input embedding and the LM head, for a rank that never runs the
         target's forward (a drafter rank of a disaggregated job: it embeds block tokens and
         scores with the head; the features come from a target rank). See _heads_only_model; where
-        that cannot be done exactly, the whole model is loaded instead."""
+        that cannot be done exactly, the whole model is loaded instead.
+
+        ``tensor_parallel`` > 1: this rank holds 1/T of the target, sharded by the model's own
+        transformers plan over this rank's target group (distributed.target_mesh(), which
+        init_distributed(tensor_parallel=T) built); ``expert_parallel``: its experts split over
+        the group instead (a MoE target with an expert plan). See _load_sharded."""
         path = _model_dir(path)
         device = torch.device(device)
         torch_dtype = resolve_dtype(dtype, device)
+        if tensor_parallel > 1:
+            model = _load_sharded(path, device, torch_dtype, attn_implementation, trust_remote_code, tensor_parallel,
+                                  expert_parallel)
+            return cls(model, target_layer_ids, num_taps)
         model = _heads_only_model(path, device, torch_dtype, trust_remote_code) if heads_only else None
         if model is not None:
             target = cls(model, target_layer_ids, num_taps)
@@ -182,6 +278,15 @@ class TargetModel(nn.Module):
         return cls(model, target_layer_ids, num_taps)
 
     heads_only = False  # True: only embed / lm_head hold weights (from_pretrained(heads_only=True))
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(bytes of the target's weights this rank holds, bytes of the whole target's): equal
+        unless it is sharded (from_pretrained(tensor_parallel=T))."""
+        local = whole = 0
+        for p in self.model.parameters():
+            local += (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+            whole += p.numel() * p.element_size()
+        return local, whole
 
     @property
     def device(self) -> torch.device:

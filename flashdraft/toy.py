@@ -156,6 +156,7 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -191,6 +192,9 @@ def _config_and_ids(tokenizer_or_vocab_size, arch: str, num_layers: int, hidden:
     if arch == "qwen3_next":  # sparse MoE in every layer: 2 of 4 experts per token, plus the shared expert
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
                       shared_expert_intermediate_size=hidden // 2)
+    if arch == "qwen3_moe":  # sparse MoE in every layer: 2 of 4 experts per token
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, decoder_sparse_step=1,
+                      mlp_only_layers=[])
     fields.update(overrides)
     config_name, model_name = _ARCHS[arch]
     return getattr(transformers, config_name)(**fields), getattr(transformers, model_name), ids
@@ -204,8 +208,9 @@ def causal_lm_config(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: i
 
     ``arch``: "qwen3" (Qwen3Config), "llama" (LlamaConfig), "qwen3_5" (Qwen3_5TextConfig, the
     hybrid text model: gated delta-net linear attention, full attention in every fourth layer and
-    the last) or "qwen3_next" (Qwen3NextConfig: the same layer pattern, sparse-MoE MLPs with 4
-    experts, 2 per token, and a shared expert). ``vocab_size`` is ``len(tokenizer)`` (added tokens
+    the last), "qwen3_next" (Qwen3NextConfig: the same layer pattern, sparse-MoE MLPs with 4
+    experts, 2 per token, and a shared expert) or "qwen3_moe" (Qwen3MoeConfig: every layer's MLP
+    sparse, 4 experts, 2 per token). ``vocab_size`` is ``len(tokenizer)`` (added tokens
     included) when a tokenizer is given; bos/eos/pad ids are copied from it. ``head_dim`` defaults
     to ``hidden // num_heads``, ``intermediate`` to ``2 * hidden``; input and output embeddings are
     untied. ``overrides`` are further config fields, and replace any of the above (e.g.
@@ -221,7 +226,8 @@ def tiny_causal_lm(tokenizer_or_vocab_size, arch: str = "qwen3", num_layers: int
                    max_position_embeddings: int = 2048, seed: int = 0, *, head_dim: int | None = None,
                    dtype=None, **overrides):
     """A randomly initialised causal LM in eval mode, built from ``causal_lm_config`` (same
-    arguments, ``arch`` "qwen3", "llama", "qwen3_5" or "qwen3_next"; ``overrides`` go to the config).
+    arguments, ``arch`` "qwen3", "llama", "qwen3_5", "qwen3_next" or "qwen3_moe"; ``overrides`` go to the
+    config).
 
     The weights are drawn in fp32 right after ``torch.manual_seed(seed)``, so ``seed`` makes them
     reproducible; ``dtype`` (a torch dtype) then casts them and is recorded in the config (what

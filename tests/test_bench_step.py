@@ -26,6 +26,18 @@ def test_bench_step_variants_compute_the_same_loss(tmp_path, extra, rtol):
         assert row["ms_per_step"] > 0 and row["peak_mib"] >= 0
 
 
+def test_bench_step_times_the_dflash2_step_next_to_the_v1_step(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", *POINT, "--variants", "fast,dflash2", "--conv-group-size", "8",
+                 "--selector-rank", "8", "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"fast", "dflash2"}
+    assert rows["dflash2"]["ms_per_step"] > 0 and rows["dflash2"]["loss"] > 0
+    assert "dflash2 / fast: time" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--variants"):
+        main(["bench", "step", *POINT, "--variants", "fast,dflash3"])
+
+
 @pytest.mark.parametrize("fail_on_call", [1, 3])
 def test_a_variant_out_of_memory_while_timing_is_reported_and_the_other_still_timed(monkeypatch, fail_on_call):
     """All variants live in one process while timed (a GPU point can fit alone and not together):

@@ -14,13 +14,14 @@ pytestmark = pytest.mark.slow  # end to end: every GPU script at toy sizes on CP
 
 def run(cmd: list[str], out, **env_vars) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(out), **env_vars}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_gpu_checks_script_smoke(tmp_path):
     """benchmarks/gpu_checks.sh (gpu_step.sh + `bench gpu-pipeline`, each under its own time limit)
     with SMOKE=1: the scripts' own flags, then CPU / toy overrides."""
-    proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1")
+    # on 2 shared CPU cores the sharded check's 4 process launches need more than its GPU limit
+    proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1", SHARDED_TIMEOUT="240")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "device none" in (tmp_path / "env.txt").read_text()
 
@@ -32,6 +33,12 @@ def test_gpu_checks_script_smoke(tmp_path):
     swa = json.loads((tmp_path / "gpu_swa.json").read_text())
     assert [(r["variant"], r["sliding_window"], r["weighting"]) for r in swa] == [("fast", 1024, "dpace")]
     assert "fast ms_per_step=" in (tmp_path / "gpu_swa.txt").read_text()
+
+    dflash2 = json.loads((tmp_path / "gpu_dflash2.json").read_text())
+    assert [r["variant"] for r in dflash2] == ["fast", "dflash2"]
+    assert "dflash2 / fast: time" in (tmp_path / "gpu_dflash2.txt").read_text()
+    sharded = (tmp_path / "gpu_sharded.txt").read_text()
+    assert sharded.count(": PASS") == 2, sharded  # SMOKE: 2 gloo CPU ranks
 
     result = json.loads((tmp_path / "gpu_pipeline.json").read_text())
     for mode in ("sequential", "pipelined"):

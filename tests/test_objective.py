@@ -285,3 +285,17 @@ def test_lk_lambda_moves_from_ce_to_tv_as_the_drafter_gets_confident():
     values, scale = SlotLoss("lk_lambda", kl_scale=0.0).rows(ce, w, 3)  # lambda 0: TV
     torch.testing.assert_close(values, 1 - torch.exp(-ce))
     torch.testing.assert_close(scale, torch.exp(-ce))  # d(1 - e^-ce)/d ce
+
+
+def test_shards_of_the_blocks_partition_them_padded_with_weightless_blocks():
+    ids = torch.randint(0, 50, (2, 40))
+    mask, lengths = torch.ones(2, 40, dtype=torch.uint8), torch.tensor([40, 31])
+    blocks = make_blocks(ids, mask, lengths, block_size=4, mask_token_id=99, num_anchors=7, gamma=2.0, seed=3)
+    shards = [blocks.shard(i, 3) for i in range(3)]
+    assert [s.anchors.shape[1] for s in shards] == [3, 3, 3]  # 7 blocks padded to 9
+    for name in ("anchors", "valid", "input_ids", "labels", "weights"):
+        joined = torch.cat([getattr(s, name) for s in shards], dim=1)
+        assert torch.equal(joined[:, :7], getattr(blocks, name))
+        assert not joined[:, 7:].any()  # the padding: invalid, weightless
+    assert sum(s.weight_sum for s in shards) == blocks.weight_sum
+    assert blocks.shard(0, 1) is blocks

@@ -11,6 +11,10 @@ identical weights and inputs:
   the last layer and the head, layer 0 on the distinct rows (anchors + MASK), the last
   layer's attention probabilities kept for its backward, and the lean custom-backward
   RMSNorm / RoPE / SwiGLU.
+- ``dflash2``: the fast step of a DFlash2 drafter at the same shapes: the grouped dynamic
+  convolution around every sublayer (every row computed: it mixes each slot with the ones
+  before it) and the selector term over the head's top-k candidates (``--selector-top-k``),
+  so that its cost reads next to the v1 ``fast`` step.
 - ``reference``: the straightforward step, the tests' oracle: one SDPA over keys
   [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
   computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
@@ -64,7 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors-per-microbatch", type=int, default=0, help="fast path: anchor slice (0: all)")
     parser.add_argument("--checkpointing", action="store_true", help="fast path: activation checkpointing")
     parser.add_argument("--attention", default="auto", help="fast path attention: auto, split, flex")
-    parser.add_argument("--variants", default="fast,reference", help="comma list of fast, reference")
+    parser.add_argument("--variants", default="fast,reference", help="comma list of fast, reference, dflash2")
+    parser.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2 variant: the conv's taps")
+    parser.add_argument("--conv-group-size", type=int, default=16, help="dflash2 variant: channels per kernel")
+    parser.add_argument("--selector-rank", type=int, default=256, help="dflash2 variant: the selector's rank")
+    parser.add_argument("--selector-top-k", type=int, default=16, help="dflash2 variant: candidates per slot")
     parser.add_argument("--sweeps", default="seq,anchors,hidden", help="grid mode: comma list of seq, anchors, hidden")
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per point (after 1 warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
@@ -101,7 +109,8 @@ def build(point: dict):
     The target is only a Qwen3 config (the drafter's shapes follow it); its features, embeddings
     and LM head are random tensors, so a Qwen3-8B-sized point needs no 8B weights."""
     from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
-    from flashdraft.objective import Blocks, SlotLoss, block_labels_and_weights, default_gamma
+    from flashdraft.drafter.dflash2 import DFlash2Modules
+    from flashdraft.objective import Blocks, SelectorLoss, SlotLoss, block_labels_and_weights, default_gamma
     from flashdraft.toy import causal_lm_config
 
     device, dtype = torch.device(point["device"]), getattr(torch, point["dtype"])
@@ -114,12 +123,15 @@ def build(point: dict):
         intermediate=point.get("intermediate", 3 * hidden), max_position_embeddings=max(4096, seq + bs),
     )
     window = point.get("sliding_window", 0)
+    dflash2 = point["variant"] == "dflash2"
     cfg = drafter_config_from_target(
         tcfg, num_layers=point["layers"], block_size=bs, mask_token_id=vocab - 1,
         target_layer_ids=list(range(point["taps"])),
         layer_types=["sliding_attention"] * point["layers"] if window else None, sliding_window=window or None,
+        dflash2=DFlash2Modules(point["conv_kernel_size"], point["conv_group_size"], point["selector_rank"],
+                               point["selector_top_k"]) if dflash2 else None,
     )
-    fast = point["variant"] == "fast"
+    fast = point["variant"] != "reference"
     # Weights and features are drawn where they live: at the Qwen3-8B point that is ~2.3 G random
     # numbers per build, ~15 s on the host. Token ids and anchors come from a host generator.
     gen, host_gen = torch.Generator(device).manual_seed(0), torch.Generator().manual_seed(0)
@@ -145,7 +157,8 @@ def build(point: dict):
     block_ids = torch.full((b, n, bs), vocab - 1, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
     return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights,
-                                                          SlotLoss(dpace_alpha=dpace)))
+                                                          SlotLoss(dpace_alpha=dpace),
+                                                          SelectorLoss(1.0) if dflash2 else None))
 
 
 def step_fn(point: dict, drafter, heads, inputs):
@@ -153,7 +166,7 @@ def step_fn(point: dict, drafter, heads, inputs):
     reference variant turns off every saving (``block_loss``'s oracle switches)."""
     from flashdraft.train.step import forward_backward
 
-    fast = point["variant"] == "fast"
+    fast = point["variant"] != "reference"
     features, blocks = inputs
     autocast = torch.autocast(point["device"], dtype=getattr(torch, point["dtype"]),
                               enabled=bool(point.get("autocast")))
@@ -292,6 +305,8 @@ def _point(args, seq, anchors, hidden, variant) -> dict:
         checkpointing=args.checkpointing, attention=args.attention, variant=variant, repeat=args.repeat,
         threads=args.threads, device=args.device, dtype=args.dtype, autocast=args.autocast, head_dim=args.head_dim,
         intermediate=args.intermediate or 3 * hidden, sliding_window=args.sliding_window, weighting=args.weighting,
+        conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+        selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
     )
 
 
@@ -351,6 +366,9 @@ def run(args) -> int:
         print(json.dumps(measure(json.loads(args.worker))))
         return 0
     variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - {"fast", "reference", "dflash2"})
+    if unknown or not variants:
+        raise ValueError(f"--variants {args.variants!r}: use a comma list of fast, reference, dflash2")
     single = any(x is not None for x in (args.seq, args.anchors, args.hidden))
     if single:
         grid = {"point": [(args.seq or 1024, args.anchors or 128, args.hidden or 256)]}
@@ -388,6 +406,11 @@ def run(args) -> int:
                 tflops = useful_flops(f) / (f["ms_per_step"] * 1e-3) / 1e12
                 share = f" = {100 * tflops / args.peak_tflops:.1f}% of peak" if args.peak_tflops else ""
                 print(f"  fast achieved {tflops:.3f} TFLOP/s of needed work{share}", flush=True)
+            v2 = row.get("dflash2")
+            if f and v2 and "error" not in f and "error" not in v2:
+                print(f"  dflash2 / fast: time {v2['ms_per_step'] / f['ms_per_step']:.2f}x "
+                      f"memory {v2['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x (conv + selector at these shapes)",
+                      flush=True)
             if f and ref and "error" not in f and "error" not in ref:
                 per_round = sorted(r / q for q, r in zip(f.get("ms_rounds", []), ref.get("ms_rounds", [])))
                 spread = (f" (per round: median {per_round[len(per_round) // 2]:.2f}x, range {per_round[0]:.2f}-"

@@ -108,19 +108,23 @@ class Header:
 
 
 @contextlib.contextmanager
-def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, output, dist: Dist):
+def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, output, dist: Dist,
+                   threaded: bool = True):
     """This rank's own next ``num_steps`` steps: data (plan + collate into pooled pinned buffers)
     and target (H2D + frozen forward) stages, in a Pipeline whose consumer is the caller's loop
-    (the drafter step, on this thread). pipeline.enabled=false runs the same stages inline (the
-    sequential baseline). Yields (pipeline, buffer pool); closing joins every thread, then closes
-    the feature cache (its final counters stay in ``stages.cache_stats``)."""
+    (the drafter step, on this thread). ``threaded=False`` (pipeline.enabled=false, or a
+    tensor-parallel target) runs the same stages inline: the sequential baseline, and for a
+    sharded target the guarantee that the ranks of a group run the same forwards, one by one,
+    and stop after the same one (a read-ahead forward one rank started and another did not would
+    wait for it until the collective timeout). Yields (pipeline, buffer pool); closing joins every
+    thread, then closes the feature cache (its final counters stay in ``stages.cache_stats``)."""
     pcfg = stages.config.pipeline
     pool = stages.buffer_pool()
-    if pcfg.enabled and num_steps > 0:
+    if threaded and num_steps > 0:
         stages.warm_up()
     stages.open_cache(output, dist.is_main, dist.world_size)
     pipe = Pipeline(stages.step_inputs(sampler, pool, num_steps), [stages.target_stage()], capacity=pcfg.capacity,
-                    threaded=pcfg.enabled, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
+                    threaded=threaded, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
     try:
         yield pipe, pool
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft import distributed
 from flashdraft.config import Config
 from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
@@ -142,9 +143,12 @@ class FeatureStages:
         return item
 
     def forward(self, item: StepInput) -> StepInput:
-        """The frozen target's packed features of each micro-batch. Any thread; never a collective."""
+        """The frozen target's packed features of each micro-batch. Any thread; a collective over
+        the target group only when the target is tensor-parallel (then on the main thread:
+        colocated_feed), never one over the job."""
+        op = "tensor-parallel target forward (a rank of this target group died or hung)"
         for m in item.micro:
-            with self.target_lock, self.timer.stage("target"):
+            with self.target_lock, self.timer.stage("target"), distributed.collective_errors(op):
                 if m.cached is not None:  # the cache's rows; the target runs on the rest, if any
                     m.features = self.cache.complete(m.cached, self.target, m.device_batch, m.sample_ids,
                                                      m.batch.lengths)

@@ -129,10 +129,14 @@ class DrafterStep:
     """The optimizer step, built once per run from the trainer's parts (see module doc)."""
 
     def __init__(self, model, drafter, target, optimizer, scheduler, cfg: Config, gamma: float | None, timer,
-                 autocast, world_size: int):
+                 autocast, world_size: int, tensor: tuple[int, int] = (0, 1)):
+        """``tensor``: (this rank's place in its target group, the group's size): the ranks of a
+        tensor-parallel target group compute the same features and each trains on its share of
+        every micro-batch's anchored blocks (Blocks.shard)."""
         self.model, self.drafter, self.target = model, drafter, target
         self.optimizer, self.scheduler = optimizer, scheduler
         self.cfg, self.gamma, self.timer, self.autocast, self.world_size = cfg, gamma, timer, autocast, world_size
+        self.tensor_rank, self.tensor_size = tensor
 
     def blocks(self, micro, step: int) -> list[Blocks]:
         """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only."""
@@ -144,7 +148,8 @@ class DrafterStep:
         return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
                             block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
                             num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=cfg.objective.slot_loss,
-                            seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids, selector=selector)
+                            seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids,
+                            selector=selector).shard(self.tensor_rank, self.tensor_size)
                 for m in micro]
 
     def __call__(self, micro, step: int, stats: StepStats) -> tuple[torch.Tensor, NonFinite | None]:

@@ -49,7 +49,8 @@ class Trainer:
         cfg = self.config = config
         disaggregated = cfg.pipeline.placement == "disaggregated"
         self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
-                                                 num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0)
+                                                 num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
+                                                 tensor_parallel=cfg.model.tensor_parallel)
         self.device = self.dist.device
         if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
             log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
@@ -59,7 +60,8 @@ class Trainer:
         self.output = Path(cfg.train.output_dir)
         model = self._build_models()
         self._open_data()
-        self.sampler = batch_sampler(self.dataset, cfg, self.dist.rank, self.dist.world_size)
+        # a tensor-parallel target's group shares one batch plan: the data ranks are the groups
+        self.sampler = batch_sampler(self.dataset, cfg, self.dist.data_rank, self.dist.data_world_size)
         self.total_steps = max(1, steps_left(self.sampler, cfg, 0))  # a resume recounts it (_recount_budget)
         self.optimizer, self.scheduler = build_optimizer([p for p in self.drafter.parameters() if p.requires_grad],
                                                          cfg.optim, self.total_steps, self.device)
@@ -74,9 +76,11 @@ class Trainer:
                          else contextlib.nullcontext())
         self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
         self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
-                                   self.timer, self.autocast, self.dist.world_size)
+                                   self.timer, self.autocast, self.dist.world_size,
+                                   (self.dist.tensor_rank, self.dist.tensor_size))
         self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
-                                   self.device, self.autocast, self.stages.target_lock, self.dist.is_main)
+                                   self.device, self.autocast, self.stages.target_lock, self.dist.is_main,
+                                   runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.pipeline_report = None  # the whole run's PipelineReport (per-stage busy/starved/blocked)
         self.log: TrainLog | None = None
 
@@ -91,7 +95,14 @@ class Trainer:
             cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
             device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
             trust_remote_code=cfg.model.trust_remote_code, heads_only=self.dist.role == "drafter" and not evaluates,
+            tensor_parallel=cfg.model.tensor_parallel, expert_parallel=cfg.model.expert_parallel,
         )
+        if self.target.sharded and self.dist.is_main:
+            local, whole = self.target.weight_bytes()
+            log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "
+                        "(%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
+                        cfg.model.tensor_parallel, "expert" if cfg.model.expert_parallel else "tensor",
+                        local / 2**30, whole / 2**30)
         self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
         self.drafter = DFlashDrafter.for_target(
             self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
@@ -262,7 +273,8 @@ class Trainer:
             feed = placement.drafter_feed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
                                           self.total_steps, stop)
         else:
-            feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.output, self.dist)
+            feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.output, self.dist,
+                                            threaded=self.config.pipeline.enabled and not self.target.sharded)
         pipe = None
         try:
             with feed as (pipe, pool):

@@ -21,10 +21,15 @@ class Validator:
     forward of the pipeline's target thread runs meanwhile)."""
 
     def __init__(self, config: Config, drafter: DFlashDrafter, target, eval_dataset, prompts: list[list[int]],
-                 gamma: float | None, device: torch.device, autocast, target_lock, is_main: bool):
+                 gamma: float | None, device: torch.device, autocast, target_lock, is_main: bool,
+                 runs_eval: bool | None = None):
+        """``runs_eval``: this rank computes the evaluation (default: the main rank only; with a
+        tensor-parallel target every rank of the main rank's target group, whose forwards need
+        them all, in lockstep: same drafter, same prompts, same draws); the main rank reports it."""
         self.config, self.drafter, self.target = config, drafter, target
         self.eval_dataset, self.prompts, self.gamma = eval_dataset, prompts, gamma
         self.device, self.autocast, self.target_lock, self.is_main = device, autocast, target_lock, is_main
+        self.runs_eval = is_main if runs_eval is None else runs_eval
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
         """Every ``train.eval_every`` steps, not on the last one (the final eval covers it) and
@@ -38,7 +43,7 @@ class Validator:
         eval mode; the caller puts it back in training mode."""
         result: dict = {}
         with self.target_lock:  # the target thread waits: no concurrent target forwards
-            if self.is_main:
+            if self.runs_eval:
                 self.drafter.eval()
                 if self.eval_dataset is not None:
                     result.update(self.eval_loss())
@@ -52,7 +57,7 @@ class Validator:
                                               check_lossless=False, sampling=sampling)
                     result.update(eval_tau=report["tau"], eval_acceptance=report["per_position_acceptance"])
             distributed.barrier()
-        return result
+        return result if self.is_main else {}
 
     def shipped_drafter(self) -> DFlashDrafter:
         """The drafter as the serving export holds it (weights rounded to bf16), for tau: the

@@ -1,0 +1,126 @@
+"""Targets sharded over several ranks (model.tensor_parallel, model.expert_parallel): the sharded
+target's taps and decoding forward against the same target loaded whole, on 2 and 4 gloo ranks
+(target groups of 2 and 4, and 2 groups of 2 side by side); training, evaluation and the
+failure of a rank in a target group."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import VOCAB, overrides, read_log, results, run_ranks
+
+from flashdraft.toy import tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """Tiny saved targets of each architecture a plan covers here: dense Qwen3, Qwen3-MoE, Llama
+    (heads and KV heads divisible by 4, the widest group tested)."""
+    root = tmp_path_factory.mktemp("tp_targets")
+    paths = {}
+    for arch in ("qwen3", "qwen3_moe", "llama"):
+        model = tiny_causal_lm(VOCAB, arch=arch, num_layers=4, hidden=64, num_heads=4, num_kv_heads=4, seed=3,
+                               max_position_embeddings=256)
+        model.save_pretrained(root / arch)
+        paths[arch] = root / arch
+    return paths
+
+
+@pytest.mark.parametrize("arch,world,tp,ep", [
+    ("qwen3", 2, 2, False),
+    ("qwen3", 4, 4, False),
+    ("qwen3", 4, 2, False),  # 2 target groups of 2 (data x tensor)
+    ("qwen3_moe", 2, 2, False),  # experts tensor-parallel
+    ("qwen3_moe", 2, 2, True),  # experts split over the group (expert parallel)
+    ("qwen3_moe", 4, 4, True),
+    ("llama", 2, 2, False),
+])
+def test_a_sharded_target_computes_the_taps_and_logits_of_the_whole_one(targets, forkserver, arch, world, tp, ep):
+    workers = run_ranks(forkserver, "sharded_features", str(targets[arch]), str(tp), "1" if ep else "0",
+                        world_size=world, timeout=180)
+    for r in results(workers):
+        assert r["sharded"]
+        assert r["features_err"] < 1e-5 and r["decode_err"] < 1e-5 and r["head_err"] == 0, r
+        assert r["local_params"] < 0.75 * r["whole_params"], r  # the layers' weights split over the group
+    assert [r["data_rank"] for r in results(workers)] == [rank // tp for rank in range(world)]
+
+
+def test_a_hybrid_target_decodes_sharded_through_its_cache_rewind(tmp_path, forkserver):
+    """Qwen3.5's plan shards its attention and (gathered) linear-attention projections: the
+    sharded target's taps and cached decoding still equal the whole target's."""
+    model = tiny_causal_lm(VOCAB, arch="qwen3_5", num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, seed=3,
+                           max_position_embeddings=256)
+    model.save_pretrained(tmp_path / "hybrid")
+    for r in results(run_ranks(forkserver, "sharded_features", str(tmp_path / "hybrid"), "2", "0", timeout=180)):
+        assert r["features_err"] < 1e-5 and r["decode_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("world,accum", [(2, 1), (4, 2)])  # TP 2; DP 2 x TP 2
+def test_training_with_a_sharded_target_equals_the_one_process_run(tiny_job, tmp_path, forkserver, world, accum):
+    """The ranks of a target group compute the same features and split each micro-batch's
+    anchored blocks; the gradient normaliser stays global, so the per-step losses are the
+    1-process run's on the same samples (data-parallel groups: its grad_accum)."""
+    sharded = run_ranks(forkserver, "train_ranks",
+                        json.dumps(overrides(tiny_job, tmp_path / "tp", model__tensor_parallel=2)),
+                        world_size=world, timeout=300)
+    one = run_ranks(forkserver, "train_ranks",
+                    json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=accum)), world_size=1,
+                    timeout=300)
+    ranks = results(sharded)
+    (single,) = results(one)
+    assert all(r["target_sharded"] for r in ranks) and not single["target_sharded"]
+    assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in ranks)  # one drafter on every rank
+    # the ranks of a group split the blocks: together (and with the other group) the 1-process run's
+    assert all(0 < a < b for r in ranks for a, b in zip(r["blocks"], single["blocks"]))
+    assert [sum(step) for step in zip(*(r["blocks"] for r in ranks))] == single["blocks"]
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=1e-5)
+
+
+def test_greedy_eval_with_a_sharded_target_is_lossless_and_gives_the_unsharded_tau(tiny_job, tmp_path, forkserver):
+    train = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "run")), world_size=1,
+                      timeout=300)
+    assert results(train)
+    args = ["eval", "--target", str(tiny_job / "target"), "--drafter", str(tmp_path / "run" / "drafter"),
+            "--prompts", str(tiny_job / "prompts.jsonl"), "--max-new-tokens", "24", "--device", "cpu"]
+    whole = run_ranks(forkserver, "cli", *args, "--output", str(tmp_path / "whole.json"), world_size=1, timeout=300)
+    sharded = run_ranks(forkserver, "cli", *args, "--tensor-parallel", "2", "--output", str(tmp_path / "tp.json"),
+                        timeout=300)
+    assert whole and sharded
+    a, b = (json.loads((tmp_path / name).read_text()) for name in ("whole.json", "tp.json"))
+    assert a["lossless"] and b["lossless"]
+    assert b["tau"] == a["tau"] and b["per_position_acceptance"] == a["per_position_acceptance"]
+    sharding = b["target_sharding"]
+    assert sharding["ranks"] == 2 and sharding["weight_bytes_per_rank"] < 0.75 * sharding["weight_bytes_unsharded"]
+
+
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_a_rank_lost_in_a_target_group_fails_the_job_with_a_named_error(tiny_job, tmp_path, forkserver, how):
+    """Rank 1 dies, or hangs, inside a sharded target forward: rank 0, waiting in that forward's
+    collective, fails with the operation named within the collective timeout, never a hang."""
+    timeout_s = 5.0
+    args = overrides(tiny_job, tmp_path / "run", train__collective_timeout_s=timeout_s, model__tensor_parallel=2)
+    mark = tmp_path / "fault_time"
+    workers = run_ranks(forkserver, "train_rank_fails", json.dumps(args), how, "3", str(mark), expect_exit=False)
+    (pid0, log0), (pid1, _) = workers
+    code = forkserver.wait(pid0, 120)
+    forkserver.kill(pid1)
+    assert code == 1, read_log(log0)[-3000:]
+    (r0,) = results(workers[:1])
+    assert "CollectiveError" in r0["error"] and "tensor-parallel target forward" in r0["error"], r0["error"]
+    assert r0["exit_time"] - float(mark.read_text()) < timeout_s + 10
+
+
+def test_a_group_size_the_heads_do_not_divide_is_refused_with_the_sizes_that_fit():
+    from flashdraft.target import _check_divisible
+    from flashdraft.toy import causal_lm_config
+
+    config = causal_lm_config(VOCAB, arch="qwen3_moe", num_heads=8, num_kv_heads=2)
+    _check_divisible("T", config, 2, expert_parallel=True)  # 8, 2 and 4 experts: fine
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 must divide the target's num_key_value_heads=2 .* use 2"):
+        _check_divisible("T", config, 4, expert_parallel=False)
+    with pytest.raises(ValueError, match="num_experts=4"):
+        _check_divisible("T", causal_lm_config(VOCAB, arch="qwen3_moe", num_heads=8, num_kv_heads=8), 8,
+                         expert_parallel=True)
