@@ -9,8 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import VOCAB, overrides, read_log, results, run_ranks
 
+from conftest import VOCAB, overrides, read_log, results, run_ranks
 from flashdraft.toy import tiny_causal_lm
 
 
