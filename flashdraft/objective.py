@@ -400,28 +400,13 @@ def dflash_loss(
         def rows_fn(ce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # rows [B * N blocks, slots], block-major
             return slot_loss.rows(ce, w, slots)
     top_k = selector.top_k if selector is not None and selector_loss is not None else 0
-    hidden_rows = h
-    if chunk_size <= 0 or chunk_size >= h.shape[0]:
-        total, correct, ce, top = _ce_chunk(h, head_weight, y, w, rows_fn, top_k)
-    else:
-        head = head_weight
-        with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
-            if dtype is not None:
-                h, head = h.to(dtype), head.to(dtype)
-            total, correct, ce, values, ids = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(),
-                                                                   rows_fn, top_k)
-            top = None
-            if top_k:
-                if head.requires_grad:
-                    raise ValueError("DFlash2's selector term with a trainable LM head: flashdraft trains against "
-                                     "the target's frozen head")
-                unary = values if selector_loss.stop_gradient else _CandidateLogits.apply(h, head, ids, values)
-                top = (unary, ids)
+    total, correct, ce, top = _head_pass(h, head_weight, y, w, chunk_size, rows_fn, top_k,
+                                         top_k and selector_loss.stop_gradient)
     selector_total = recall = None
     base = total
     if top_k:
         previous = torch.cat([labels[:, :, :1], labels[:, :, :-1]], dim=2)[:, :, skip:].reshape(-1)
-        selector_total, correct, recall = _selector_term(selector, selector_loss, hidden_rows, previous, y, w, ce, top,
+        selector_total, correct, recall = _selector_term(selector, selector_loss, h, previous, y, w, ce, top,
                                                          slot_loss, shape[2] - skip)
         total = total + selector_loss.alpha * selector_total
         recall = F.pad(recall.view(*shape[:2], -1), (skip, 0), value=False)
@@ -440,6 +425,26 @@ def dflash_loss(
         selector_total=None if selector_total is None else selector_total.detach(),
         recall=recall,
     )
+
+
+def _head_pass(h, head_weight, y, w, chunk_size: int, rows_fn, top_k: int, detached_top: bool):
+    """The LM head + CE over rows h [R, H]: (total, correct [R], each row's CE detached, and with
+    ``top_k`` the rows' top-k head logits [R, k] (differentiable unless ``detached_top``) with
+    their ids, else None), in chunks of ``chunk_size`` rows (_ChunkedHeadCE) or at once."""
+    if chunk_size <= 0 or chunk_size >= h.shape[0]:
+        return _ce_chunk(h, head_weight, y, w, rows_fn, top_k)
+    head = head_weight
+    with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
+        if dtype is not None:
+            h, head = h.to(dtype), head.to(dtype)
+        total, correct, ce, values, ids = _ChunkedHeadCE.apply(h, head, y, w, chunk_size, torch.is_grad_enabled(),
+                                                               rows_fn, top_k)
+        if not top_k:
+            return total, correct, ce, None
+        if head.requires_grad:
+            raise ValueError("DFlash2's selector term with a trainable LM head: flashdraft trains against the "
+                             "target's frozen head")
+        return total, correct, ce, (values if detached_top else _CandidateLogits.apply(h, head, ids, values), ids)
 
 
 def _selector_term(selector, spec: SelectorLoss, hidden: torch.Tensor, previous: torch.Tensor, labels: torch.Tensor,
