@@ -61,7 +61,7 @@ def test_a_prompt_too_long_for_the_targets_positions_is_refused_before_decoding(
 def test_the_target_directory_given_as_drafter_and_an_unwritable_output_are_refused_up_front(shallow_target,
                                                                                              tmp_path):
     d = shallow_target
-    with pytest.raises(ValueError, match=r"target/config.json: not a DFlash drafter"):
+    with pytest.raises(ValueError, match=r"target/config.json: not a DFlash or DFlash2 drafter"):
         main(["eval", "--target", str(d / "target"), "--drafter", str(d / "target"),
               "--prompts", str(d / "prompts.jsonl"), "--device", "cpu"])
     (tmp_path / "afile").write_text("")

@@ -20,8 +20,8 @@ def run(cmd: list[str], out, **env_vars) -> subprocess.CompletedProcess:
 def test_gpu_checks_script_smoke(tmp_path):
     """benchmarks/gpu_checks.sh (gpu_step.sh + `bench gpu-pipeline`, each under its own time limit)
     with SMOKE=1: the scripts' own flags, then CPU / toy overrides."""
-    # on 2 shared CPU cores the sharded check's 4 process launches need more than its GPU limit
-    proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1", SHARDED_TIMEOUT="240")
+    # on 2 shared CPU cores the sharded check's process launches need more than its GPU limit
+    proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1", SHARDED_TIMEOUT="200")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "device none" in (tmp_path / "env.txt").read_text()
 
@@ -38,7 +38,7 @@ def test_gpu_checks_script_smoke(tmp_path):
     assert [r["variant"] for r in dflash2] == ["fast", "dflash2"]
     assert "dflash2 / fast: time" in (tmp_path / "gpu_dflash2.txt").read_text()
     sharded = (tmp_path / "gpu_sharded.txt").read_text()
-    assert sharded.count(": PASS") == 2, sharded  # SMOKE: 2 gloo CPU ranks
+    assert "ngram" in sharded and sharded.count(": PASS") == 1, sharded  # SMOKE: 2 gloo CPU ranks, the baseline
 
     result = json.loads((tmp_path / "gpu_pipeline.json").read_text())
     for mode in ("sequential", "pipelined"):
