@@ -304,8 +304,11 @@ class Config:
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
         if self.model.tensor_parallel > 1:
-            _check(self.pipeline.placement == "colocated", "pipeline.placement", self.pipeline.placement,
-                   "a tensor-parallel target (model.tensor_parallel > 1) trains colocated for now: use colocated")
+            _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
+                   "data.eval_path / data.eval_prompts", self.data.eval_path or self.data.eval_prompts,
+                   "a disaggregated job's evals run on a drafter rank, which cannot hold a target that needs "
+                   "model.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` on the "
+                   "export, or train colocated")
             _check(not (self.pipeline.feature_cache_bytes or self.pipeline.feature_cache_disk_bytes),
                    "pipeline.feature_cache_bytes", f"{self.pipeline.feature_cache_bytes}",
                    "the feature cache is not used with a tensor-parallel target: set it (and the disk tier) to 0")

@@ -14,9 +14,9 @@ group: drafter ranks see a world of the drafter ranks only (``Dist.rank`` / ``wo
 a target rank. Target ranks feed their drafter ranks with the point-to-point ``isend`` /
 ``irecv`` (global ranks, on the default group).
 
-Tensor-parallel targets (``tensor_parallel`` T > 1, colocated): the ranks form a mesh
-[data, tensor] of shape (world / T, T), row-major, so ranks ``d*T .. d*T + T-1`` are target
-group d (consecutive: one node's GPUs for T <= GPUs per node). ``Dist.data_rank`` /
+Tensor-parallel targets (``tensor_parallel`` T > 1): the ranks that run the target (all of
+them colocated; the target ranks disaggregated) form a mesh [data, tensor] of shape
+(ranks / T, T), row-major, so ranks ``d*T .. d*T + T-1`` of them are target group d (consecutive: one node's GPUs for T <= GPUs per node). ``Dist.data_rank`` /
 ``data_world_size`` index the groups (each group reads one data-parallel share of the batch
 plan), ``Dist.tensor_rank`` a rank inside its group; ``target_mesh()`` holds the meshes
 transformers shards the target over, and ``target_group()`` the group's process group. The
@@ -127,26 +127,38 @@ def _pick_device(device_type: str, local_rank: int) -> torch.device:
     raise ValueError(f"device_type={device_type!r} is invalid: use {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
 
 
-def role_layout(world_size: int, num_target_ranks: int) -> tuple[list[int], list[int]]:
-    """(drafter ranks, target ranks) of a disaggregated job; target rank ``t`` serves the
-    ``(world - T) / T`` consecutive drafter ranks ``served_by(t)``. ValueError naming the fix."""
+def role_layout(world_size: int, num_target_ranks: int, tensor_parallel: int = 1) -> tuple[list[int], list[int]]:
+    """(drafter ranks, target ranks) of a disaggregated job. The target ranks form feeders:
+    each target rank, or with a tensor-parallel target each group of ``tensor_parallel``
+    consecutive target ranks, feeds ``(world - T) / feeders`` consecutive drafter ranks (_peers).
+    ValueError naming the fix."""
     num_drafter = world_size - num_target_ranks
-    if num_drafter < 1 or num_drafter % num_target_ranks:
+    feeders = num_target_ranks // tensor_parallel
+    if num_drafter < 1 or num_drafter % feeders:
+        what = "target_ranks" if tensor_parallel == 1 else f"the target groups (target_ranks / {tensor_parallel})"
         raise ValueError(
             f"pipeline.placement=disaggregated with pipeline.target_ranks={num_target_ranks} "
             f"on WORLD_SIZE={world_size}: "
-            f"the drafter ranks (world - target_ranks = {num_drafter}) must be a positive multiple of target_ranks; "
-            f"launch e.g. torchrun --nproc-per-node={2 * num_target_ranks} (1:1 pairs) or change pipeline.target_ranks"
+            f"the drafter ranks (world - target_ranks = {num_drafter}) must be a positive multiple of {what}; "
+            f"launch e.g. torchrun --nproc-per-node={num_target_ranks + feeders} (one drafter rank per "
+            f"{'target rank' if tensor_parallel == 1 else 'group'}) or change pipeline.target_ranks"
         )
     return list(range(num_drafter)), list(range(num_drafter, world_size))
 
 
-def _peers(rank: int, drafters: list[int], targets: list[int]) -> tuple[int, ...]:
-    per_target = len(drafters) // len(targets)
+def _peers(rank: int, drafters: list[int], targets: list[int], tensor_parallel: int = 1) -> tuple[int, ...]:
+    """Who this rank talks to point-to-point: a drafter rank its feeder's first target rank; a
+    feeder's first rank its drafter ranks; another rank of a target group nobody (it computes
+    the features with its group, its first rank sends them)."""
+    feeders = len(targets) // tensor_parallel
+    per_feeder = len(drafters) // feeders
     if rank in drafters:
-        return (targets[rank // per_target],)
+        return (targets[rank // per_feeder * tensor_parallel],)
     t = targets.index(rank)
-    return tuple(drafters[t * per_target : (t + 1) * per_target])
+    if t % tensor_parallel:
+        return ()
+    g = t // tensor_parallel
+    return tuple(drafters[g * per_feeder : (g + 1) * per_feeder])
 
 
 def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_target_ranks: int = 0,
@@ -167,13 +179,14 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} is invalid: use a positive number of seconds")
     world_size = _env_int("WORLD_SIZE", 1)
-    if tensor_parallel > 1 and (world_size % tensor_parallel or num_target_ranks):
+    sharded_ranks = num_target_ranks or world_size  # the ranks that run the target
+    if tensor_parallel > 1 and sharded_ranks % tensor_parallel:
         raise ValueError(
-            f"model.tensor_parallel={tensor_parallel} on WORLD_SIZE={world_size}"
-            f"{' with pipeline.placement=disaggregated' if num_target_ranks else ''}: "
-            + ("a tensor-parallel target trains colocated only for now; use pipeline.placement=colocated"
-               if num_target_ranks else
-               f"the world must be a multiple of it; launch e.g. torchrun --nproc-per-node={tensor_parallel}")
+            f"model.tensor_parallel={tensor_parallel} with "
+            + (f"pipeline.target_ranks={num_target_ranks}: the target ranks must be a multiple of it, e.g. "
+               f"pipeline.target_ranks={tensor_parallel}" if num_target_ranks else
+               f"WORLD_SIZE={world_size}: the world must be a multiple of it; launch e.g. torchrun "
+               f"--nproc-per-node={tensor_parallel}")
         )
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -196,42 +209,45 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
                                  timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     if num_target_ranks == 0:
         if tensor_parallel > 1:
-            _make_target_mesh(device, backend, world_size, tensor_parallel, timeout_s)
+            _make_target_mesh(device, backend, list(range(world_size)), tensor_parallel, timeout_s)
         _STATE = Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
                       timeout_s=float(timeout_s), global_rank=rank, tensor_size=tensor_parallel)
         return _STATE
     if world_size == 1:
         raise ValueError("pipeline.placement=disaggregated needs separate target and drafter processes: launch with "
                          "torchrun --nproc-per-node=2 or more (docs/pipeline.md), or use pipeline.placement=colocated")
-    drafters, targets = role_layout(world_size, num_target_ranks)
+    drafters, targets = role_layout(world_size, num_target_ranks, tensor_parallel)
     # new_group is collective over the whole world: every rank creates both groups, in this order.
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = {"drafter": tdist.new_group(drafters, timeout=timeout),
               "target": tdist.new_group(targets, timeout=timeout)}
+    if tensor_parallel > 1:  # also collective over the world: drafter ranks take part, outside the mesh
+        _make_target_mesh(device, backend, targets, tensor_parallel, timeout_s)
     role = "drafter" if rank in drafters else "target"
     members = drafters if role == "drafter" else targets
     _GROUP = groups[role]
     _STATE = Dist(rank=members.index(rank), world_size=len(members), local_rank=local_rank, device=device,
                   backend=backend, timeout_s=float(timeout_s), role=role, global_rank=rank,
-                  peers=_peers(rank, drafters, targets))
+                  peers=_peers(rank, drafters, targets, tensor_parallel),
+                  tensor_size=tensor_parallel if role == "target" else 1)
     return _STATE
 
 
-def _make_target_mesh(device: torch.device, backend: str, world_size: int, tensor_parallel: int,
+def _make_target_mesh(device: torch.device, backend: str, ranks: list[int], tensor_parallel: int,
                       timeout_s: float) -> None:
-    """The meshes transformers shards a tensor-parallel target over (collective: every rank).
-    Dense layers on (pp, dp_replicate, fsdp, tp) = (1, D, 1, T), experts on (pp, dp_replicate,
-    efsdp, ep) = (1, D, 1, T): expert parallelism inside the target group, as wide as it. The
-    groups get the job's collective timeout (a new group's default is torch's 30 minutes), so a
-    rank of a target group that hangs fails the others in ``timeout_s``."""
+    """The meshes transformers shards a tensor-parallel target over, on the target ranks
+    ``ranks`` (global, consecutive; collective: every rank of the job takes part). Dense layers
+    on (pp, dp_replicate, fsdp, tp) = (1, G, 1, T), experts on (pp, dp_replicate, efsdp, ep) =
+    (1, G, 1, T): expert parallelism inside the target group, as wide as it. The groups get the
+    job's collective timeout (a new group's default is torch's 30 minutes), so a rank of a target
+    group that hangs fails the others in ``timeout_s``."""
     global _TARGET_MESH
     from torch._C._distributed_c10d import Backend
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
-    shape = (1, world_size // tensor_parallel, 1, tensor_parallel)
+    layout = torch.tensor(ranks).view(1, len(ranks) // tensor_parallel, 1, tensor_parallel)
     options = Backend.Options(backend, datetime.timedelta(seconds=timeout_s))
-    meshes = [init_device_mesh(device.type, shape, mesh_dim_names=names,
-                               backend_override={dim: (backend, options) for dim in (1, 3)})
+    meshes = [DeviceMesh(device.type, layout, mesh_dim_names=names, backend_override=((backend, options),) * 4)
               for names in (("pp", "dp_replicate", "fsdp", "tp"), ("pp", "dp_replicate", "efsdp", "ep"))]
     _TARGET_MESH = tuple(meshes)
 
@@ -242,8 +258,11 @@ def target_mesh() -> tuple[Any, Any] | None:
 
 
 def target_group() -> Any:
-    """The process group of this rank's target group (tensor-parallel targets), else None."""
-    return _TARGET_MESH[0].get_group("tp") if _TARGET_MESH is not None else None
+    """The process group of this rank's target group (tensor-parallel targets), else None (no
+    sharded target, or a disaggregated drafter rank: outside the mesh)."""
+    if _TARGET_MESH is None or _TARGET_MESH[0].get_coordinate() is None:
+        return None
+    return _TARGET_MESH[0].get_group("tp")
 
 
 def group() -> Any:
@@ -322,6 +341,31 @@ _COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed o
 
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def target_group_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Elementwise max of ``tensor`` over this rank's target group (tensor-parallel targets: its
+    ranks agree on a decision, e.g. whether to stop); the identity without one. Host sync."""
+    group = target_group()
+    if group is None:
+        return tensor
+    try:
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        raise _fail("all_reduce(max) over the target group", exc) from exc
+    return tensor
+
+
+def target_group_broadcast(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` of the target group's first rank, on every rank of the group (in place)."""
+    group = target_group()
+    if group is None:
+        return tensor
+    try:
+        tdist.broadcast(tensor, group=group, group_src=0)
+    except RuntimeError as exc:
+        raise _fail("broadcast over the target group", exc) from exc
+    return tensor
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "mean") -> torch.Tensor:

@@ -122,3 +122,22 @@ def test_a_group_size_the_heads_do_not_divide_is_refused_with_the_sizes_that_fit
     with pytest.raises(ValueError, match="num_experts=4"):
         _check_divisible("T", causal_lm_config(VOCAB, arch="qwen3_moe", num_heads=8, num_kv_heads=8), 8,
                          expert_parallel=True)
+
+
+@pytest.mark.parametrize("world", [3, 4])  # a group of 2 target ranks feeding 1, or 2, drafter ranks
+def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_process_run(tiny_job, tmp_path, forkserver,
+                                                                                      world):
+    """Target ranks [D, W) form one tensor-parallel group; its first rank sends every step's
+    features once (not once per shard) to the D drafter ranks, the other computes them with it."""
+    knobs = dict(model__tensor_parallel=2, pipeline__placement="disaggregated", pipeline__target_ranks=2)
+    sharded = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "tp", **knobs)),
+                        world_size=world, timeout=300)
+    one = run_ranks(forkserver, "train_ranks",
+                    json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=world - 2)), world_size=1,
+                    timeout=300)
+    ranks = results(sharded)
+    drafters, targets = ranks[:world - 2], ranks[world - 2:]
+    (single,) = results(one)
+    assert all(r["target_sharded"] for r in targets) and not any(r["target_sharded"] for r in drafters)
+    assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in drafters)
+    np.testing.assert_allclose(drafters[0]["losses"], single["losses"], rtol=1e-5)

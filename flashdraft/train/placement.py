@@ -268,14 +268,15 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
     ``{"steps": steps sent per link, "stopped": whether the drafter ranks stopped early}``; the
     whole run's PipelineReport is left in ``stages.report``, failed or not."""
     cfg = stages.config
-    links = [_TargetLink(cfg, stages, d) for d in dist.peers]
-    for link in links:
-        link.hello()
+    sends = dist.tensor_rank == 0  # a tensor-parallel target group: its first rank talks, the others mirror it
+    links = _hello_links(cfg, stages, dist)
     num_steps = links[0].num_steps
     if any(link.num_steps != num_steps for link in links):
         raise RuntimeError(f"target rank {dist.global_rank}: its drafter ranks asked for different step counts "
                            f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
-    threaded = cfg.pipeline.enabled
+    # A sharded target's ranks must run the same forwards and stop after the same one: inline
+    # (a read-ahead forward one rank started and another did not would wait for the timeout).
+    threaded = cfg.pipeline.enabled and dist.tensor_size == 1
     pool = stages.buffer_pool(extra_slots=cfg.pipeline.capacity * len(links))  # + the steps links hold unreceived
     if threaded and num_steps > 0:
         stages.warm_up()
@@ -283,31 +284,61 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
                    h2d=lambda pair: (pair[0], stages.h2d(pair[1])))
     pipe = Pipeline(_step_inputs(stages, links, pool, num_steps), [target], capacity=cfg.pipeline.capacity,
                     threaded=threaded, consumer_name="send", pools=[pool], join_timeout_s=cfg.pipeline.join_timeout_s)
-    sent = 0  # steps sent to every link
+    sent, stopped_early = 0, False  # steps sent to every link
     try:
         # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP):
         # this rank keeps serving until they do (the caller holds a GracefulStop around this).
         with pipe:
             for k, item in pipe:
-                if any(link.stopped() for link in links):
+                # the group agrees (one tiny all-reduce; none unsharded): stop now, and the signal to pass on
+                agreed = distributed.target_group_max(torch.tensor(
+                    [int(sends and any(link.stopped() for link in links)), stop.signum if stop is not None else 0]))
+                if agreed[0]:
                     break
-                links[k].send(item, pool, stop.signum if stop is not None else 0)
+                if sends:
+                    links[k].send(item, pool, int(agreed[1]))
+                else:
+                    pool.release(item.slot)
                 if k < len(links) - 1:
                     continue
                 sent += 1
                 if sent % cfg.train.log_every == 0:
                     log.info("target rank %d: step %d/%d sent; %s", dist.global_rank, sent, num_steps,
                              _busy(pipe.report()))
-            for link in links:
-                link.finish(pool)
+            if sends:
+                for link in links:
+                    link.finish(pool)
+                stopped_early = any(link.stopped_early for link in links)
+            stopped_early = bool(distributed.target_group_max(torch.tensor([int(stopped_early)]))[0])
     except BaseException as exc:
-        _abort(links, exc)
+        if sends:
+            _abort(links, exc)
         raise
     finally:
         stages.report = pipe.report(window=False)
     log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", dist.global_rank, sent,
              _busy(stages.report))
-    return {"steps": sent, "stopped": any(link.stopped_early for link in links)}
+    return {"steps": sent, "stopped": stopped_early}
+
+
+def _hello_links(config: Config, stages: FeatureStages, dist: Dist) -> list[_TargetLink]:
+    """The links of this rank's drafter ranks, their HELLOs received. In a tensor-parallel
+    target group the first rank receives them and passes them on to the others, whose links
+    only plan (they send nothing): every rank of the group runs the same batches."""
+    if dist.tensor_size == 1:
+        links = [_TargetLink(config, stages, d) for d in dist.peers]
+        for link in links:
+            link.start(link.receive_hello())
+        return links
+    count = distributed.target_group_broadcast(torch.tensor([len(dist.peers)]))  # the group's first rank's
+    links = [_TargetLink(config, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
+        [_TargetLink(config, stages, None) for _ in range(int(count))]
+    hellos = torch.stack([link.receive_hello() for link in links]) if dist.tensor_rank == 0 else \
+        torch.empty(int(count), 4 + len(CURSOR_KEYS), dtype=torch.int64)
+    hellos = distributed.target_group_broadcast(hellos.cpu())
+    for link, msg in zip(links, hellos):
+        link.start(msg)
+    return links
 
 
 def _busy(report) -> str:
@@ -331,7 +362,9 @@ def _step_inputs(stages: FeatureStages, links: list[_TargetLink], pool: BufferPo
 class _TargetLink:
     """A target rank's end of its link to one drafter rank (main thread only)."""
 
-    def __init__(self, config: Config, stages: FeatureStages, peer: int):
+    def __init__(self, config: Config, stages: FeatureStages, peer: int | None):
+        """``peer`` None: a mirror, on a rank of a tensor-parallel target group that computes
+        the features its group's first rank sends (it plans the same batches, sends nothing)."""
         self.config, self.stages, self.peer, self.device = config, stages, peer, stages.device
         self.capacity = config.pipeline.capacity
         self.header = Header(config.train.grad_accum, config.data.max_batch_size)
@@ -340,17 +373,22 @@ class _TargetLink:
         self.control_transfer = None
         self.stopped_early = False  # the drafter rank sent STOP before its last step (a stop request)
 
-    def hello(self) -> None:
-        """Receive the drafter rank's start (step, plan, cursor); build its sampler; post the
-        receive of its one control message."""
+    def receive_hello(self) -> torch.Tensor:
+        """The drafter rank's start: int64 [start step, total steps, its rank, its world, *cursor]."""
         msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64, device=self.device)
         distributed.irecv(msg, self.peer).wait()
+        return msg
+
+    def start(self, msg: torch.Tensor) -> None:
+        """Build the drafter rank's sampler from its HELLO ``msg``; post the receive of its one
+        control message (not on a mirror)."""
         start, total, rank, world_size, *cursor = msg.tolist()
         self.sampler = batch_sampler(self.stages.dataset, self.config, rank, world_size)
         self.sampler.load_state_dict(dict(zip(CURSOR_KEYS, cursor)))
         self.batches = iter(self.sampler)
         self.num_steps = total - start
-        self.control_transfer = distributed.irecv(self.control, self.peer)
+        if self.peer is not None:
+            self.control_transfer = distributed.irecv(self.control, self.peer)
 
     def stopped(self) -> bool:
         """Whether the drafter rank has sent its control message early (STOP, or ABORT: raises)."""

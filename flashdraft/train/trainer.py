@@ -95,9 +95,10 @@ class Trainer:
             cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
             device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
             trust_remote_code=cfg.model.trust_remote_code, heads_only=self.dist.role == "drafter" and not evaluates,
-            tensor_parallel=cfg.model.tensor_parallel, expert_parallel=cfg.model.expert_parallel,
+            **({} if self.dist.role == "drafter" else  # a disaggregated drafter rank: the (whole) heads only
+               {"tensor_parallel": cfg.model.tensor_parallel, "expert_parallel": cfg.model.expert_parallel}),
         )
-        if self.target.sharded and self.dist.is_main:
+        if self.target.sharded and self.dist.rank == 0:  # the first rank of the first target group
             local, whole = self.target.weight_bytes()
             log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "
                         "(%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
