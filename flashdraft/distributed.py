@@ -16,11 +16,12 @@ a target rank. Target ranks feed their drafter ranks with the point-to-point ``i
 
 Tensor-parallel targets (``tensor_parallel`` T > 1): the ranks that run the target (all of
 them colocated; the target ranks disaggregated) form a mesh [data, tensor] of shape
-(ranks / T, T), row-major, so ranks ``d*T .. d*T + T-1`` of them are target group d (consecutive: one node's GPUs for T <= GPUs per node). ``Dist.data_rank`` /
-``data_world_size`` index the groups (each group reads one data-parallel share of the batch
-plan), ``Dist.tensor_rank`` a rank inside its group; ``target_mesh()`` holds the meshes
-transformers shards the target over, and ``target_group()`` the group's process group. The
-drafter still trains data-parallel over every rank.
+(ranks / T, T), row-major, so ranks ``d*T .. d*T + T-1`` of them are target group d
+(consecutive: one node's GPUs for T <= GPUs per node). ``Dist.data_rank`` /
+``data_world_size`` index the groups (colocated, each group reads one data-parallel share of
+the batch plan), ``Dist.tensor_rank`` a rank inside its group; ``target_mesh()`` holds the
+meshes transformers shards the target over, ``target_group()`` the group's process group. The
+drafter still trains data-parallel over every drafter rank.
 
 Failure contract: the process group is created with ``timeout_s``. When a peer dies or hangs,
 a collective on a live rank raises :class:`CollectiveError` (naming the operation, the rank
