@@ -55,6 +55,7 @@ class ModelConfig:
     drafter_layer_types: tuple[str, ...] = ()  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
     drafter_sliding_window: int | None = None  # window of the sliding layers in tokens, the query counted (e.g. 2048)
     drafter_causal: bool | None = None  # in-block causality of every layer; null: sliding causal, full not
+    drafter_attention_sink: bool = False  # a learnable per-head attention sink logit in every drafter layer
     drafter: str = "dflash"  # drafter family: dflash | dflash2 (conv around every sublayer + candidate selector)
     conv_kernel_size: int = 2  # dflash2: the conv's taps along the block's slots (1 .. block_size)
     conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel (must divide the hidden size)

@@ -238,6 +238,8 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     tap, group); the sublayer runs on conv(m, side 0) and its output is conv(., side 1) before the
     residual add, conv(x)[i, c] = sum_t (base[s, t, c] + delta[i, s, t, c // gs]) x[i - t, c]
     over the block's own slots; the context is never convolved.
+    Attention sinks (``self_attn.attention_sink_bias`` [heads]): each head's softmax runs over
+    [scores, s_h], the sink's column then dropped (it has no value).
     Independent of DFlashDrafter's code: no module of it runs here."""
     d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     eps, theta = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
@@ -293,7 +295,12 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
         if causal:
             visible &= distance >= 0
         scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
-        attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if p + "self_attn.attention_sink_bias" in weights:  # a sink: one more column per head, no value
+            sink = w(p + "self_attn.attention_sink_bias").view(nh, 1, 1).expand(nh, t, 1)
+            attn = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            attn = torch.softmax(scores, dim=-1)
         out = torch.einsum("hqk,khd->qhd", attn, v).reshape(t, nh * d) @ w(p + "self_attn.o_proj.weight").T
         x = x + conv(out, m, p + "attention_conv", 1)
         m = rms(x, w(p + "post_attention_layernorm.weight"))
@@ -312,7 +319,8 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
     {"dflash2": DFlash2Modules(2, 8, 8, 5)},  # DFlash2: the conv around every sublayer
     {"dflash2": DFlash2Modules(3, 16, 8, 5), "layer_types": ["sliding_attention"] * 2, "sliding_window": 4,
      "causal": False},  # DFlash2's released layout
-], ids=["v1", "swa-bidirectional", "swa-causal", "mixed", "full-causal", "dflash2", "dflash2-swa"])
+    {"sinks": True, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},  # sinks
+], ids=["v1", "swa-bidirectional", "swa-causal", "mixed", "full-causal", "dflash2", "dflash2-swa", "sinks"])
 def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path, layout):
     """Golden test against an independent implementation of the architecture (above), so that a
     convention broken in code the training and inference paths share (fusion, KV injection, RoPE
@@ -350,11 +358,11 @@ def test_the_exported_drafter_computes_what_dflash_md_specifies(target, tmp_path
     {"layer_types": ["chunked_attention", "full_attention"]},
     {"layer_types": ["full_attention"]},  # one entry for two layers
     {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None},
-    {"attention_sink_bias": True},
+    {"dflash_config": {"attention_value_scale": 0.707}},  # MiMo's value scale
     {"final_logit_softcapping": 30.0},
 ])
 def test_loading_a_drafter_with_layers_flashdraft_does_not_implement_is_refused(target, tmp_path, change):
-    """Newer public DFlash checkpoints may use attention sinks, scaled outputs or other layer
+    """Newer public DFlash checkpoints may use value scales, scaled outputs or other layer
     kinds; silently loading them as the layers implemented here would evaluate another drafter."""
     drafter = make_drafter(target, num_layers=2)
     drafter.save_pretrained(tmp_path)

@@ -100,6 +100,16 @@ def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, t
     assert exported.convolved and exported.candidate_selector.top_k == 8
 
 
+def test_a_drafter_with_attention_sinks_trains_them_and_exports_them(tiny_job, tmp_path):
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=6, optim__lr="1e-2",
+                                          model__drafter_attention_sink="true"))
+    trainer = Trainer(cfg)
+    trainer.fit()
+    assert trainer.drafter.layers[0].self_attn.attention_sink_bias.abs().sum() > 0  # trained from 0
+    exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert exported["dflash_config"]["attention_sink_bias"] is True
+
+
 def test_selector_alpha_0_freezes_the_selector_out_of_the_optimizer(tiny_job, tmp_path):
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, objective__selector_alpha=0,
                                           **DFLASH2))

@@ -184,7 +184,8 @@ def split_mask(
     return torch.cat([sees_ctx, same_block.expand(b * num_groups, gq, gq)], dim=-1).unsqueeze(1)
 
 
-def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, enable_gqa: bool) -> torch.Tensor:
+def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, enable_gqa: bool,
+                    sink: torch.Tensor | None = None) -> torch.Tensor:
     """The "split" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v [B, Hkv, Q, D],
     context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask attention exactly."""
     b, hq, q_len, d = q.shape
@@ -200,10 +201,8 @@ def split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, ena
         ctx = ctx.unsqueeze(1).expand(b, g, hkv, s, d)
         return torch.cat([ctx, grouped(blk)], dim=3).reshape(b * g, hkv, s + gq, d)
 
-    out = F.scaled_dot_product_attention(
-        grouped(q).reshape(b * g, hq, gq, d), keys(k_ctx, k_blk), keys(v_ctx, v_blk),
-        attn_mask=plan.mask, enable_gqa=enable_gqa,
-    )
+    out = _sdpa(grouped(q).reshape(b * g, hq, gq, d), keys(k_ctx, k_blk), keys(v_ctx, v_blk), plan.mask,
+                enable_gqa, sink)
     out = out.view(b, g, hq, gq, d).transpose(1, 2).reshape(b, hq, g * gq, d)
     return out[:, :, :q_len] if pad else out
 
@@ -287,12 +286,26 @@ def _group_kv(ctx: torch.Tensor, blk: torch.Tensor, g: QueryGroup) -> torch.Tens
     return torch.cat([prefix, _to_groups(blk, g, hkv)], dim=3)
 
 
-def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup) -> torch.Tensor:
-    """Attention probabilities [B, Hkv, groups, rep * rows, context + rows] (qg pre-scaled)."""
+def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention probabilities [B, Hkv, groups, rep * rows, context + rows] (qg pre-scaled).
+    ``sink`` [1, Hkv, 1, rep * rows, 1]: each row's sink logit, a column in the softmax that is
+    then dropped (so a row's probabilities sum to 1 - its sink's)."""
     s = qg @ kg.transpose(-1, -2)
     b, hkv, k, _, keys = s.shape
     s.view(b, hkv, k, -1, g.bias.shape[-2], keys).add_(g.bias)
-    return torch.softmax(s, dim=-1)
+    if sink is None:
+        return torch.softmax(s, dim=-1)
+    top = torch.maximum(s.amax(-1, keepdim=True), sink)
+    p = s.sub_(top).exp_()
+    return p.div_(p.sum(-1, keepdim=True) + (sink - top).exp())
+
+
+def _sink_rows(sink: torch.Tensor | None, heads: int, kv_heads: int, rows: int) -> torch.Tensor | None:
+    """Per-head sink logits [H] laid out as the grouped rows of _to_groups: [1, Hkv, 1, rep * rows, 1]."""
+    if sink is None:
+        return None
+    rep = heads // kv_heads
+    return sink.view(kv_heads, rep, 1).expand(kv_heads, rep, rows).reshape(1, kv_heads, 1, rep * rows, 1)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -305,32 +318,41 @@ class _BlockwiseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls, keep_probs):
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls, keep_probs, sink=None):
         hkv = k_ctx.shape[1]
         out, q_scaled = torch.empty_like(q), q * q.shape[-1] ** -0.5
         probs = []
         for g in calls:
-            p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g)
+            rows = _sink_rows(sink, q.shape[1], hkv, (g.stop - g.start) // g.groups)
+            p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g, rows)
             _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
             if keep_probs:
                 probs.append(p)
-        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *probs)
-        ctx.calls = calls
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *((sink,) if sink is not None else ()), *probs)
+        ctx.calls, ctx.has_sink = calls, sink is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_ctx, v_ctx, k_blk, v_blk, out, *probs = ctx.saved_tensors
+        q, k_ctx, v_ctx, k_blk, v_blk, out, *rest = ctx.saved_tensors
+        sink, probs = (rest[0], rest[1:]) if ctx.has_sink else (None, rest)
         hkv = k_ctx.shape[1]
         scale = q.shape[-1] ** -0.5
         dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
         dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
-        delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_j dp_j, per query row
+        # sum_j p_j dp_j per query row; with a sink, p the sink-normalised probabilities: the same
+        # formulas hold (the sink has no value), and d sink = -sum over its rows of p_sink * delta
+        delta = (dout * out).sum(-1, keepdim=True)
+        dsink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if sink is not None else None
         q_scaled = q * scale
         for i, g in enumerate(ctx.calls):
             qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
-            p = probs[i] if probs else _group_probs(qg, kg, g)
+            rows = _sink_rows(sink, q.shape[1], hkv, (g.stop - g.start) // g.groups)
+            p = probs[i] if probs else _group_probs(qg, kg, g, rows)
             do = _to_groups(dout, g, hkv)
+            if dsink is not None:  # p_sink = 1 - sum_j p_j, per row; [B, Hkv, groups, rep * rows] -> [H]
+                term = ((1 - p.sum(-1)) * _to_groups(delta, g, hkv).squeeze(-1)).float()
+                dsink -= term.sum((0, 2)).view(hkv, -1, (g.stop - g.start) // g.groups).sum(-1).flatten()
             ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
             dv = p.transpose(-1, -2) @ do
             dk = ds.transpose(-1, -2) @ qg
@@ -340,10 +362,11 @@ class _BlockwiseAttention(torch.autograd.Function):
             dv_ctx[:, :, lo:g.context] += dv[:, :, :, :n].sum(2)
             _from_groups(dk[:, :, :, n:], dk_blk, g)
             _from_groups(dv[:, :, :, n:], dv_blk, g)
-        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None, None if dsink is None else dsink.to(sink.dtype)
 
 
-def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
+def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan,
+                        sink: torch.Tensor | None = None) -> torch.Tensor:
     """The "blockwise" attention (see BlockAttentionPlan): q [B, Hq, Q, D], block k/v
     [B, Hkv, Q, D], context k/v [B, Hkv, S, D] -> [B, Hq, Q, D]; equals the dense-mask
     attention exactly (one softmax over each row's allowed keys; the keys cut away are masked).
@@ -354,8 +377,10 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan)
         if dtype is not None:
             tensors = [t.to(dtype) for t in tensors]
             calls = [replace(g, bias=g.bias.to(dtype)) for g in calls]
+        if sink is not None:
+            sink = sink.to(tensors[0].dtype)
         keep = plan.keep_probs and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        return _BlockwiseAttention.apply(*tensors, calls, keep)
+        return _BlockwiseAttention.apply(*tensors, calls, keep, sink)
 
 
 def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
@@ -461,13 +486,16 @@ def attention_plan(
     )
 
 
-def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Tensor:
+def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, sink: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's attention of the block queries q [B, Hq, Q, D] over [context k / v [B, Hkv, S, D]
     | block k / v [B, Hkv, Q, D]] as ``plan`` says -> [B, Hq, Q, D]. A "dense" plan whose ``mask``
     is None lets every query see every key (inference: one block after its whole context).
-    Hq may be a multiple of Hkv (GQA)."""
+    Hq may be a multiple of Hkv (GQA). ``sink`` [Hq]: an attention sink's per-head logit s_h,
+    one more column in every row's softmax, visible to every query, with no value (DFLASH2.md
+    3.1: exp(z_j) / (exp(s_h) + sum_i exp(z_i))); a flex plan is built as blockwise then
+    (DFlashDrafter.attention_plan)."""
     if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
-        return blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan)
+        return blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink)
     heads, kv_heads = q.shape[1], k_blk.shape[1]
     gqa = kv_heads != heads
     if gqa and q.device.type == "cpu":
@@ -478,9 +506,30 @@ def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan) -> torch.Ten
         k_blk, v_blk = k_blk.repeat_interleave(rep, dim=1), v_blk.repeat_interleave(rep, dim=1)
         gqa = False
     if plan.impl == "split":
-        return split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan, gqa)
+        return split_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan, gqa, sink)
     k = torch.cat([k_ctx, k_blk], dim=2)
     v = torch.cat([v_ctx, v_blk], dim=2)
     if plan.impl == "flex":
+        if sink is not None:
+            raise ValueError("attention sinks run on the dense, split and blockwise paths, not flex")
         return _flex_attention(q, k, v, plan.block_mask, gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, enable_gqa=gqa)
+    return _sdpa(q, k, v, plan.mask, gqa, sink)
+
+
+def _sdpa(q, k, v, mask, enable_gqa: bool, sink: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, Hq, Q, D] over k / v [B, Hkv, K, D] under the bool ``mask`` (None: all
+    visible). ``sink`` [Hq]: one more key that every query sees, scored s_h and valued 0 -- q
+    carries s_h * sqrt(D) in an extra dimension that only the sink key has (1 there, 0 for the
+    others), and v a zero dimension, so the other scores and the scale stay as they are."""
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    b, hq, n, d = q.shape
+    hkv, keys = k.shape[1], k.shape[2]
+    extra = (sink.to(q.dtype) * d**0.5).view(1, hq, 1, 1).expand(b, hq, n, 1)
+    q = torch.cat([q, extra], dim=-1)
+    sink_key = torch.cat([k.new_zeros(b, hkv, 1, d), k.new_ones(b, hkv, 1, 1)], dim=-1)
+    k = torch.cat([torch.cat([k, k.new_zeros(b, hkv, keys, 1)], dim=-1), sink_key], dim=2)
+    v = torch.cat([v, v.new_zeros(b, hkv, 1, d)], dim=2)
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, scale=d**-0.5)

@@ -24,7 +24,14 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from flashdraft.drafter import serving
-from flashdraft.drafter.attention import ATTENTION_IMPLS, BlockAttentionPlan, attend, attention_plan, decode_mask
+from flashdraft.drafter.attention import (
+    ATTENTION_IMPLS,
+    BlockAttentionPlan,
+    attend,
+    attention_plan,
+    decode_mask,
+    resolve_attention,
+)
 from flashdraft.drafter.dflash2 import CandidateSelector, GroupedDynamicConv
 from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, _SwiGLU, apply_rope, use_lean
 from flashdraft.drafter.serving import drafter_config_from_target
@@ -33,7 +40,9 @@ from flashdraft.drafter.serving import drafter_config_from_target
 class DrafterAttention(nn.Module):
     lean = True  # training RoPE written into one tensor (apply_rope); False: transformers' expression
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, sink: bool = False):
+        """``sink``: a learnable per-head attention sink logit (``attention_sink_bias`` [heads],
+        the serving engines' name), starting at 0."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -46,6 +55,7 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if sink else None
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +89,7 @@ class DrafterAttention(nn.Module):
         q = self.queries(x, cos, sin, index)
         k_blk, v_blk = self.keys_values(x, cos, sin, index)
         plan = mask if isinstance(mask, BlockAttentionPlan) else BlockAttentionPlan("dense", mask=mask)
-        return self._project(attend(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan), rows)
+        return self._project(attend(q, k_blk, v_blk, ctx_kv[0], ctx_kv[1], plan, self.attention_sink_bias), rows)
 
     def _project(self, out: torch.Tensor, rows=None) -> torch.Tensor:
         b = out.shape[0]
@@ -92,12 +102,13 @@ class DrafterAttention(nn.Module):
 class DrafterLayer(nn.Module):
     lean = True  # training MLP through _SwiGLU; False: Qwen3MLP under autograd
 
-    def __init__(self, config: Qwen3Config, conv: tuple[int, int, int] | None = None):
+    def __init__(self, config: Qwen3Config, conv: tuple[int, int, int] | None = None, sink: bool = False):
         """``conv``: DFlash2's (kernel size, group size, block size): a GroupedDynamicConv around the
-        attention (``attention_conv``) and around the MLP (``mlp_conv``); None: DFlash's layer."""
+        attention (``attention_conv``) and around the MLP (``mlp_conv``); None: DFlash's layer.
+        ``sink``: an attention sink in the attention (DrafterAttention)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = DrafterAttention(config)
+        self.self_attn = DrafterAttention(config, sink)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
         self.swiglu = config.hidden_act == "silu"  # Qwen3MLP: bias-free gate / up / down
@@ -184,7 +195,8 @@ class DFlashDrafter(nn.Module):
         modules = serving.dflash2_modules(self.config)  # DFlash2: the conv's and the selector's sizes
         hidden = qcfg.hidden_size
         conv = (modules.conv_kernel_size, modules.conv_group_size, self.block_size) if modules else None
-        self.layers = nn.ModuleList(DrafterLayer(qcfg, conv) for _ in range(qcfg.num_hidden_layers))
+        self.sinks = serving.attention_sinks(self.config)  # an attention sink in every layer
+        self.layers = nn.ModuleList(DrafterLayer(qcfg, conv, self.sinks) for _ in range(qcfg.num_hidden_layers))
         self.norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps=qcfg.rms_norm_eps)
@@ -208,15 +220,15 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def for_target(cls, target, *, num_layers: int, block_size: int, mask_token_id: int,
                    layer_types=None, sliding_window: int | None = None, causal: bool | None = None,
-                   dflash2: serving.DFlash2Modules | None = None, **kwargs) -> DFlashDrafter:
+                   dflash2: serving.DFlash2Modules | None = None, sinks: bool = False, **kwargs) -> DFlashDrafter:
         """``layer_types`` / ``sliding_window`` / ``causal``: the layers' attention, ``dflash2``
         DFlash2's conv and selector sizes (see serving.drafter_config_from_target; default: DFlash
-        v1's full bidirectional layers); ``kwargs``: the training-time switches of ``__init__``
-        (attention, group_blocks, ...)."""
+        v1's full bidirectional layers), ``sinks`` an attention sink in every layer; ``kwargs``:
+        the training-time switches of ``__init__`` (attention, group_blocks, ...)."""
         cfg = drafter_config_from_target(
             target.config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
             target_layer_ids=target.layer_ids, layer_types=layer_types, sliding_window=sliding_window, causal=causal,
-            dflash2=dflash2,
+            dflash2=dflash2, sinks=sinks,
         )
         return cls(cfg, **kwargs)
 
@@ -334,8 +346,12 @@ class DFlashDrafter(nn.Module):
     ) -> BlockAttentionPlan:
         """The masks the layers of one training forward with the pattern ``layer`` (a LayerMask;
         None: the first layer's) share (see BlockAttentionPlan), for this drafter's block size
-        and group_blocks; ``attention`` overrides ``self.attention``."""
-        return attention_plan(attention or self.attention, anchors, valid, seq_len, self.block_size,
+        and group_blocks; ``attention`` overrides ``self.attention``. With attention sinks, a flex
+        plan (auto on CUDA) is built as blockwise: the sink is implemented on the exact paths."""
+        impl = resolve_attention(attention or self.attention, anchors.device, needs_grad)
+        if self.sinks and impl == "flex":
+            impl = "blockwise"
+        return attention_plan(impl, anchors, valid, seq_len, self.block_size,
                               self.group_blocks, needs_grad, dtype, layer or self.layer_masks[0])
 
     # ---- decoding -------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def dflash2_modules(config: dict) -> DFlash2Modules | None:
 def drafter_config_from_target(
     target_config, *, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
     layer_types: list[str] | tuple[str, ...] | None = None, sliding_window: int | None = None,
-    causal: bool | None = None, dflash2: DFlash2Modules | None = None,
+    causal: bool | None = None, dflash2: DFlash2Modules | None = None, sinks: bool = False,
 ) -> dict:
     """The drafter's config.json as a dict: the target's Qwen3 fields + the DFlash keys.
 
@@ -76,7 +76,9 @@ def drafter_config_from_target(
     ``max_window_layers``, and ``is_causal`` (with ``dflash_config.causal``) whenever all layers
     share one causality (a mixed model keeps the by-type default, which both engines apply).
     ``dflash2``: a DFlash2DraftModel with these conv / selector sizes in ``dflash_config``
-    (with ``block_size``: SGLang reads it there first)."""
+    (with ``block_size``: SGLang reads it there first). ``sinks``: an attention sink in every layer
+    (``dflash_config.attention_sink_bias`` and the top-level ``attention_sink_bias``, as ModelOpt
+    writes them; vLLM and SGLang read the former)."""
     src = target_config.to_dict()
     cfg = {key: src[key] for key in _COPIED_FIELDS if key in src}
     cfg.setdefault("head_dim", src["hidden_size"] // src["num_attention_heads"])
@@ -111,6 +113,8 @@ def drafter_config_from_target(
         cfg["is_causal"] = cfg["dflash_config"]["causal"] = resolved[0]
     if sliding:
         cfg["dflash_config"]["swa_window_size"] = int(sliding_window)
+    if sinks:
+        cfg["attention_sink_bias"] = cfg["dflash_config"]["attention_sink_bias"] = True
     if dflash2 is not None:
         cfg["architectures"] = [DFLASH2_ARCHITECTURE]
         cfg["dflash_config"].update(block_size=block_size, **dataclasses.asdict(dflash2))
@@ -167,6 +171,15 @@ def layer_attention(config: dict) -> list:
             for t, c in zip(types, by_type)]
 
 
+def attention_sinks(config: dict) -> bool:
+    """Whether the drafter's layers have attention sinks: ``dflash_config.attention_sink_bias``
+    (vLLM, SGLang) or the top-level ``attention_sink_bias`` / ``add_swa_attention_sink_bias``
+    (vLLM builds the sink for every layer when either is set)."""
+    dflash = config.get("dflash_config") or {}
+    return bool(dflash.get("attention_sink_bias") or config.get("attention_sink_bias")
+                or config.get("add_swa_attention_sink_bias"))
+
+
 # Config keys of newer DFlash checkpoints whose behaviour this drafter does not implement: a
 # drafter loaded while ignoring them would draft unlike the one that was trained (wrong tau).
 _UNSUPPORTED_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
@@ -174,9 +187,9 @@ _UNSUPPORTED_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_
 
 def check_supported(config: dict, where) -> None:
     """Refuse, with the reason, a drafter config whose layers differ from the Qwen3 layers
-    implemented here (full and sliding-window attention, in-block causal or not, DFlash2's conv
-    and selector): attention sinks, scaled embeddings or outputs, unknown layer types, a DFlash2
-    config without its module sizes."""
+    implemented here (full and sliding-window attention, in-block causal or not, attention sinks,
+    DFlash2's conv and selector): scaled embeddings, values or outputs, unknown layer types, a
+    DFlash2 config without its module sizes."""
     problems = []
     for check in (layer_attention, dflash2_modules):
         try:
@@ -184,9 +197,10 @@ def check_supported(config: dict, where) -> None:
         except (ValueError, KeyError) as exc:
             problems.append(str(exc))
     dflash = config.get("dflash_config") or {}
-    if dflash.get("attention_sink_bias") or config.get("attention_sink_bias") or \
-            config.get("add_swa_attention_sink_bias"):
-        problems.append("attention sinks (attention_sink_bias)")
+    for key in ("attention_value_scale",):  # MiMo's value scale (SGLang): not implemented
+        value = dflash.get(key, config.get(key))
+        if value not in (None, 1, 1.0):
+            problems.append(f"{key}={value!r}")
     problems += [f"{key}={config[key]!r}" for key in _UNSUPPORTED_KEYS if config.get(key) not in (None, 1, 1.0)]
     if problems:
         raise ValueError(f"{where}: this DFlash drafter uses {'; '.join(problems)}, which flashdraft does not "

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 # Config fields a resume must find unchanged: they change what is trained or in which order.
 RESUME_KEYS = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
                                        "mask_token_id", "drafter_layer_types", "drafter_sliding_window",
-                                       "drafter_causal", "drafter", "conv_kernel_size", "conv_group_size",
-                                       "selector_rank", "selector_top_k")]
+                                       "drafter_causal", "drafter_attention_sink", "drafter", "conv_kernel_size",
+                                       "conv_group_size", "selector_rank", "selector_top_k")]
                + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
 
 

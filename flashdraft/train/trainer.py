@@ -109,7 +109,7 @@ class Trainer:
             self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
             mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
             layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-            causal=cfg.model.drafter_causal, dflash2=cfg.model.dflash2,
+            causal=cfg.model.drafter_causal, dflash2=cfg.model.dflash2, sinks=cfg.model.drafter_attention_sink,
             attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
         )
         self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))

@@ -1,0 +1,112 @@
+"""Attention sinks (DFLASH2.md 3.1 and checklist item 11): a learnable per-head logit s_h, one more
+column in every row's softmax with no value. Against the definition written out, in the limits
+(s_h -> -inf: no sink) and through its sigma(LSE - s_h) form; every attention path against the
+dense one; training against per-anchor decoding; the keys vLLM and SGLang read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_step_equivalence import assert_same, batch, grads_of, make
+
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.drafter.attention import attend, attention_plan
+
+
+def _with_sinks(drafter: DFlashDrafter, scale: float = 1.5, seed: int = 0) -> DFlashDrafter:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.attention_sink_bias.copy_(torch.randn(drafter.layers[0].self_attn.num_heads, generator=g)
+                                                      * scale)
+    return drafter
+
+
+def _attention_by_hand(q, k, v, mask, sink):
+    """softmax over [scores, s_h] (the sink a column of its own, no value), the column dropped."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    column = sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    p = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bhkd->bhqd", p, v)
+
+
+def _inputs(seed=0, b=2, h=4, s=20, n=5, bs=4, d=8):
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.stack([torch.randperm(s - 1, generator=g)[:n].sort().values for _ in range(b)]) + 1
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, -1] = False
+    q = torch.randn(b, h, n * bs, d, generator=g)
+    kc, vc = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
+    kb, vb = torch.randn(b, h, n * bs, d, generator=g), torch.randn(b, h, n * bs, d, generator=g)
+    return anchors, valid, q, kc, vc, kb, vb, s, bs
+
+
+@pytest.mark.parametrize("impl", ["dense", "split", "blockwise"])
+def test_every_path_computes_the_definition_and_its_limits(impl):
+    anchors, valid, q, kc, vc, kb, vb, s, bs = _inputs()
+    dense = attention_plan("dense", anchors, valid, s, bs)
+    plan = attention_plan(impl, anchors, valid, s, bs, group_blocks=2)
+    sink = torch.tensor([0.5, -1.0, 2.0, 4.0])
+    got = attend(q, kb, vb, kc, vc, plan, sink)
+    expected = _attention_by_hand(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), dense.mask, sink)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # s_h -> -inf: the plain attention; a finite sink shrinks each output by sigma(LSE - s_h)
+    plain = attend(q, kb, vb, kc, vc, plan)
+    torch.testing.assert_close(attend(q, kb, vb, kc, vc, plan, torch.full((4,), -1e30)), plain)
+    scores = (torch.einsum("bhqd,bhkd->bhqk", q, torch.cat([kc, kb], 2)) / 8 ** 0.5).masked_fill(~dense.mask,
+                                                                                                 float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    torch.testing.assert_close(got, plain * torch.sigmoid(lse - sink.view(1, -1, 1, 1)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3,
+                                         "causal": False}], ids=["full", "swa"])
+def test_sink_gradients_and_training_equal_the_dense_oracle_and_decoding(layout):
+    target, drafter = make(sinks=True, group_blocks=2, **layout)
+    _with_sinks(drafter)
+    inputs = batch(target, drafter, [33, 21], 8, seed=3)
+    ref = grads_of(drafter, target, inputs, attention="dense")
+    assert ref[1]["layers.0.self_attn.attention_sink_bias"].abs().sum() > 0
+    for impl in ("split", "blockwise"):
+        assert_same(ref, grads_of(drafter, target, inputs, attention=impl, chunk_size=5))
+    features, embeds, anchors, valid, *_ = inputs
+    with torch.no_grad():
+        trained = drafter(features, embeds, anchors, valid)
+        for n in range(anchors.shape[1]):
+            a = int(anchors[0, n])
+            if not valid[0, n] or a == 0:
+                continue
+            cache = drafter.new_cache()
+            drafter.extend_context(cache, features[:1, :a])
+            torch.testing.assert_close(drafter.forward_block(cache, embeds[:1, n])[0], trained[0, n],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_a_flex_plan_with_sinks_is_built_as_blockwise():
+    target, drafter = make(sinks=True)
+    anchors, valid = torch.tensor([[3, 9]]), torch.tensor([[True, True]])
+    assert drafter.attention_plan(anchors, valid, 16, attention="flex", needs_grad=False).impl == "blockwise"
+    _, plain = make()
+    assert plain.attention_plan(anchors, valid, 16, attention="flex", needs_grad=False).impl == "flex"
+
+
+def test_the_export_writes_the_sink_keys_and_tensors_and_reloads(tmp_path):
+    target, drafter = make(sinks=True)
+    _with_sinks(drafter)
+    drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["dflash_config"]["attention_sink_bias"] is True and cfg["attention_sink_bias"] is True
+    weights = load_file(tmp_path / "model.safetensors")
+    for i in range(2):
+        assert weights[f"layers.{i}.self_attn.attention_sink_bias"].shape == (4,)  # one per query head
+    reloaded = DFlashDrafter.from_pretrained(tmp_path)
+    assert reloaded.sinks
+    for a, b in zip(reloaded.state_dict().values(), drafter.state_dict().values()):
+        assert torch.equal(a, b)
+    _, plain = make()
+    plain.save_pretrained(tmp_path / "plain")
+    assert "attention_sink_bias" not in json.loads((tmp_path / "plain" / "config.json").read_text())
