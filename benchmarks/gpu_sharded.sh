@@ -36,7 +36,7 @@ lines = [json.dumps({"input_ids": torch.randint(0, 500, (24,), generator=g).toli
 (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
 PY
 args=(eval --target "$work/target" --drafter "$work/drafter" --prompts "$work/prompts.jsonl" --max-new-tokens 48
-      --device "$device" --no-eos)
+      --device "$device" --no-eos --dtype float32)  # fp32: a sharded all-reduce's summation order cannot flip a near tie
 # the drafter, and the n-gram baseline (its drafts are often accepted: the verify path's other branch);
 # SMOKE: the baseline only (each launch costs seconds of imports on a small CPU)
 kinds=(drafter ngram); [ "${SMOKE:-0}" = 1 ] && kinds=(ngram)

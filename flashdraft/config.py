@@ -164,9 +164,11 @@ class ObjectiveConfig:
                "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
         _check(self.selector_alpha >= 0, "objective.selector_alpha", f"{self.selector_alpha}",
                "use 0 (selector frozen) or a positive weight (1.0: SpecForge's and speculators')")
-        _check(0 <= self.selector_warmup_frac <= 1 and 0 <= self.selector_ramp_frac <= 1,
+        _check(min(self.selector_warmup_frac, self.selector_ramp_frac) >= 0
+               and self.selector_warmup_frac + self.selector_ramp_frac <= 1,
                "objective.selector_warmup_frac / selector_ramp_frac",
-               f"{self.selector_warmup_frac} / {self.selector_ramp_frac}", "use shares of the run in [0, 1]")
+               f"{self.selector_warmup_frac} / {self.selector_ramp_frac}",
+               "use shares of the run that add up to at most 1 (else selector_alpha is never reached)")
 
     @property
     def dpace(self) -> float | None:
@@ -304,6 +306,15 @@ class Config:
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
+        if self.model.drafter == "dflash":  # DFlash2's knobs on a DFlash drafter would be ignored
+            fields = [("model", "conv_kernel_size"), ("model", "conv_group_size"), ("model", "selector_rank"),
+                      ("model", "selector_top_k"), ("objective", "selector_alpha"),
+                      ("objective", "selector_warmup_frac"), ("objective", "selector_ramp_frac"),
+                      ("objective", "selector_stop_gradient")]
+            changed = [f"{sec}.{key}" for sec, key in fields
+                       if getattr(getattr(self, sec), key) != getattr(type(getattr(self, sec))(), key)]
+            _check(not changed, ", ".join(changed), "set", "they configure DFlash2's conv and selector: set "
+                   "model.drafter=dflash2 too, or drop them")
         if self.model.tensor_parallel > 1:
             _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
                    "data.eval_path / data.eval_prompts", self.data.eval_path or self.data.eval_prompts,

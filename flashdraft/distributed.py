@@ -243,14 +243,25 @@ def _make_target_mesh(device: torch.device, backend: str, ranks: list[int], tens
     job's collective timeout (a new group's default is torch's 30 minutes), so a rank of a target
     group that hangs fails the others in ``timeout_s``."""
     global _TARGET_MESH
-    from torch._C._distributed_c10d import Backend
     from torch.distributed.device_mesh import DeviceMesh
 
     layout = torch.tensor(ranks).view(1, len(ranks) // tensor_parallel, 1, tensor_parallel)
-    options = Backend.Options(backend, datetime.timedelta(seconds=timeout_s))
+    options = _group_options(backend, datetime.timedelta(seconds=timeout_s))
     meshes = [DeviceMesh(device.type, layout, mesh_dim_names=names, backend_override=((backend, options),) * 4)
               for names in (("pp", "dp_replicate", "fsdp", "tp"), ("pp", "dp_replicate", "efsdp", "ep"))]
     _TARGET_MESH = tuple(meshes)
+
+
+def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """A new group's backend options carrying ``timeout``: NCCL takes only its own options type
+    (ProcessGroupNCCL.Options), gloo the generic one."""
+    from torch._C import _distributed_c10d as c10d
+
+    if backend == "nccl":
+        options = c10d.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return c10d.Backend.Options(backend, timeout)
 
 
 def target_mesh() -> tuple[Any, Any] | None:

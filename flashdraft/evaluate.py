@@ -233,7 +233,7 @@ def run(args) -> int:
     if args.drafter:  # a directory that is no drafter export (e.g. the target's) is refused here
         cfg = serving.read_config(args.drafter)
         layer_ids = cfg["dflash_config"]["target_layer_ids"]
-        block_size = args.block_size or int(cfg.get("block_size") or cfg["dflash_config"]["block_size"])
+        block_size = args.block_size or int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     if args.output:  # found now, not after the whole evaluation
         _check_writable(Path(args.output))

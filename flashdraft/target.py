@@ -205,7 +205,9 @@ class TargetModel(nn.Module):
     ``lm_head`` are the target's frozen input embedding and output head, shared with the drafter.
     """
 
-    def __init__(self, model: nn.Module, target_layer_ids: list[int] | None = None, num_taps: int = 5):
+    def __init__(self, model: nn.Module, target_layer_ids: list[int] | None = None, num_taps: int = 5,
+                 sharded: bool = False):
+        """``sharded``: ``model`` is this rank's shard of a tensor-parallel target (_load_sharded)."""
         super().__init__()
         model.eval()
         model.requires_grad_(False)
@@ -225,8 +227,8 @@ class TargetModel(nn.Module):
         self.hidden_size = int(self.config.hidden_size)
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
-        self.sharded = any(hasattr(p, "to_local") for p in model.parameters())  # a tensor-parallel target
-        if self.sharded:  # the drafter embeds and scores with whole tables: gathered once (V x H each)
+        self.sharded = sharded
+        if sharded:  # the drafter embeds and scores with whole tables: gathered once (V x H each)
             self.embed = _replicated(self.embed, nn.Embedding)
             self.lm_head = _replicated(self.lm_head, nn.Linear)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -263,7 +265,7 @@ class TargetModel(nn.Module):
         if tensor_parallel > 1:
             model = _load_sharded(path, device, torch_dtype, attn_implementation, trust_remote_code, tensor_parallel,
                                   expert_parallel)
-            return cls(model, target_layer_ids, num_taps)
+            return cls(model, target_layer_ids, num_taps, sharded=True)
         model = _heads_only_model(path, device, torch_dtype, trust_remote_code) if heads_only else None
         if model is not None:
             target = cls(model, target_layer_ids, num_taps)

@@ -433,3 +433,21 @@ def test_a_dflash2_config_without_its_module_sizes_is_refused(tmp_path, change):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="a DFlash2 drafter needs the integers dflash_config"):
         DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_the_chunked_pair_scores_equal_autograd_of_the_plain_expression(monkeypatch):
+    from flashdraft.drafter import dflash2
+
+    monkeypatch.setattr(dflash2._PairScores, "CHUNK", 3)  # 10 rows: chunks of 3, 3, 3, 1
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(10, 6, generator=g, requires_grad=True)
+    book = torch.randn(9, 6, generator=g, requires_grad=True)
+    candidates = torch.randint(0, 9, (10, 4), generator=g)  # repeats: the codebook rows' grads add up
+    upstream = torch.randn(10, 4, generator=g)
+    got = dflash2._PairScores.apply(gate, book, candidates)
+    grads = torch.autograd.grad((got * upstream).sum(), [gate, book])
+    plain = (book[candidates] * gate.unsqueeze(1)).sum(-1)
+    expected = torch.autograd.grad((plain * upstream).sum(), [gate, book])
+    torch.testing.assert_close(got, plain)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)

@@ -36,7 +36,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
      r"model.mask_token_id to an unused id in \[0, 299\]"),
     ({"data__token_budget": 30},
      r"data.token_budget=30 is smaller than the longest sample \(40 tokens.*raise data.token_budget to at least 40"),
-], ids=["tap_beyond_layers", "mask_outside_vocab", "budget_below_longest_sample"])
+    ({"model__drafter": "dflash2", "model__conv_group_size": 5},
+     r"model.conv_group_size=5 must divide the target's hidden size 32: use e.g. 32"),
+    ({"model__drafter": "dflash2", "model__selector_top_k": 400},
+     r"model.selector_top_k=400 exceeds the target's vocabulary \(300\)"),
+], ids=["tap_beyond_layers", "mask_outside_vocab", "budget_below_longest_sample", "conv_groups", "top_k"])
 def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(tiny_job, tmp_path, extra, message):  # noqa: F811
     extra = {k: str(v).replace("{job}", str(tiny_job)) for k, v in extra.items()}
     with pytest.raises(ValueError, match=message):
@@ -331,6 +335,16 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
     (["objective.loss=kl"], "objective.loss"),
     (["objective.lk_kl_scale=-1"], "objective.lk_kl_scale / lk_kl_decay"),
     (["train.eval_top_k=20"], "train.eval_top_p / eval_top_k"),  # top-k without a temperature
+    (["objective.selector_alpha=0.5"], "objective.selector_alpha"),  # a DFlash2 knob on a DFlash drafter
+    (["model.selector_rank=64", "model.conv_group_size=8"], "model.conv_group_size, model.selector_rank"),
+    (["model.drafter=dflash2", "objective.selector_warmup_frac=0.7", "objective.selector_ramp_frac=0.5"],
+     "objective.selector_warmup_frac / selector_ramp_frac"),  # alpha never reached
+    (["model.drafter=dflash2", "model.conv_kernel_size=17"], "model.conv_kernel_size"),  # more taps than slots
+    (["model.tensor_parallel=0"], "model.tensor_parallel"),
+    (["model.expert_parallel=true"], "model.expert_parallel"),  # without tensor_parallel
+    (["model.tensor_parallel=2", "pipeline.feature_cache_bytes=1000"], "pipeline.feature_cache_bytes"),
+    (["model.tensor_parallel=2", "pipeline.placement=disaggregated", "data.eval_prompts=p.jsonl"],
+     "data.eval_path / data.eval_prompts"),  # the evals would need the whole target on a drafter rank
 ])
 def test_drafter_layout_and_sampling_mistakes_are_refused_at_load_naming_the_field(overrides_, field):
     with pytest.raises(ValueError, match=f"config {re.escape(field)}="):

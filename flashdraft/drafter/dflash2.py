@@ -103,11 +103,10 @@ class CandidateSelector(nn.Module):
 
     def scores(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor,
                unary: torch.Tensor) -> torch.Tensor:
-        """Scores [..., Kc] of ``candidates`` [..., Kc] (ids) with unary logits ``unary`` [..., Kc]
-        after the token ``previous`` [...] at slots whose final-normed hidden is ``hidden`` [..., H]."""
+        """Scores [R, Kc] of ``candidates`` [R, Kc] (ids) with unary logits ``unary`` [R, Kc] after
+        the token ``previous`` [R] at slots whose final-normed hidden is ``hidden`` [R, H]."""
         gate = self.hidden_projection(hidden) * self.predecessor_codebook[previous].to(hidden.dtype)
-        pair = torch.linalg.vecdot(self.successor_codebook[candidates].to(gate.dtype), gate.unsqueeze(-2))
-        return unary + pair
+        return unary + _PairScores.apply(gate, self.successor_codebook, candidates)
 
     @torch.no_grad()
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, temperature: float = 0.0,
@@ -133,3 +132,38 @@ class CandidateSelector(nn.Module):
             previous = int(candidates[k, j])
             drafts.append(previous)
         return drafts, torch.stack(rows) if rows else None
+
+
+class _PairScores(torch.autograd.Function):
+    """<gate_r, B[c_rj]> [R, Kc] for gate [R, r], the successor codebook B [V, r] and candidates
+    c [R, Kc], in chunks of rows: the gathered [rows, Kc, r] codebook rows exist one chunk at a
+    time, in the forward and in the backward (d gate = sum_j g_rj B[c_rj], an embedding bag;
+    d B[c_rj] += g_rj gate_r), instead of autograd keeping all of them (~235 MB per copy at 512
+    anchors x 4 sequences x 7 slots x 16 candidates x rank 256)."""
+
+    CHUNK = 4096  # rows per chunk
+
+    @staticmethod
+    def forward(ctx, gate, codebook, candidates):
+        out = torch.empty(candidates.shape, dtype=gate.dtype, device=gate.device)
+        for start in range(0, gate.shape[0], _PairScores.CHUNK):
+            part = slice(start, start + _PairScores.CHUNK)
+            rows = codebook[candidates[part]].to(gate.dtype)  # [chunk, Kc, r]
+            out[part] = torch.bmm(rows, gate[part].unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(gate, codebook, candidates)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, codebook, candidates = ctx.saved_tensors
+        d_gate = d_book = None
+        if ctx.needs_input_grad[0]:
+            d_gate = F.embedding_bag(candidates, codebook.to(grad.dtype), per_sample_weights=grad,
+                                     mode="sum").to(gate.dtype)
+        if ctx.needs_input_grad[1]:
+            d_book = torch.zeros_like(codebook)
+            for start in range(0, gate.shape[0], _PairScores.CHUNK):
+                part = slice(start, start + _PairScores.CHUNK)
+                rows = grad[part].unsqueeze(-1) * gate[part].unsqueeze(1)  # [chunk, Kc, r]
+                d_book.index_add_(0, candidates[part].flatten(), rows.flatten(0, 1).to(codebook.dtype))
+        return d_gate, d_book, None

@@ -187,8 +187,8 @@ class DFlashDrafter(nn.Module):
         self.activation_checkpointing = bool(activation_checkpointing)
         self.config = dict(config)
         qcfg = serving.qwen3_config(self.config)
-        # newer exports may keep it only inside dflash_config
-        self.block_size = int(self.config.get("block_size") or self.config["dflash_config"]["block_size"])
+        # dflash_config first (the reference's and SGLang's order); older exports keep it top-level only
+        self.block_size = int(self.config["dflash_config"].get("block_size") or self.config["block_size"])
         self.mask_token_id = int(self.config["dflash_config"]["mask_token_id"])
         self.target_layer_ids = list(self.config["dflash_config"]["target_layer_ids"])
         self.layer_masks = serving.layer_attention(self.config)  # each layer's window and in-block causality

@@ -56,8 +56,8 @@ def dflash2_modules(config: dict) -> DFlash2Modules | None:
     values = {f.name: dflash.get(f.name, config.get(f.name)) for f in dataclasses.fields(DFlash2Modules)}
     missing = [name for name, value in values.items() if not isinstance(value, int) or isinstance(value, bool)]
     if missing:
-        raise ValueError(f"a DFlash2 drafter needs the integers dflash_config.{', '.join(missing)} (vLLM requires "
-                         f"all four); got {', '.join(f'{n}={values[n]!r}' for n in missing)}")
+        raise ValueError(f"a DFlash2 drafter needs the integers {', '.join(f'dflash_config.{n}' for n in missing)} "
+                         f"(vLLM requires all four); got {', '.join(f'{n}={values[n]!r}' for n in missing)}")
     return DFlash2Modules(**values)
 
 
@@ -197,11 +197,11 @@ def check_supported(config: dict, where) -> None:
         except (ValueError, KeyError) as exc:
             problems.append(str(exc))
     dflash = config.get("dflash_config") or {}
-    for key in ("attention_value_scale",):  # MiMo's value scale (SGLang): not implemented
+    # each where the engines read it: dflash_config first (DFlash2's reference), then the top level
+    for key in ("attention_value_scale", *_UNSUPPORTED_KEYS):  # + MiMo's value scale (SGLang)
         value = dflash.get(key, config.get(key))
         if value not in (None, 1, 1.0):
             problems.append(f"{key}={value!r}")
-    problems += [f"{key}={config[key]!r}" for key in _UNSUPPORTED_KEYS if config.get(key) not in (None, 1, 1.0)]
     if problems:
         raise ValueError(f"{where}: this DFlash drafter uses {'; '.join(problems)}, which flashdraft does not "
                          "implement; evaluating or fine-tuning it here would give a different drafter")

@@ -60,6 +60,26 @@ def check_paths(cfg: Config) -> None:
         raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
 
 
+def check_drafter_sizes(cfg: Config) -> None:
+    """DFlash2's sizes against the target's config.json, before the target loads (a sharded one
+    takes minutes): the conv's groups must split the hidden size, the selector's candidates fit
+    in the vocabulary."""
+    if cfg.model.drafter != "dflash2":
+        return
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(cfg.model.target, trust_remote_code=cfg.model.trust_remote_code)
+    target = target.get_text_config() if hasattr(target, "get_text_config") else target
+    hidden, vocab = int(target.hidden_size), int(target.vocab_size)
+    if hidden % cfg.model.conv_group_size:
+        fits = [g for g in (8, 16, 32, 64) if hidden % g == 0]
+        raise ValueError(f"model.conv_group_size={cfg.model.conv_group_size} must divide the target's hidden size "
+                         f"{hidden}: use e.g. {fits[-1] if fits else 1}")
+    if cfg.model.selector_top_k > vocab:
+        raise ValueError(f"model.selector_top_k={cfg.model.selector_top_k} exceeds the target's vocabulary ({vocab}): "
+                         "use e.g. 16")
+
+
 def check_tokenizer(target_dir: str, *datasets) -> None:
     """Data prepared with another tokenizer than the target's has ids that mean other tokens;
     it trains without error when they fit the vocabulary. `prepare` records its vocabulary's

@@ -292,11 +292,12 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
             for k, item in pipe:
                 # the group agrees (one tiny all-reduce; none unsharded): stop now, and the signal to pass on
                 agreed = distributed.target_group_max(torch.tensor(
-                    [int(sends and any(link.stopped() for link in links)), stop.signum if stop is not None else 0]))
+                    [int(sends and any(link.stopped() for link in links)), stop.signum if stop is not None else 0],
+                    device=stages.device)).tolist()  # on the device: NCCL groups take no host tensors
                 if agreed[0]:
                     break
                 if sends:
-                    links[k].send(item, pool, int(agreed[1]))
+                    links[k].send(item, pool, agreed[1])
                 else:
                     pool.release(item.slot)
                 if k < len(links) - 1:
@@ -309,7 +310,8 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
                 for link in links:
                     link.finish(pool)
                 stopped_early = any(link.stopped_early for link in links)
-            stopped_early = bool(distributed.target_group_max(torch.tensor([int(stopped_early)]))[0])
+            stopped_early = bool(distributed.target_group_max(torch.tensor([int(stopped_early)],
+                                                                           device=stages.device)).item())
     except BaseException as exc:
         if sends:
             _abort(links, exc)
@@ -330,13 +332,13 @@ def _hello_links(config: Config, stages: FeatureStages, dist: Dist) -> list[_Tar
         for link in links:
             link.start(link.receive_hello())
         return links
-    count = distributed.target_group_broadcast(torch.tensor([len(dist.peers)]))  # the group's first rank's
+    device = stages.device  # NCCL groups take no host tensors
+    count = int(distributed.target_group_broadcast(torch.tensor([len(dist.peers)], device=device)).item())
     links = [_TargetLink(config, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
-        [_TargetLink(config, stages, None) for _ in range(int(count))]
+        [_TargetLink(config, stages, None) for _ in range(count)]
     hellos = torch.stack([link.receive_hello() for link in links]) if dist.tensor_rank == 0 else \
-        torch.empty(int(count), 4 + len(CURSOR_KEYS), dtype=torch.int64)
-    hellos = distributed.target_group_broadcast(hellos.cpu())
-    for link, msg in zip(links, hellos):
+        torch.empty(count, 4 + len(CURSOR_KEYS), dtype=torch.int64, device=device)
+    for link, msg in zip(links, distributed.target_group_broadcast(hellos).cpu()):
         link.start(msg)
     return links
 

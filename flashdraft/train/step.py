@@ -169,7 +169,8 @@ class DrafterStep:
         # Device-side, read only when the step turns out non-finite: which samples' target
         # features were non-finite, and whether each micro-batch's loss was.
         checks = [(torch.isfinite(m.features).flatten(1).all(1),
-                   torch.isfinite(torch.stack([o.total for o in mo])).all())
+                   torch.isfinite(torch.stack([o.total if o.selector_total is None else o.total + o.selector_total
+                                               for o in mo])).all())
                   for m, mo in zip(micro, outs)]
         for m in micro:
             m.features = None  # drop the references early: memory

@@ -57,14 +57,17 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         checks.check_paths(cfg)
+        checks.check_drafter_sizes(cfg)
         self.output = Path(cfg.train.output_dir)
         model = self._build_models()
         self._open_data()
         # a tensor-parallel target's group shares one batch plan: the data ranks are the groups
         self.sampler = batch_sampler(self.dataset, cfg, self.dist.data_rank, self.dist.data_world_size)
         self.total_steps = max(1, steps_left(self.sampler, cfg, 0))  # a resume recounts it (_recount_budget)
-        self.optimizer, self.scheduler = build_optimizer([p for p in self.drafter.parameters() if p.requires_grad],
-                                                         cfg.optim, self.total_steps, self.device)
+        # every parameter, frozen ones too (AdamW skips those without a gradient): the optimizer's
+        # state then keeps one layout whatever objective.selector_alpha a resume brings
+        self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim, self.total_steps,
+                                                         self.device)
         self.state = TrainState(self.sampler, self.dist.world_size,
                                 run_identity(self.target, self.drafter.mask_token_id, self.dataset))
         self.checkpoints = RunCheckpoints(
@@ -290,7 +293,8 @@ class Trainer:
         """The signal any rank was asked to stop by, else 0 (every rank stops at the same step)."""
         if self.dist.world_size == 1:
             return stop.signum
-        return int(distributed.all_reduce(torch.tensor(float(stop.signum)), "max").item())
+        # on the device: an NCCL group takes no host tensors
+        return int(distributed.all_reduce(torch.tensor(float(stop.signum), device=self.device), "max").item())
 
     def _validate(self) -> dict:
         result = self.validator.run()
