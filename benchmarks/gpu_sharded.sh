@@ -40,15 +40,22 @@ args=(eval --target "$work/target" --drafter "$work/drafter" --prompts "$work/pr
 # the drafter, and the n-gram baseline (its drafts are often accepted: the verify path's other branch);
 # SMOKE: the baseline only (each launch costs seconds of imports on a small CPU)
 kinds=(drafter ngram); [ "${SMOKE:-0}" = 1 ] && kinds=(ngram)
+unsharded=()
 for kind in "${kinds[@]}"; do
   extra=(); [ "$kind" = ngram ] && extra=(--baseline ngram --block-size 8)
-  python -m flashdraft.cli "${args[@]}" "${extra[@]}" --output "$work/$kind-whole.json" > /dev/null || exit 1
+  unsharded+=("$(printf '%q ' "${args[@]}" "${extra[@]}" --output "$work/$kind-whole.json")")
   torchrun --standalone --nproc-per-node=2 -m flashdraft.cli "${args[@]}" "${extra[@]}" --tensor-parallel 2 \
     --output "$work/$kind-tp2.json" > /dev/null || exit 1
 done
-python - "$work" <<'PY'
-import json, sys
+# the unsharded evals (each a `flashdraft eval`, as the CLI runs it) and the comparison, in one process
+python - "$work" "${unsharded[@]}" <<'PY'
+import contextlib, io, json, shlex, sys
 from pathlib import Path
+from flashdraft.cli import main
+for cmd in sys.argv[2:]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        if main(shlex.split(cmd)):
+            sys.exit(1)
 work, ok = Path(sys.argv[1]), True
 for kind in [k for k in ("drafter", "ngram") if (work / f"{k}-tp2.json").is_file()]:
     a, b = (json.loads((work / f"{kind}-{f}.json").read_text()) for f in ("whole", "tp2"))

@@ -317,42 +317,47 @@ def train_target_raises(overrides_json: str, at_call: str) -> None:
     os._exit(0 if err is None else 1)
 
 
-def sharded_features(model_dir: str, tensor_parallel: str, expert_parallel: str) -> None:
-    """The target of ``model_dir`` sharded over target groups of ``tensor_parallel`` ranks: its
-    taps, its cached decoding forward (logits and taps: two steps through a cache, then a
-    verification whose rejected tokens are rewound, rewind_cache, and one more step) against the
-    same target loaded whole in this process, and the weights each rank holds."""
+def sharded_features(cases_json: str, tensor_parallel: str) -> None:
+    """Each case ``[model_dir, expert_parallel]``: the target sharded over target groups of
+    ``tensor_parallel`` ranks -- its taps, its cached decoding forward (logits and taps: two
+    steps through a cache, then a verification whose rejected tokens are rewound, rewind_cache,
+    and one more step) against the same target loaded whole in this process, and the weights
+    each rank holds. One result per case."""
     from flashdraft.target import TargetModel, mark_cache, rewind_cache
 
     tp = int(tensor_parallel)
     d = D.init_distributed("cpu", timeout_s=60, tensor_parallel=tp)
-    whole = TargetModel.from_pretrained(model_dir, target_layer_ids=[0, 2, 3])
-    sharded = TargetModel.from_pretrained(model_dir, target_layer_ids=[0, 2, 3], tensor_parallel=tp,
-                                          expert_parallel=expert_parallel == "1")
-    g = torch.Generator().manual_seed(d.data_rank)  # each target group its own batch, as in training
-    ids = torch.randint(0, 290, (2, 19), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 15:] = 0
-    out: dict = {"rank": d.rank, "tensor_rank": d.tensor_rank, "data_rank": d.data_rank}
-    with torch.no_grad():
-        out["features_err"] = (sharded.features(ids, mask) - whole.features(ids, mask)).abs().max().item()
-        errs = []
-        caches = (whole.new_cache(), sharded.new_cache())
-        for start, stop, keep in ((0, 11, None), (11, 15, None), (15, 19, 1), (16, 19, None)):
-            marks = [mark_cache(c) for c in caches]
-            (lw, tw), (ls, ts) = (m.forward_with_cache(ids[:1, start:stop], c, start)
-                                  for m, c in zip((whole, sharded), caches))
-            errs += [(ls - lw).abs().max().item(), (ts - tw).abs().max().item()]
-            if keep is not None:  # a verification that kept 1 of its 4 tokens
-                for m, c, mark in zip((whole, sharded), caches, marks):
-                    rewind_cache(m, c, mark, ids[0, start:start + keep].tolist())
-        out["decode_err"] = max(errs)
-        out["head_err"] = (sharded.lm_head.weight - whole.lm_head.weight).abs().max().item()
-    out["local_params"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-                              for p in sharded.model.parameters())
-    out["whole_params"] = sum(p.numel() for p in whole.model.parameters())
-    out["sharded"] = sharded.sharded
-    result(out)
+    found = []
+    for model_dir, expert_parallel in json.loads(cases_json):
+        whole = TargetModel.from_pretrained(model_dir, target_layer_ids=[0, 2, 3])
+        sharded = TargetModel.from_pretrained(model_dir, target_layer_ids=[0, 2, 3], tensor_parallel=tp,
+                                              expert_parallel=expert_parallel)
+        g = torch.Generator().manual_seed(d.data_rank)  # each target group its own batch, as in training
+        ids = torch.randint(0, 290, (2, 19), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 15:] = 0
+        out: dict = {"model": model_dir, "expert_parallel": expert_parallel, "rank": d.rank,
+                     "tensor_rank": d.tensor_rank, "data_rank": d.data_rank}
+        with torch.no_grad():
+            out["features_err"] = (sharded.features(ids, mask) - whole.features(ids, mask)).abs().max().item()
+            errs = []
+            caches = (whole.new_cache(), sharded.new_cache())
+            for start, stop, keep in ((0, 11, None), (11, 15, None), (15, 19, 1), (16, 19, None)):
+                marks = [mark_cache(c) for c in caches]
+                (lw, tw), (ls, ts) = (m.forward_with_cache(ids[:1, start:stop], c, start)
+                                      for m, c in zip((whole, sharded), caches))
+                errs += [(ls - lw).abs().max().item(), (ts - tw).abs().max().item()]
+                if keep is not None:  # a verification that kept 1 of its 4 tokens
+                    for m, c, mark in zip((whole, sharded), caches, marks):
+                        rewind_cache(m, c, mark, ids[0, start:start + keep].tolist())
+            out["decode_err"] = max(errs)
+            out["head_err"] = (sharded.lm_head.weight - whole.lm_head.weight).abs().max().item()
+        out["local_params"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                  for p in sharded.model.parameters())
+        out["whole_params"] = sum(p.numel() for p in whole.model.parameters())
+        out["sharded"] = sharded.sharded
+        found.append(out)
+    result(found)
     D.teardown()
 
 

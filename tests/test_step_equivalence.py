@@ -364,7 +364,7 @@ def test_only_the_last_layer_keeps_its_probabilities_and_only_when_training(monk
     apply = attention_module._BlockwiseAttention.apply
 
     def spy(*args):
-        asked.append(args[-1])
+        asked.append(args[6])  # keep_probs
         return apply(*args)
 
     monkeypatch.setattr(attention_module._BlockwiseAttention, "apply", spy)

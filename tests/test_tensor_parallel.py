@@ -16,11 +16,11 @@ from flashdraft.toy import tiny_causal_lm
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    """Tiny saved targets of each architecture a plan covers here: dense Qwen3, Qwen3-MoE, Llama
-    (heads and KV heads divisible by 4, the widest group tested)."""
+    """Tiny saved targets of each architecture a plan covers here: dense Qwen3, Qwen3-MoE, Llama,
+    hybrid Qwen3.5 (heads, KV heads and experts divisible by 4, the widest group tested)."""
     root = tmp_path_factory.mktemp("tp_targets")
     paths = {}
-    for arch in ("qwen3", "qwen3_moe", "llama"):
+    for arch in ("qwen3", "qwen3_moe", "llama", "qwen3_5"):
         model = tiny_causal_lm(VOCAB, arch=arch, num_layers=4, hidden=64, num_heads=4, num_kv_heads=4, seed=3,
                                max_position_embeddings=256)
         model.save_pretrained(root / arch)
@@ -28,31 +28,21 @@ def targets(tmp_path_factory):
     return paths
 
 
-@pytest.mark.parametrize("arch,world,tp,ep", [
-    ("qwen3", 2, 2, False),
-    ("qwen3", 4, 2, False),  # 2 target groups of 2 (data x tensor)
-    ("qwen3_moe", 2, 2, False),  # experts tensor-parallel
-    ("qwen3_moe", 4, 4, True),  # experts split over a group of 4 (expert parallel)
-    ("llama", 2, 2, False),
-])
-def test_a_sharded_target_computes_the_taps_and_logits_of_the_whole_one(targets, forkserver, arch, world, tp, ep):
-    workers = run_ranks(forkserver, "sharded_features", str(targets[arch]), str(tp), "1" if ep else "0",
-                        world_size=world, timeout=180)
-    for r in results(workers):
-        assert r["sharded"]
-        assert r["features_err"] < 1e-5 and r["decode_err"] < 1e-5 and r["head_err"] == 0, r
-        assert r["local_params"] < 0.75 * r["whole_params"], r  # the layers' weights split over the group
-    assert [r["data_rank"] for r in results(workers)] == [rank // tp for rank in range(world)]
-
-
-def test_a_hybrid_target_decodes_sharded_through_its_cache_rewind(tmp_path, forkserver):
-    """Qwen3.5's plan shards its attention and (gathered) linear-attention projections: the
-    sharded target's taps and cached decoding still equal the whole target's."""
-    model = tiny_causal_lm(VOCAB, arch="qwen3_5", num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, seed=3,
-                           max_position_embeddings=256)
-    model.save_pretrained(tmp_path / "hybrid")
-    for r in results(run_ranks(forkserver, "sharded_features", str(tmp_path / "hybrid"), "2", "0", timeout=180)):
-        assert r["features_err"] < 1e-5 and r["decode_err"] < 1e-5, r
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4)])  # groups of 2 and 4 (2 groups side by side: the training tests)
+def test_a_sharded_target_computes_the_taps_and_logits_of_the_whole_one(targets, forkserver, world, tp):
+    """Dense Qwen3, Qwen3-MoE with its experts tensor-parallel and expert-parallel, Llama, and the
+    hybrid Qwen3.5 (its plan shards attention and gathers the linear-attention projections; its
+    cache rewind restores the recurrent states): every layout, one launch each."""
+    cases = [[str(targets[arch]), ep] for arch, ep in
+             (("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True), ("llama", False), ("qwen3_5", False))]
+    ranks = results(run_ranks(forkserver, "sharded_features", json.dumps(cases), str(tp), world_size=world,
+                              timeout=300))
+    for rank, found in enumerate(ranks):
+        assert len(found) == len(cases)
+        for r in found:
+            assert r["sharded"] and r["data_rank"] == rank // tp
+            assert r["features_err"] < 1e-5 and r["decode_err"] < 1e-5 and r["head_err"] == 0, r
+            assert r["local_params"] < 0.75 * r["whole_params"], r  # the layers' weights split over the group
 
 
 @pytest.mark.parametrize("world,accum", [(2, 1), (4, 2)])  # TP 2; DP 2 x TP 2
@@ -124,11 +114,10 @@ def test_a_group_size_the_heads_do_not_divide_is_refused_with_the_sizes_that_fit
                          expert_parallel=True)
 
 
-@pytest.mark.parametrize("world", [3, 4])  # a group of 2 target ranks feeding 1, or 2, drafter ranks
-def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_process_run(tiny_job, tmp_path, forkserver,
-                                                                                      world):
-    """Target ranks [D, W) form one tensor-parallel group; its first rank sends every step's
-    features once (not once per shard) to the D drafter ranks, the other computes them with it."""
+def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_process_run(tiny_job, tmp_path, forkserver):
+    """Ranks 2 and 3 form one tensor-parallel target group feeding drafter ranks 0 and 1; its first
+    rank sends every step's features once (not once per shard), the other computes them with it."""
+    world = 4
     knobs = dict(model__tensor_parallel=2, pipeline__placement="disaggregated", pipeline__target_ranks=2)
     sharded = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "tp", **knobs)),
                         world_size=world, timeout=300)
@@ -141,3 +130,20 @@ def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_proce
     assert all(r["target_sharded"] for r in targets) and not any(r["target_sharded"] for r in drafters)
     assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in drafters)
     np.testing.assert_allclose(drafters[0]["losses"], single["losses"], rtol=1e-5)
+
+
+def test_a_run_resumes_at_another_tensor_parallel_size_exactly(tiny_job, tmp_path, forkserver):
+    """Checkpoints do not depend on T (the target is never saved): a one-process run's checkpoint
+    at step 3 resumed with a target sharded over 2 ranks trains steps 4..6 as the one-process run
+    did (the batch plan's world is the number of target groups: 1 both times)."""
+    whole = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "one")), world_size=1,
+                      timeout=300)
+    (single,) = results(whole)
+    first = run_ranks(forkserver, "train_recorded", json.dumps(overrides(tiny_job, tmp_path / "run")), "3",
+                      world_size=1, timeout=300)  # SIGTERM after step 3: a checkpoint, then exit
+    assert results(first)[0]["stopped"]
+    resumed = run_ranks(forkserver, "train_ranks",
+                        json.dumps(overrides(tiny_job, tmp_path / "run", model__tensor_parallel=2)), timeout=300)
+    ranks = results(resumed)
+    assert all(r["target_sharded"] for r in ranks) and len(ranks[0]["losses"]) == len(single["losses"]) - 3
+    np.testing.assert_allclose(ranks[0]["losses"], single["losses"][3:], rtol=1e-5)

@@ -395,8 +395,11 @@ class DFlashDrafter(nn.Module):
         """Write config.json + model.safetensors (no embedding, no LM head, no rotary buffers).
         Each file is written beside its final name and renamed onto it: a crash mid-export leaves
         the previous export's file, never a torn one (serving.write_export)."""
-        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         config = dict(self.config, dtype=str(dtype).removeprefix("torch."))
+        # what a loader would misread (a layout or size the engines' rules resolve otherwise) is
+        # refused before anything is written
+        serving.check_supported(config, f"{path} (the drafter being saved)")
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         return serving.write_export(path, state, config)
 
     @classmethod
