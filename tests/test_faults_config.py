@@ -37,7 +37,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
     ({"data__token_budget": 30},
      r"data.token_budget=30 is smaller than the longest sample \(40 tokens.*raise data.token_budget to at least 40"),
     ({"model__drafter": "dflash2", "model__conv_group_size": 5},
-     r"model.conv_group_size=5 must divide the target's hidden size 32: use e.g. 32"),
+     r"model.conv_group_size=5 must divide the target.s hidden size 32: use e.g. 16"),
     ({"model__drafter": "dflash2", "model__selector_top_k": 400},
      r"model.selector_top_k=400 exceeds the target's vocabulary \(300\)"),
 ], ids=["tap_beyond_layers", "mask_outside_vocab", "budget_below_longest_sample", "conv_groups", "top_k"])

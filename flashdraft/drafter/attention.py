@@ -286,18 +286,19 @@ def _group_kv(ctx: torch.Tensor, blk: torch.Tensor, g: QueryGroup) -> torch.Tens
     return torch.cat([prefix, _to_groups(blk, g, hkv)], dim=3)
 
 
-def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup, sink: torch.Tensor | None = None) -> torch.Tensor:
+def _group_probs(qg: torch.Tensor, kg: torch.Tensor, g: QueryGroup, sink: torch.Tensor | None = None):
     """Attention probabilities [B, Hkv, groups, rep * rows, context + rows] (qg pre-scaled).
     ``sink`` [1, Hkv, 1, rep * rows, 1]: each row's sink logit, a column in the softmax that is
-    then dropped (so a row's probabilities sum to 1 - its sink's)."""
+    then dropped; then (probabilities, the sink's share [B, Hkv, groups, rep * rows, 1] in fp32,
+    exp(s_h - LSE): 1 minus a bf16 row sum would be mostly rounding at a realistic context)."""
     s = qg @ kg.transpose(-1, -2)
     b, hkv, k, _, keys = s.shape
     s.view(b, hkv, k, -1, g.bias.shape[-2], keys).add_(g.bias)
     if sink is None:
         return torch.softmax(s, dim=-1)
-    top = torch.maximum(s.amax(-1, keepdim=True), sink)
-    p = s.sub_(top).exp_()
-    return p.div_(p.sum(-1, keepdim=True) + (sink - top).exp())
+    top = torch.maximum(s.amax(-1, keepdim=True), sink).float()
+    lse = (s.float() - top).exp().sum(-1, keepdim=True).add_((sink.float() - top).exp()).log_().add_(top)
+    return s.sub_(lse.to(s.dtype)).exp_(), (sink.float() - lse).exp()
 
 
 def _sink_rows(sink: torch.Tensor | None, heads: int, kv_heads: int, rows: int) -> torch.Tensor | None:
@@ -325,9 +326,11 @@ class _BlockwiseAttention(torch.autograd.Function):
         for g in calls:
             rows = _sink_rows(sink, q.shape[1], hkv, (g.stop - g.start) // g.groups)
             p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g, rows)
+            if sink is not None:
+                p, p_sink = p
             _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
             if keep_probs:
-                probs.append(p)
+                probs += [p, p_sink] if sink is not None else [p]
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *((sink,) if sink is not None else ()), *probs)
         ctx.calls, ctx.has_sink = calls, sink is not None
         return out
@@ -345,13 +348,16 @@ class _BlockwiseAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1, keepdim=True)
         dsink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if sink is not None else None
         q_scaled = q * scale
+        per_call = 2 if sink is not None else 1  # saved per call: its probabilities (and sink shares)
+        delta32 = (dout.float() * out.float()).sum(-1, keepdim=True) if sink is not None else None
         for i, g in enumerate(ctx.calls):
             qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
             rows = _sink_rows(sink, q.shape[1], hkv, (g.stop - g.start) // g.groups)
-            p = probs[i] if probs else _group_probs(qg, kg, g, rows)
+            found = probs[per_call * i:per_call * (i + 1)] if probs else _group_probs(qg, kg, g, rows)
+            p, p_sink = (found if sink is not None else (found[0] if probs else found, None))
             do = _to_groups(dout, g, hkv)
-            if dsink is not None:  # p_sink = 1 - sum_j p_j, per row; [B, Hkv, groups, rep * rows] -> [H]
-                term = ((1 - p.sum(-1)) * _to_groups(delta, g, hkv).squeeze(-1)).float()
+            if dsink is not None:  # d s_h = -sum over its rows of p_sink * delta (fp32); -> [H]
+                term = p_sink.squeeze(-1) * _to_groups(delta32, g, hkv).squeeze(-1)
                 dsink -= term.sum((0, 2)).view(hkv, -1, (g.stop - g.start) // g.groups).sum(-1).flatten()
             ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
             dv = p.transpose(-1, -2) @ do
@@ -520,16 +526,21 @@ def _sdpa(q, k, v, mask, enable_gqa: bool, sink: torch.Tensor | None) -> torch.T
     """SDPA of q [B, Hq, Q, D] over k / v [B, Hkv, K, D] under the bool ``mask`` (None: all
     visible). ``sink`` [Hq]: one more key that every query sees, scored s_h and valued 0 -- q
     carries s_h * sqrt(D) in an extra dimension that only the sink key has (1 there, 0 for the
-    others), and v a zero dimension, so the other scores and the scale stay as they are."""
+    others), so the other scores and the scale stay as they are. The extra dimensions come in
+    8s (the sink's and 7 zeros), v's too, so that the fused kernels' head-size rules still hold."""
     if sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     b, hq, n, d = q.shape
-    hkv, keys = k.shape[1], k.shape[2]
-    extra = (sink.to(q.dtype) * d**0.5).view(1, hq, 1, 1).expand(b, hq, n, 1)
+    hkv = k.shape[1]
+    extra = F.pad((sink.to(q.dtype) * d**0.5).view(1, hq, 1, 1).expand(b, hq, n, 1), (0, _PAD - 1))
     q = torch.cat([q, extra], dim=-1)
-    sink_key = torch.cat([k.new_zeros(b, hkv, 1, d), k.new_ones(b, hkv, 1, 1)], dim=-1)
-    k = torch.cat([torch.cat([k, k.new_zeros(b, hkv, keys, 1)], dim=-1), sink_key], dim=2)
-    v = torch.cat([v, v.new_zeros(b, hkv, 1, d)], dim=2)
+    sink_key = F.pad(k.new_ones(b, hkv, 1, 1), (d, _PAD - 1))
+    k = torch.cat([F.pad(k, (0, _PAD)), sink_key], dim=2)
+    v = torch.cat([F.pad(v, (0, _PAD)), v.new_zeros(b, hkv, 1, d + _PAD)], dim=2)
     if mask is not None:
         mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, scale=d**-0.5)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa, scale=d**-0.5)
+    return out[..., :d]
+
+
+_PAD = 8  # extra head dimensions of _sdpa's sink

@@ -248,6 +248,8 @@ class DFlashDrafter(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, CandidateSelector):
                 module.reset_parameters(std, generator)
+            elif isinstance(module, DrafterAttention) and module.attention_sink_bias is not None:
+                nn.init.zeros_(module.attention_sink_bias)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] for integer positions [B, T]."""

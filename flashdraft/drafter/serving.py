@@ -172,12 +172,16 @@ def layer_attention(config: dict) -> list:
 
 
 def attention_sinks(config: dict) -> bool:
-    """Whether the drafter's layers have attention sinks: ``dflash_config.attention_sink_bias``
-    (vLLM, SGLang) or the top-level ``attention_sink_bias`` / ``add_swa_attention_sink_bias``
-    (vLLM builds the sink for every layer when either is set)."""
+    """Whether the drafter's layers have attention sinks, as the engines read it:
+    ``dflash_config.attention_sink_bias`` (vLLM, SGLang) or the top-level
+    ``add_swa_attention_sink_bias`` (vLLM builds the sink for every layer when either is true).
+    The top-level ``attention_sink_bias`` ModelOpt also writes is not read by them, so not here.
+    ValueError for a value that is not a bool (SGLang refuses it)."""
     dflash = config.get("dflash_config") or {}
-    return bool(dflash.get("attention_sink_bias") or config.get("attention_sink_bias")
-                or config.get("add_swa_attention_sink_bias"))
+    values = [dflash.get("attention_sink_bias"), config.get("add_swa_attention_sink_bias")]
+    if any(v is not None and not isinstance(v, bool) for v in values):
+        raise ValueError(f"attention_sink_bias / add_swa_attention_sink_bias must be true or false, not {values}")
+    return any(values)
 
 
 # Config keys of newer DFlash checkpoints whose behaviour this drafter does not implement: a
@@ -191,7 +195,7 @@ def check_supported(config: dict, where) -> None:
     DFlash2's conv and selector): scaled embeddings, values or outputs, unknown layer types, a
     DFlash2 config without its module sizes."""
     problems = []
-    for check in (layer_attention, dflash2_modules):
+    for check in (layer_attention, dflash2_modules, attention_sinks):
         try:
             check(config)
         except (ValueError, KeyError) as exc:

@@ -68,13 +68,15 @@ def check_drafter_sizes(cfg: Config) -> None:
         return
     from transformers import AutoConfig
 
-    target = AutoConfig.from_pretrained(cfg.model.target, trust_remote_code=cfg.model.trust_remote_code)
+    from flashdraft.target import _model_dir
+
+    target = AutoConfig.from_pretrained(_model_dir(cfg.model.target), trust_remote_code=cfg.model.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target
     hidden, vocab = int(target.hidden_size), int(target.vocab_size)
     if hidden % cfg.model.conv_group_size:
-        fits = [g for g in (8, 16, 32, 64) if hidden % g == 0]
+        fits = [g for g in (16, 8, 32, 64, 4, 2) if hidden % g == 0]  # the released 16 first
         raise ValueError(f"model.conv_group_size={cfg.model.conv_group_size} must divide the target's hidden size "
-                         f"{hidden}: use e.g. {fits[-1] if fits else 1}")
+                         f"{hidden}: use e.g. {fits[0] if fits else 1}")
     if cfg.model.selector_top_k > vocab:
         raise ValueError(f"model.selector_top_k={cfg.model.selector_top_k} exceeds the target's vocabulary ({vocab}): "
                          "use e.g. 16")

@@ -290,10 +290,18 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
         # this rank keeps serving until they do (the caller holds a GracefulStop around this).
         with pipe:
             for k, item in pipe:
-                # the group agrees (one tiny all-reduce; none unsharded): stop now, and the signal to pass on
+                # the group agrees (one tiny all-reduce; none unsharded): go on, stop (1) or fail (2: a
+                # drafter rank sent ABORT, which only the first rank sees), and the signal to pass on
+                try:
+                    vote, failure = int(sends and any(link.stopped() for link in links)), ""
+                except RuntimeError as exc:
+                    vote, failure = 2, str(exc)
                 agreed = distributed.target_group_max(torch.tensor(
-                    [int(sends and any(link.stopped() for link in links)), stop.signum if stop is not None else 0],
+                    [vote, stop.signum if stop is not None else 0],
                     device=stages.device)).tolist()  # on the device: NCCL groups take no host tensors
+                if agreed[0] == 2:
+                    raise RuntimeError(failure or f"target rank {dist.global_rank}: a drafter rank of this target "
+                                                  "group failed (it sent ABORT to the group's first rank); see its log")
                 if agreed[0]:
                     break
                 if sends:
