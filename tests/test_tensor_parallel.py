@@ -6,11 +6,15 @@ failure of a rank in a target group."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
 from conftest import VOCAB, overrides, read_log, results, run_ranks
+from flashdraft.checkpoint import CheckpointManager
 from flashdraft.toy import tiny_causal_lm
 
 
@@ -147,3 +151,26 @@ def test_a_run_resumes_at_another_tensor_parallel_size_exactly(tiny_job, tmp_pat
     ranks = results(resumed)
     assert all(r["target_sharded"] for r in ranks) and len(ranks[0]["losses"]) == len(single["losses"]) - 3
     np.testing.assert_allclose(ranks[0]["losses"], single["losses"][3:], rtol=1e-5)
+
+
+def test_a_signal_to_a_rank_of_a_disaggregated_target_group_stops_the_whole_job_with_a_checkpoint(
+        tiny_job, tmp_path, trainer_forkserver):
+    """Rank 2, the second rank of the target group {1, 2} (it sends nothing): its SIGTERM reaches
+    the group's first rank through the group's per-step vote, then the drafter rank with the
+    next step; it checkpoints, and every rank exits 143."""
+    server, out = trainer_forkserver, tmp_path / "run"
+    args = overrides(tiny_job, out, train__max_steps=12, model__tensor_parallel=2, pipeline__placement="disaggregated",
+                     pipeline__target_ranks=2, train__collective_timeout_s=60)
+    workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,
+                        env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3"})
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+        if time.monotonic() > deadline:
+            pytest.fail("no step 2:\n" + "\n".join(read_log(o) for _, o in workers))
+        time.sleep(0.05)
+    os.kill(workers[2][0], signal.SIGTERM)
+    codes = [server.wait(pid, 90) for pid, _ in workers]
+    logs = "\n".join(read_log(o) for _, o in workers)
+    assert codes == [128 + signal.SIGTERM] * 3, logs
+    stopped = CheckpointManager(out / "checkpoints").load_latest().step
+    assert 2 <= stopped < 12 and f"stopped by SIGTERM at step {stopped} of 12" in logs
