@@ -70,11 +70,16 @@ class SlotLoss:
         """Fixed weights times CE: the chunked head's single-pass path."""
         return self.kind == "ce" and self.dpace_alpha is None
 
+    def slot_weights(self, ce: torch.Tensor, weights: torch.Tensor, slots: int) -> torch.Tensor:
+        """Each row's weight [R] (float32): ``weights`` itself, or under D-PACE the detached
+        D-PACE weights of its block from the rows' CE [R] and 0/1 validity ``weights``."""
+        if self.dpace_alpha is None:
+            return weights.float()
+        return dpace_weights(ce.view(-1, slots), weights.view(-1, slots), self.dpace_alpha).view(-1)
+
     def rows(self, ce: torch.Tensor, weights: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         fixed = ce.detach()
-        w = weights if self.dpace_alpha is None else \
-            dpace_weights(fixed.view(-1, slots), weights.view(-1, slots), self.dpace_alpha).view(-1)
-        w = w.float()
+        w = self.slot_weights(fixed, weights, slots)
         if self.kind == "ce":
             return w * ce, w
         q = torch.exp(-fixed)
@@ -458,10 +463,9 @@ def _selector_term(selector, spec: SelectorLoss, hidden: torch.Tensor, previous:
     hit = candidates == labels.unsqueeze(1)
     recall = hit.any(1)
     strict = F.cross_entropy(scores, hit.to(torch.uint8).argmax(1), reduction="none") * recall  # misses add nothing
-    w = weights if slot_loss.dpace_alpha is None else \
-        dpace_weights(ce.view(-1, slots), weights.view(-1, slots), slot_loss.dpace_alpha).view(-1)
+    w = slot_loss.slot_weights(ce, weights, slots)  # the base term's weights (D-PACE: from the full block)
     picked = candidates.gather(1, scores.detach().argmax(1, keepdim=True)).squeeze(1)
-    return (w.float() * strict).sum(), picked == labels, recall
+    return (w * strict).sum(), picked == labels, recall
 
 
 @dataclass
@@ -485,6 +489,11 @@ class Blocks:
     def weight_sum(self) -> torch.Tensor:
         return self.weights.sum()
 
+    def _per_block(self, fn) -> Blocks:
+        """These blocks with ``fn`` applied to each per-block field [B, N, ...] (same losses)."""
+        return Blocks(*(fn(t) for t in (self.anchors, self.valid, self.input_ids, self.labels, self.weights)),
+                      self.loss, self.selector)
+
     def shard(self, index: int, count: int) -> Blocks:
         """Share ``index`` of ``count`` of the anchor axis, contiguous (the ranks of a tensor-
         parallel target group each train on one; together they hold every block once). The axis
@@ -494,23 +503,19 @@ class Blocks:
             return self
         n = self.anchors.shape[1]
         per = -(-n // count)
-        pad = per * count - n
-        def padded(t: torch.Tensor) -> torch.Tensor:  # zeros: anchor 0, invalid, weight 0
-            return torch.cat([t, t.new_zeros((t.shape[0], pad, *t.shape[2:]))], dim=1) if pad else t
+        pad, part = per * count - n, slice(index * per, (index + 1) * per)
 
-        fields = [padded(t) for t in (self.anchors, self.valid, self.input_ids, self.labels, self.weights)]
-        part = slice(index * per, (index + 1) * per)
-        return Blocks(*(t[:, part] for t in fields), self.loss, self.selector)
+        def padded_share(t: torch.Tensor) -> torch.Tensor:  # padding zeros: anchor 0, invalid, weight 0
+            return torch.cat([t, t.new_zeros((t.shape[0], pad, *t.shape[2:]))], dim=1)[:, part]
+
+        return self._per_block(padded_share)
 
     def slices(self, anchors_per_slice: int) -> list[Blocks]:
         """Split along the anchor axis (0: no split); forward+backward per slice bounds memory."""
         n = self.anchors.shape[1]
         if anchors_per_slice <= 0 or anchors_per_slice >= n:
             return [self]
-        return [Blocks(*(t[:, i : i + anchors_per_slice] for t in
-                         (self.anchors, self.valid, self.input_ids, self.labels, self.weights)), self.loss,
-                       self.selector)
-                for i in range(0, n, anchors_per_slice)]
+        return [self._per_block(lambda t, i=i: t[:, i : i + anchors_per_slice]) for i in range(0, n, anchors_per_slice)]
 
 
 def make_blocks(

@@ -108,17 +108,18 @@ class Header:
 
 
 @contextlib.contextmanager
-def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, output, dist: Dist,
-                   threaded: bool = True):
+def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, output, dist: Dist):
     """This rank's own next ``num_steps`` steps: data (plan + collate into pooled pinned buffers)
     and target (H2D + frozen forward) stages, in a Pipeline whose consumer is the caller's loop
-    (the drafter step, on this thread). ``threaded=False`` (pipeline.enabled=false, or a
-    tensor-parallel target) runs the same stages inline: the sequential baseline, and for a
-    sharded target the guarantee that the ranks of a group run the same forwards, one by one,
-    and stop after the same one (a read-ahead forward one rank started and another did not would
-    wait for it until the collective timeout). Yields (pipeline, buffer pool); closing joins every
-    thread, then closes the feature cache (its final counters stay in ``stages.cache_stats``)."""
+    (the drafter step, on this thread). pipeline.enabled=false, or a tensor-parallel target,
+    runs the same stages inline: the sequential baseline, and for a sharded target the guarantee
+    that the ranks of a group run the same forwards, one by one, and stop after the same one (a
+    read-ahead forward one rank started and another did not would wait for it until the
+    collective timeout; serve_features runs a sharded target inline for the same reason). Yields
+    (pipeline, buffer pool); closing joins every thread, then closes the feature cache (its
+    final counters stay in ``stages.cache_stats``)."""
     pcfg = stages.config.pipeline
+    threaded = pcfg.enabled and dist.tensor_size == 1
     pool = stages.buffer_pool()
     if threaded and num_steps > 0:
         stages.warm_up()
