@@ -120,6 +120,7 @@ class DataConfig:
     max_length: int = 3072  # samples longer than this are truncated (tokens)
     token_budget: int = 16384  # max padded tokens per micro-batch (batch_size x padded length)
     max_batch_size: int = 64  # max samples per micro-batch
+    row_budget: int = 16384  # max drafter rows (anchors x block_size, summed over samples) per micro-batch
     min_supervised: int | None = None  # min supervised tokens per sample; None: 2 * block_size
     on_invalid: str = "raise"  # bad samples: raise (with index and fix) or drop (counted, reported)
 
@@ -128,6 +129,7 @@ class DataConfig:
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
         _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
+        _check(self.row_budget >= 1, "data.row_budget", f"{self.row_budget}", "use a positive row count")
         _check(self.on_invalid in ON_INVALID, "data.on_invalid", self.on_invalid, f"use one of {', '.join(ON_INVALID)}")
 
 
