@@ -11,8 +11,16 @@ Roles (``num_target_ranks > 0``, disaggregated placement, docs/pipeline.md): the
 ranks. Each role gets its own process group, and every helper above runs in THIS rank's role
 group: drafter ranks see a world of the drafter ranks only (``Dist.rank`` / ``world_size``,
 ``get_rank()``, DDP via ``group()``, checkpoints), so the trainer's collectives never wait on
-a target rank. Target ranks feed their drafter ranks with the point-to-point ``isend`` /
-``irecv`` (global ranks, on the default group).
+a target rank. Target ranks feed their drafter ranks point-to-point (global ranks) on two
+channels (docs/distributed.md):
+
+- the data channel, the default (device) group -- NCCL on CUDA: ``isend`` / ``irecv``, the
+  feature tensors alone, flowing one way (target -> drafter: a target rank only sends, a drafter
+  rank only receives). NCCL runs the un-batched point-to-point ops between two ranks in posting
+  order on one stream, so a receive a sender posted ahead of its sends would hold them all back.
+- the control channel, a gloo group over the same ranks (``control_isend`` / ``control_irecv``,
+  host tensors): HELLO, step headers, DONE / STOP / END / ABORT. gloo matches a pair's messages
+  by tag, not by stream order, so a long-lived receive there never blocks anything else.
 
 Tensor-parallel targets (``tensor_parallel`` T > 1): the ranks that run the target (all of
 them colocated; the target ranks disaggregated) form a mesh [data, tensor] of shape
@@ -93,6 +101,9 @@ _GROUP: Any = None
 # Tensor-parallel targets: (the dense and the expert mesh transformers shards over); None when
 # the target is not sharded.
 _TARGET_MESH: Any = None
+# Disaggregated placement: the gloo group over the whole job that carries the feature links'
+# control messages (module doc); None otherwise.
+_CONTROL: Any = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -174,7 +185,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     splits the job into drafter and target roles (module doc); it needs WORLD_SIZE > 1.
     ``tensor_parallel`` > 1 groups the ranks into target groups of that many (module doc).
     """
-    global _STATE, _GROUP
+    global _STATE, _GROUP, _CONTROL
     if _STATE is not None:
         return _STATE
     if timeout_s <= 0:
@@ -222,6 +233,8 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = {"drafter": tdist.new_group(drafters, timeout=timeout),
               "target": tdist.new_group(targets, timeout=timeout)}
+    # The links' control channel: gloo whatever the device backend (module doc), the job's timeout.
+    _CONTROL = tdist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
     if tensor_parallel > 1:  # also collective over the world: drafter ranks take part, outside the mesh
         _make_target_mesh(device, backend, targets, tensor_parallel, timeout_s)
     role = "drafter" if rank in drafters else "target"
@@ -304,10 +317,10 @@ def get_world_size() -> int:
 
 def teardown() -> None:
     """Leave the process group (if any) and forget the topology. Safe to call twice."""
-    global _STATE, _GROUP, _TARGET_MESH
+    global _STATE, _GROUP, _TARGET_MESH, _CONTROL
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _STATE = _GROUP = _TARGET_MESH = None
+    _STATE = _GROUP = _TARGET_MESH = _CONTROL = None
 
 
 def _active() -> bool:
@@ -476,9 +489,17 @@ class Transfer:
         self._finished = True
 
 
+def control_group() -> Any:
+    """The gloo group carrying the feature links' control messages (disaggregated placement);
+    None otherwise."""
+    return _CONTROL
+
+
 def isend(tensor: torch.Tensor, dst: int) -> Transfer:
-    """Start sending ``tensor`` to GLOBAL rank ``dst``; keep it unchanged until ``wait()``.
-    Messages between two ranks arrive in the order they were sent. Needs a process group."""
+    """Start sending ``tensor`` to GLOBAL rank ``dst`` on the data channel (the device group);
+    keep it unchanged until ``wait()``. Messages between two ranks arrive in the order they were
+    sent. Only ever from the sending side of a one-way flow: under NCCL a pair's ops run in
+    posting order on one stream, so an op against the flow would stall the flow (module doc)."""
     try:
         return Transfer(tdist.isend(tensor, dst), f"send to rank {dst}")
     except RuntimeError as exc:
@@ -487,8 +508,40 @@ def isend(tensor: torch.Tensor, dst: int) -> Transfer:
 
 def irecv(tensor: torch.Tensor, src: int) -> Transfer:
     """Start receiving into ``tensor`` (its shape and dtype must match the sender's) from
-    GLOBAL rank ``src``. Needs a process group."""
+    GLOBAL rank ``src`` on the data channel (the device group): the receiving side of a
+    one-way flow only (see ``isend``)."""
     try:
         return Transfer(tdist.irecv(tensor, src), f"receive from rank {src}")
     except RuntimeError as exc:
         raise _fail(f"receive from rank {src}", exc) from exc
+
+
+def control_isend(tensor: torch.Tensor, dst: int) -> Transfer:
+    """Start sending the host tensor ``tensor`` to GLOBAL rank ``dst`` on the control channel
+    (gloo: its receives, however long-lived, never hold back the data channel)."""
+    try:
+        return Transfer(tdist.isend(_host(tensor), dst, group=_control()), f"control send to rank {dst}")
+    except RuntimeError as exc:
+        raise _fail(f"control send to rank {dst}", exc) from exc
+
+
+def control_irecv(tensor: torch.Tensor, src: int) -> Transfer:
+    """Start receiving into the host tensor ``tensor`` from GLOBAL rank ``src`` on the control
+    channel. May stay posted for the whole run (e.g. a drafter rank's STOP)."""
+    try:
+        return Transfer(tdist.irecv(_host(tensor), src, group=_control()), f"control receive from rank {src}")
+    except RuntimeError as exc:
+        raise _fail(f"control receive from rank {src}", exc) from exc
+
+
+def _control() -> Any:
+    if _CONTROL is None:
+        raise RuntimeError("no control channel: it exists in a disaggregated job only (init_distributed with "
+                           "num_target_ranks > 0)")
+    return _CONTROL
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the control channel (gloo) carries host tensors; got one on {tensor.device}")
+    return tensor

@@ -406,6 +406,10 @@ def serve(*preload: str) -> None:
                         fd = os.open(cmd["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                         os.dup2(fd, 1)
                         os.dup2(fd, 2)
+                        if os.environ.get("FLASHDRAFT_TEST_P2P_LOG"):  # tests/p2p_model.py
+                            import p2p_model
+
+                            p2p_model.install_recorder(os.environ["FLASHDRAFT_TEST_P2P_LOG"])
                         SCENARIOS[cmd["scenario"]](*cmd["args"])
                     except BaseException:
                         traceback.print_exc()

@@ -15,6 +15,8 @@ from conftest import final_drafter, overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.distributed import role_layout
+from p2p_model import ENV as P2P_LOG
+from p2p_model import Op, assert_one_way_and_nccl_safe, flow_violations, nccl_deadlocks
 
 
 def disaggregated(job, out, target_ranks: int = 1, **extra) -> list[str]:
@@ -26,8 +28,10 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
     """1 target rank feeding 2 drafter ranks == 2 colocated ranks (same seed, same global batch);
     its step-4 checkpoint resumed on 2 target ranks x 2 drafter ranks (1:1 pairs) ends the same."""
     server = trainer_forkserver
+    (tmp_path / "p2p").mkdir()
     dis = run_ranks(server, "train_ranks", json.dumps(disaggregated(tiny_job, tmp_path / "dis", train__max_steps=8,
-                                                                    train__save_every=4)), world_size=3, timeout=300)
+                                                                    train__save_every=4)), world_size=3, timeout=300,
+                    env={P2P_LOG: str(tmp_path / "p2p")})
     col = run_ranks(server, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "col", train__max_steps=8)),
                     timeout=300)
     codes = [server.wait(pid, 0) for pid, _ in dis + col]
@@ -37,6 +41,9 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
     assert d0["ddp"] == "DistributedDataParallel" and all(d0["identical"]) and len(d0["identical"]) == 8
     assert target["losses"] == [] and target["identical"] == []  # the target rank never trains
     assert d0["losses"] == d1["losses"]
+    # The device group carried the features one way (rank 2 -> ranks 0, 1), safe under NCCL's order.
+    ops = assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2})
+    assert sum(op.kind == "send" and op.group == "device" for op in ops[2]) == 2 * 8 * 4  # 4 tensors per micro-batch
     np.testing.assert_allclose(d0["losses"], c0["losses"], rtol=1e-5)
     # The drafter ranks loaded only the target's embedding and LM head (its layers stay on the
     # meta device; with eval data the main one would load it all, to decode); the target rank runs it.
@@ -146,8 +153,9 @@ def test_a_signal_to_the_target_rank_alone_stops_the_whole_job_with_a_checkpoint
     checkpoint and stop, and every rank exits 143 (before: the drafters trained on, the target
     rank then failed the finished job)."""
     server, out = trainer_forkserver, tmp_path / "run"
+    (tmp_path / "p2p").mkdir()
     workers = run_ranks(server, "cli", "train", *disaggregated(tiny_job, out, train__max_steps=12), world_size=3,
-                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3"})
+                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3", P2P_LOG: str(tmp_path / "p2p")})
     deadline = time.monotonic() + 120
     while _logged_steps(out) < 2:
         if time.monotonic() > deadline:
@@ -159,3 +167,46 @@ def test_a_signal_to_the_target_rank_alone_stops_the_whole_job_with_a_checkpoint
     assert codes == [128 + signal.SIGTERM] * 3, logs
     stopped = CheckpointManager(out / "checkpoints").load_latest().step
     assert 2 <= stopped < 12 and f"stopped by SIGTERM at step {stopped} of 12" in logs
+    # STOP, the drain up to END: the control messages never touched the device group.
+    assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2})
+
+
+def _link_trace(old: bool, steps: int = 2) -> dict[int, list[Op]]:
+    """The device-group ops of one link (target rank 1 -> drafter rank 0, one micro-batch per
+    step of 4 tensors), as the protocol before the control channel posted them (``old``: HELLO,
+    header and control message on the device group, the STOP/DONE receive posted at the start)
+    and as it does now (the features alone)."""
+    def op(rank, kind, numel, dtype="torch.int64"):
+        return Op(rank, kind, 1 - rank, "device", dtype, numel)
+
+    payload = [("torch.int64", 12), ("torch.uint8", 12), ("torch.int64", 12), ("torch.bfloat16", 12 * 64)]
+    target, drafter = [], []
+    if old:
+        target += [op(1, "recv", 13), op(1, "recv", 1)]  # HELLO, then the long-lived control receive
+        drafter += [op(0, "send", 13)]
+    for _ in range(steps):
+        if old:
+            target.append(op(1, "send", 30))  # the header
+            drafter.append(op(0, "recv", 30))
+        target += [op(1, "send", n, dt) for dt, n in payload]
+        drafter += [op(0, "recv", n, dt) for dt, n in payload]
+    if old:
+        drafter.append(op(0, "send", 1))  # DONE
+    return {0: drafter, 1: target}
+
+
+def test_the_nccl_model_flags_the_old_link_and_passes_the_new_one():
+    """NCCL runs a pair's p2p ops in posting order on one stream: the old protocol's control
+    receive, posted before the first header send, meets the drafter's header receive -- two
+    receives at the heads, a deadlock at the first step (gloo never showed it)."""
+    old = nccl_deadlocks(_link_trace(old=True))
+    assert len(old) == 1 and "deadlock at their op #1" in old[0] and "rank 1 waits in recv of 1" in old[0], old
+    assert "rank 0 waits in recv of 30" in old[0]
+    assert flow_violations(_link_trace(old=True), senders={1})  # a receive by the sender, sends by the drafter
+    new = _link_trace(old=False)
+    assert nccl_deadlocks(new) == [] and flow_violations(new, senders={1}) == []
+    # The model also catches a size mismatch and a side that stops posting early.
+    short = {0: new[0][:-1], 1: new[1]}
+    assert "nothing more to post" in nccl_deadlocks(short)[0]
+    swapped = {0: new[0][1:] + new[0][:1], 1: new[1]}
+    assert nccl_deadlocks(swapped)

@@ -16,6 +16,8 @@ import pytest
 from conftest import VOCAB, overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.toy import tiny_causal_lm
+from p2p_model import ENV as P2P_LOG
+from p2p_model import assert_one_way_and_nccl_safe
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +125,9 @@ def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_proce
     rank sends every step's features once (not once per shard), the other computes them with it."""
     world = 4
     knobs = dict(model__tensor_parallel=2, pipeline__placement="disaggregated", pipeline__target_ranks=2)
+    (tmp_path / "p2p").mkdir()
     sharded = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "tp", **knobs)),
-                        world_size=world, timeout=300)
+                        world_size=world, timeout=300, env={P2P_LOG: str(tmp_path / "p2p")})
     one = run_ranks(forkserver, "train_ranks",
                     json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=world - 2)), world_size=1,
                     timeout=300)
@@ -134,6 +137,9 @@ def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_proce
     assert all(r["target_sharded"] for r in targets) and not any(r["target_sharded"] for r in drafters)
     assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in drafters)
     np.testing.assert_allclose(drafters[0]["losses"], single["losses"], rtol=1e-5)
+    # The group's first rank (2) alone sends, one way; rank 3 has no p2p op on the device group.
+    ops = assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2, 3})
+    assert not [op for op in ops.get(3, []) if op.group == "device"]
 
 
 def test_a_run_resumes_at_another_tensor_parallel_size_exactly(tiny_job, tmp_path, forkserver):

@@ -17,19 +17,30 @@ not change, only who computes the features, so a disaggregated run equals a colo
 with D ranks.
 
 One link per (target rank, drafter rank), point-to-point on global ranks, each side's main
-thread only::
+thread only, on two channels (flashdraft.distributed, docs/distributed.md)::
 
+    control channel (gloo, host tensors; either direction):
     drafter -> target   HELLO: int64 [start step, total steps, drafter rank, drafter ranks, *cursor]
-    target -> drafter   per step: a fixed-size int64 header (kind, feature width and dtype, the
-                        data cursor after the step, per micro-batch B, S, lengths, sample ids),
-                        then per micro-batch input_ids, loss_mask, attention_mask, features
-                        END (the answer to STOP) or ABORT + its utf-8 message instead of a step
+    target -> drafter   per step: a fixed-size int64 header (kind, signal, feature width and
+                        dtype, the data cursor after the step, per micro-batch B, S, lengths,
+                        sample ids); END (the answer to STOP) or ABORT + its utf-8 message
+                        instead of a step
     drafter -> target   one control int64 [1]: DONE (every step received), STOP (stopped early,
                         e.g. SIGTERM: it drains the link until END) or ABORT (it failed)
 
-Bounds: a send completes only once the drafter has received it (a rendezvous on gloo), and a
-target rank keeps at most ``pipeline.capacity`` unreceived steps per link; with its own
-data/target read-ahead it runs at most ~3 x capacity steps ahead of the drafter.
+    data channel (the device group, NCCL on CUDA; target -> drafter only):
+    target -> drafter   per step, after its header: per micro-batch input_ids, loss_mask,
+                        attention_mask, features
+
+The data channel flows one way by construction: a target rank only sends on it, a drafter rank
+only receives, and both post a step's tensors in the same order. Under NCCL a pair's ops run in
+posting order on one stream, so the drafter's control message could not travel there: its
+receive, posted ahead of the step's sends, would hold them back until the collective timeout.
+
+Bounds: a target rank keeps at most ``pipeline.capacity`` unreceived steps per link (on CUDA
+its slot is released behind the send on the device, so the data thread refills it only once
+the send is done); with its own data/target read-ahead it runs at most ~3 x capacity steps
+ahead of the drafter.
 
 Failures never hang (docs/pipeline.md): a failing side sends ABORT where it can; a dead
 peer's closed connection fails the other side's next send/recv at once; a hung peer fails it
@@ -167,14 +178,11 @@ class _DrafterLink:
         self.received = 0
         self.control_sent = False
 
-    def _device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
-
     def hello(self, cursor: dict, start_step: int, total_steps: int) -> None:
         """Tell the target rank where to start: this rank's plan and the (resumed) cursor."""
         d = self.dist
         msg = torch.tensor([start_step, total_steps, d.rank, d.world_size] + [int(cursor[k]) for k in CURSOR_KEYS])
-        distributed.isend(self._device(msg), self.peer).wait()
+        distributed.control_isend(msg, self.peer).wait()
 
     def steps(self, pool: BufferPool, expected: int):
         """The remaining ``expected`` steps as StepInputs (device tensors, host lengths / sample ids)."""
@@ -221,21 +229,20 @@ class _DrafterLink:
         return micro
 
     def _receive_header(self) -> torch.Tensor:
-        buf = self._device(torch.empty(self.header.size, dtype=torch.int64))
-        distributed.irecv(buf, self.peer).wait()
-        h = buf.cpu()  # deliberate sync: the shapes of the rest of the message
+        h = torch.empty(self.header.size, dtype=torch.int64)
+        distributed.control_irecv(h, self.peer).wait()  # on the host: no device sync for the shapes
         if int(h[0]) == ABORT:
-            text = self._device(torch.empty(int(h[1]), dtype=torch.uint8))
-            distributed.irecv(text, self.peer).wait()
+            text = torch.empty(int(h[1]), dtype=torch.uint8)
+            distributed.control_irecv(text, self.peer).wait()
             raise RuntimeError(f"target rank {self.peer} failed, so drafter rank {self.dist.rank} stops: "
-                               f"{bytes(text.cpu().tolist()).decode(errors='replace')}")
+                               f"{bytes(text.tolist()).decode(errors='replace')}")
         if int(h[0]) not in (DATA, END):
             raise RuntimeError(f"unexpected message kind {int(h[0])} from target rank {self.peer}: a version mismatch?")
         return h
 
     def _send_control(self, kind: int) -> None:
         self.control_sent = True
-        distributed.isend(self._device(torch.tensor([kind])), self.peer).wait()
+        distributed.control_isend(torch.tensor([kind]), self.peer).wait()
 
     def finish(self) -> None:
         """After the loop: all received (DONE already sent), or stopped early: STOP, then take
@@ -345,7 +352,7 @@ def _hello_links(config: Config, stages: FeatureStages, dist: Dist) -> list[_Tar
     count = int(distributed.target_group_broadcast(torch.tensor([len(dist.peers)], device=device)).item())
     links = [_TargetLink(config, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
         [_TargetLink(config, stages, None) for _ in range(count)]
-    hellos = torch.stack([link.receive_hello() for link in links]) if dist.tensor_rank == 0 else \
+    hellos = torch.stack([link.receive_hello() for link in links]).to(device) if dist.tensor_rank == 0 else \
         torch.empty(count, 4 + len(CURSOR_KEYS), dtype=torch.int64, device=device)
     for link, msg in zip(links, distributed.target_group_broadcast(hellos).cpu()):
         link.start(msg)
@@ -379,27 +386,29 @@ class _TargetLink:
         self.config, self.stages, self.peer, self.device = config, stages, peer, stages.device
         self.capacity = config.pipeline.capacity
         self.header = Header(config.train.grad_accum, config.data.max_batch_size)
-        self.pending: deque = deque()  # (transfers, item) sent but not yet received, oldest first
-        self.control = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.pending: deque = deque()  # (transfers, item, header) sent but not yet received, oldest first
+        self.control = torch.zeros(1, dtype=torch.int64)  # on the control channel: host memory
         self.control_transfer = None
         self.stopped_early = False  # the drafter rank sent STOP before its last step (a stop request)
 
     def receive_hello(self) -> torch.Tensor:
         """The drafter rank's start: int64 [start step, total steps, its rank, its world, *cursor]."""
-        msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64, device=self.device)
-        distributed.irecv(msg, self.peer).wait()
+        msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64)
+        distributed.control_irecv(msg, self.peer).wait()
         return msg
 
     def start(self, msg: torch.Tensor) -> None:
         """Build the drafter rank's sampler from its HELLO ``msg``; post the receive of its one
-        control message (not on a mirror)."""
+        control message (not on a mirror), on the control channel: it stays posted until the
+        drafter rank's end, and there holds back nothing (on the data channel, under NCCL, it
+        would hold back every send to that rank)."""
         start, total, rank, world_size, *cursor = msg.tolist()
         self.sampler = batch_sampler(self.stages.dataset, self.config, rank, world_size)
         self.sampler.load_state_dict(dict(zip(CURSOR_KEYS, cursor)))
         self.batches = iter(self.sampler)
         self.num_steps = total - start
         if self.peer is not None:
-            self.control_transfer = distributed.irecv(self.control, self.peer)
+            self.control_transfer = distributed.control_irecv(self.control, self.peer)
 
     def stopped(self) -> bool:
         """Whether the drafter rank has sent its control message early (STOP, or ABORT: raises)."""
@@ -416,12 +425,12 @@ class _TargetLink:
         while len(self.pending) >= self.capacity:
             self._complete_oldest(pool)
         header, payload = self.header.step(item, signum)
-        device = self.device
-        transfers = [distributed.isend(t, self.peer) for t in (header.to(device), *payload)]
-        self.pending.append((transfers, item))
+        transfers = [distributed.control_isend(header, self.peer)]  # the header first: the shapes to post
+        transfers += [distributed.isend(t, self.peer) for t in payload]
+        self.pending.append((transfers, item, header))
 
     def _complete_oldest(self, pool: BufferPool) -> None:
-        transfers, item = self.pending.popleft()
+        transfers, item, _ = self.pending.popleft()
         for transfer in transfers:
             transfer.wait()
         pool.release(item.slot)
@@ -442,7 +451,7 @@ class _TargetLink:
 
     def start_control(self, kind: int, message: str = "") -> list:
         header, payload = self.header.control(kind, message)
-        return [distributed.isend(t.to(self.device), self.peer) for t in (header, *payload)]
+        return [distributed.control_isend(t, self.peer) for t in (header, *payload)]
 
 
 def _abort(links: list[_TargetLink], exc: BaseException) -> None:
