@@ -68,6 +68,17 @@ class TimingSummary:
         return out
 
 
+def take_completed(pending: deque, marks=lambda item: (item,)) -> list:
+    """Pop and return the leading items of ``pending`` whose marks (``marks(item)``) have all
+    completed: CUDA events whose ``query()`` is true (a host check, never a wait), or host times
+    (floats). Items are queued in the order their marks were recorded, so the first one still
+    pending ends the scan; it and the rest stay for a later call."""
+    done = []
+    while pending and all(isinstance(m, float) or m.query() for m in marks(pending[0])):
+        done.append(pending.popleft())
+    return done
+
+
 class StageTimer:
     """Per-stage wall time of training steps, without host syncs in the hot loop.
 
@@ -77,7 +88,7 @@ class StageTimer:
             ...
         timer.step_done()              # once per optimizer step
         ...
-        summary = timer.summary()      # at log time: the only place that waits for the GPU
+        summary = timer.summary()      # at log time; never waits for the GPU
 
     A step runs from the previous ``step_done()`` (the first one: from the first stage entry)
     to its ``step_done()``. On CUDA each boundary is an event recorded on the current stream,
@@ -137,17 +148,13 @@ class StageTimer:
             self._step_start = end
 
     def summary(self) -> TimingSummary:
-        """Mean times over the steps closed since the last summary, then forget them.
-
-        On CUDA this waits for the last recorded event (one deliberate host sync per call).
-        """
+        """Mean times over the steps closed since the last summary whose events have completed,
+        then forget them; steps the GPU has not finished yet count in a later summary (never a
+        host sync: at log time the GPU may still run the last steps)."""
         with self._lock:
-            steps = list(self._steps)
-            self._steps.clear()
+            steps = take_completed(self._steps, lambda step: (step[1], *(end for _, _, end in step[2])))
         if not steps:
             return TimingSummary(0, 0.0, {})
-        if self._cuda:
-            steps[-1][1].synchronize()  # deliberate sync: resolve every event of the window at once
         total_step = 0.0
         totals: dict[str, float] = {}
         for start, end, stages in steps:

@@ -30,6 +30,15 @@ GIL, so stages overlap on separate cores).
 
 ``threaded=False`` runs the very same stages inline on the consumer's thread: the sequential
 baseline, with the same per-stage accounting.
+
+Devices: a new thread's current CUDA device is device 0, whatever the process selected, so
+every thread this module starts first runs :func:`enter_device` with the pipeline's device
+(as torch's own pin-memory thread does). Without it, a rank with LOCAL_RANK > 0 would create a
+CUDA context on GPU 0 at its first pinned allocation, event or stream switch (and leaving
+``torch.cuda.stream(...)`` would make device 0 current again).
+
+Reports never wait for the GPU: a device stage's busy time counts the items whose events have
+completed (``Event.query()``); the rest are carried to the next report.
 """
 
 from __future__ import annotations
@@ -44,7 +53,27 @@ from typing import Any
 
 import torch
 
+from flashdraft.metrics import take_completed
+
 log = logging.getLogger(__name__)
+
+_THREAD = threading.local()
+
+
+def enter_device(device: torch.device | str | None) -> None:
+    """Select ``device`` for the calling thread: the first call of every thread that may touch
+    CUDA (a pinned allocation, an event, a stream, a copy). A CUDA device becomes the thread's
+    current device (a new thread starts on device 0); any device is remembered as the thread's
+    own (``thread_device``), so tests can see the selection on CPU."""
+    device = torch.device(device) if device is not None else None
+    _THREAD.device = device
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def thread_device() -> torch.device | None:
+    """The device the calling thread selected with ``enter_device`` (None: it never did)."""
+    return getattr(_THREAD, "device", None)
 
 
 class ChannelClosed(Exception):
@@ -137,8 +166,9 @@ class BufferPool:
 
     def __init__(self, slots: Iterable[Any], device: torch.device | str = "cpu"):
         slots = list(slots)
+        self.device = torch.device(device)
         self._free = Channel(max(1, len(slots)), "buffer-pool")
-        self._cuda = torch.device(device).type == "cuda"
+        self._cuda = self.device.type == "cuda"
         for slot in slots:
             self._free.put((slot, None))
 
@@ -152,7 +182,9 @@ class BufferPool:
         event = None
         if self._cuda:
             event = torch.cuda.Event()
-            event.record()  # on the consumer's current stream, after its last use of the slot
+            # On the releasing thread's current stream of the pool's device (it selected that
+            # device with enter_device), after its last use of the slot.
+            event.record(torch.cuda.current_stream(self.device))
         try:
             self._free.put((slot, event))
         except Cancelled:
@@ -248,15 +280,17 @@ class PipelineReport:
 
 
 class _Meter:
-    """Busy time of one stage; thread-safe. On CUDA a device stage's busy time comes from
-    events on its stream, resolved only in ``take`` (the one host sync, at report time)."""
+    """Busy time of one stage; thread-safe. A device stage's items are (start, end) CUDA events
+    on its stream, counted once their end event has completed: ``totals`` never waits for the
+    GPU (a report must not drain the stream it measures); items still running are counted by a
+    later call."""
 
     def __init__(self, name: str):
         self.name = name
         self.lock = threading.Lock()
         self.items = 0
         self.busy_s = 0.0
-        self.events: deque = deque(maxlen=100_000)
+        self.events: deque = deque()  # (start, end) pending, oldest first (one stream: they complete in order)
 
     def add(self, seconds: float) -> None:
         with self.lock:
@@ -265,20 +299,18 @@ class _Meter:
 
     def add_events(self, start, end) -> None:
         with self.lock:
-            self.items += 1
             self.events.append((start, end))
+            self._resolve()  # keeps the queue as short as the stream is behind, with no report at all
+
+    def _resolve(self) -> None:
+        for start, end in take_completed(self.events, lambda pair: pair[1:]):
+            self.items += 1
+            self.busy_s += start.elapsed_time(end) / 1e3
 
     def totals(self) -> tuple[int, float]:
-        """(items, busy seconds) since the start; resolves pending CUDA events."""
+        """(items, busy seconds) since the start, over the items whose events have completed."""
         with self.lock:
-            events = list(self.events)
-            self.events.clear()
-        if events:
-            events[-1][1].synchronize()  # deliberate sync: report time only
-            seconds = sum(s.elapsed_time(e) for s, e in events) / 1e3
-            with self.lock:
-                self.busy_s += seconds
-        with self.lock:
+            self._resolve()
             return self.items, self.busy_s
 
 
@@ -318,11 +350,13 @@ class Pipeline:
     source: an iterable; its ``next()`` runs in the data thread (timed as ``source_name``).
     capacity: the bound of every channel (items a stage may run ahead of its consumer).
     threaded: False runs everything inline on the consumer's thread (sequential baseline).
+    device: the device every pipeline thread selects first (``enter_device``); None: the first
+    device stage's, else the first pool's.
     """
 
     def __init__(self, source: Iterable, stages: list[Stage], *, capacity: int = 2, threaded: bool = True,
                  source_name: str = "data", consumer_name: str = "drafter", pools: list[BufferPool] = (),
-                 join_timeout_s: float = 5.0):
+                 join_timeout_s: float = 5.0, device: torch.device | str | None = None):
         if capacity < 1:
             raise ValueError(f"pipeline capacity={capacity} is invalid: use 1 or more (2 is a good default)")
         self.stages = list(stages)
@@ -331,6 +365,8 @@ class Pipeline:
         self.join_timeout_s = join_timeout_s
         self._source = iter(source)
         self._pools = list(pools)
+        found = [s.device for s in self.stages if s.device is not None] + [p.device for p in self._pools]
+        self.device = torch.device(device) if device is not None else (torch.device(found[0]) if found else None)
         self._meters = [_Meter(source_name)] + [_Meter(s.name) for s in self.stages] + [_Meter(consumer_name)]
         self._channels = [Channel(capacity, f"{source_name}->{s.name}") for s in self.stages]
         self._channels.append(Channel(capacity,
@@ -422,8 +458,10 @@ class Pipeline:
             t.start()
 
     def _guard(self, name: str, loop: Callable, *args) -> None:
-        """Thread body: run the loop; on any exception keep it (the first wins) and cancel all."""
+        """Thread body: select the pipeline's device, run the loop; on any exception keep it (the
+        first wins) and cancel all."""
         try:
+            enter_device(self.device)
             loop(*args)
         except Cancelled:
             pass
@@ -540,7 +578,8 @@ class Pipeline:
         for periodic logs) or since the start (window=False, the whole run).
 
         Starved = waiting on the input channel; blocked = waiting on the full output channel.
-        Call from the consumer's thread. On CUDA this waits for the last device-stage event."""
+        Call from the consumer's thread. Never waits for the GPU: a device stage counts the
+        items its stream has finished (the others count in a later report)."""
         now = time.perf_counter()
         meters = [m.totals() for m in self._meters]
         waits = [(ch.put_wait_s, ch.get_wait_s) for ch in self._channels]

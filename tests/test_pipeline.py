@@ -15,7 +15,8 @@ import torch
 from conftest import overrides
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
-from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage
+from flashdraft.metrics import StageTimer
+from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage, _Meter, thread_device
 from flashdraft.train.runtime import Stopped
 from flashdraft.train.trainer import Trainer
 
@@ -221,6 +222,98 @@ def test_synthetic_stages_overlap_and_the_report_names_the_bound():
         assert report.slowest.busy_ms_per_item >= 29
     # sequential ~ 20 * 60 ms, pipelined ~ 20 * 30 ms: demand only a clear win (no flaky ratio)
     assert walls[True] < 0.8 * walls[False]
+
+
+# ---- devices and events (CUDA's rules, modelled on CPU) --------------------------------------
+
+
+def test_every_pipeline_thread_selects_the_pipelines_device_before_its_work(monkeypatch):
+    """A new thread's current CUDA device is device 0: each thread must select its rank's
+    device before it allocates pinned memory, records an event or enters a stream. Modelled with
+    a fake device index: torch.cuda.set_device records which thread selected what (CPU has no
+    CUDA context to inspect; benchmarks/gpu_multi.sh checks the contexts on real GPUs)."""
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: selected.append((threading.current_thread().name, d)))
+    seen = {}
+
+    def source():
+        for i in range(4):
+            seen.setdefault("data", (thread_device(), threading.current_thread().name))
+            yield i
+
+    def stage(name):
+        def fn(x):
+            seen.setdefault(name, (thread_device(), threading.current_thread().name))
+            return x
+        return fn
+
+    pool = BufferPool([], "cuda:3")  # a rank with LOCAL_RANK 3; the pipeline takes its device from its pool
+    with Pipeline(source(), [Stage("h2d", stage("h2d")), Stage("target", stage("target"))], pools=[pool]) as pipe:
+        assert pipe.device == torch.device("cuda", 3)
+        assert list(pipe) == [0, 1, 2, 3]
+    cuda3 = torch.device("cuda", 3)
+    assert {name: dev for name, (dev, _) in seen.items()} == {"data": cuda3, "h2d": cuda3, "target": cuda3}
+    threads = {thread for _, thread in seen.values()}
+    assert threads == {"flashdraft-data", "flashdraft-h2d", "flashdraft-target"}
+    assert sorted(selected) == sorted((t, cuda3) for t in threads)  # each thread, once, at its start
+    assert thread_device() is None  # the consumer's thread: the process selected its device itself
+
+
+class _Stream:
+    """A model of one CUDA stream: events complete in record order when the GPU gets there;
+    ``synchronize`` (a host wait) is what a report must never do."""
+
+    def __init__(self):
+        self.done = 0  # events the GPU has reached
+        self.recorded = 0
+
+    def event(self, t_ms: float) -> _Event:
+        self.recorded += 1
+        return _Event(self, self.recorded, t_ms)
+
+
+class _Event:
+    def __init__(self, stream, seq, t_ms):
+        self.stream, self.seq, self.t_ms = stream, seq, t_ms
+
+    def query(self) -> bool:
+        return self.seq <= self.stream.done
+
+    def elapsed_time(self, end) -> float:
+        assert self.query() and end.query(), "elapsed_time of an event that has not completed (CUDA raises)"
+        return end.t_ms - self.t_ms
+
+    def synchronize(self):
+        raise AssertionError("a report waited for the GPU (synchronize)")
+
+
+def test_stage_reports_never_wait_for_the_gpu_and_count_every_item_eventually():
+    stream, meter = _Stream(), _Meter("target")
+    for k in range(10):  # 10 forwards of 5 ms queued; the GPU has finished none
+        meter.add_events(stream.event(10.0 * k), stream.event(10.0 * k + 5))
+    assert meter.totals() == (0, 0.0)  # nothing completed: nothing counted, no wait
+    stream.done = 7  # the GPU finished 3 forwards and started the 4th
+    items, busy = meter.totals()
+    assert items == 3 and busy == pytest.approx(0.015)
+    stream.done = stream.recorded
+    items, busy = meter.totals()
+    assert items == 10 and busy == pytest.approx(0.050)  # every item, once
+
+
+def test_the_step_timer_summarises_completed_steps_only_and_never_waits(monkeypatch):
+    stream, clock = _Stream(), iter(range(0, 1000, 1))
+    timer = StageTimer("cpu")
+    timer._cuda = True  # its marks are the modelled CUDA events below
+    monkeypatch.setattr(timer, "_mark", lambda: stream.event(float(next(clock))))
+    for _ in range(4):
+        with timer.stage("drafter"):
+            pass
+        timer.step_done()
+    stream.done = 6  # the first two steps' marks (start, end, step end: 3 each)
+    first = timer.summary()
+    assert first.num_steps == 2 and first.stage_ms["drafter"] == 1.0
+    stream.done = stream.recorded
+    assert timer.summary().num_steps == 2 and timer.summary().num_steps == 0
 
 
 # ---- the trainer ---------------------------------------------------------------------------
