@@ -272,7 +272,7 @@ class PipelineConfig:
     target_ranks: int = 1  # disaggregated: the last N ranks run data + target; each feeds (world - N) / N drafter ranks
     feature_cache_bytes: int = 0  # RAM budget (bytes/process) of the cross-epoch target-feature cache (0: no RAM tier)
     feature_cache_disk_bytes: int = 0  # disk budget (bytes/process) for the cache beyond the RAM tier (0: no disk tier)
-    feature_cache_dir: str = ""  # directory of the disk tier's scratch files ("": OUTPUT_DIR/feature_cache)
+    feature_cache_dir: str = ""  # directory of the disk tier's scratch files ("": node-local $TMPDIR or /tmp)
     join_timeout_s: float = 5.0  # how long shutdown waits for stage threads before logging the stragglers
 
     def __post_init__(self):

@@ -18,6 +18,15 @@ a fresh shuffled order): with LRU, once the working set exceeds the cache every 
 evicted before its next use, so the hit rate falls to ~0; keeping the first entries that fit
 gives hit rate = cache size / working set, the best any policy gets on a cyclic scan.
 
+Transfers (on a GPU): a micro-batch's hit rows are read (by a few copy threads: memcpy and
+``preadv`` release the GIL) into a pooled staging buffer, pinned, one H2D copy of it; only the
+hit rows are written (the device copy's other rows and padding are zeroed on the device, one
+masked fill). New samples leave the device in one non-blocking D2H copy into a pooled pinned
+buffer with an event, and are stored once that event has completed (checked, never waited for,
+at the next call). The pools are rings of a few grow-only buffers, so the pinned memory is a
+few of the largest micro-batches, whatever the shapes an epoch brings (the pinned allocator
+keeps every size it ever rounded to: a fresh buffer per micro-batch would keep them all).
+
 Threading: one thread uses a cache (the trainer's target thread; the main thread when the
 pipeline is sequential). ``stats()`` copies plain counters and may be read from any thread.
 """
@@ -26,6 +35,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,6 +72,43 @@ class CacheStats:
                 f"{format_bytes(self.disk_bytes)} disk")
 
 
+class StagingRing:
+    """A few reusable flat host buffers (pinned for a GPU), handed out in turn: the pooled
+    staging of the cache's transfers. A buffer grows (by at least 1.5x) to the largest request
+    it gets, then stays; one handed out again first waits for the event of its last transfer
+    (a host wait only when ``size`` transfers are still in flight). ``allocations`` and
+    ``nbytes`` count what the ring ever allocated and holds."""
+
+    def __init__(self, size: int, pin_memory: bool):
+        self.pin_memory = pin_memory
+        self.size = size
+        self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(size)]
+        self._events: list = [None] * size
+        self._next = 0
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """(index, a flat uint8 view of ``nbytes``) of the next buffer, free to overwrite."""
+        k = self._next
+        self._next = (k + 1) % len(self._buffers)
+        if self._events[k] is not None:
+            self._events[k].synchronize()  # its transfer of ``size`` calls ago: long done in practice
+            self._events[k] = None
+        if self._buffers[k].numel() < nbytes:
+            grown = max(nbytes, int(self._buffers[k].numel() * 1.5))
+            self._buffers[k] = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.allocations += 1
+        return k, self._buffers[k][:nbytes]
+
+    def busy_until(self, k: int, event) -> None:
+        """Buffer ``k`` is read or written by a transfer that completes with ``event`` (None: done)."""
+        self._events[k] = event
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+
 @dataclass
 class CacheLookup:
     """The cached part of one micro-batch: ``features`` [B, S, F] on the device with the hit
@@ -77,11 +125,15 @@ class FeatureCache:
     feature_size: K*H, the last dimension of the target's packed features.
     dtype: the target's output dtype; entries of another dtype are refused.
     ram_bytes / disk_bytes: budgets of the two tiers (0 disables a tier); never exceeded.
-    directory: where the disk tier's scratch file lives (needed when disk_bytes > 0).
+    directory: where the disk tier's scratch file lives (needed when disk_bytes > 0); a
+    node-local disk (the trainer's default: the temporary directory, $TMPDIR).
+    pin_memory: pinned staging buffers (for a GPU; None: when CUDA is available).
+    staging / copy_threads: buffers per staging ring, threads that read hit rows.
     """
 
     def __init__(self, *, feature_size: int, dtype: torch.dtype, ram_bytes: int, disk_bytes: int = 0,
-                 directory: str | os.PathLike | None = None):
+                 directory: str | os.PathLike | None = None, pin_memory: bool | None = None, staging: int = 4,
+                 copy_threads: int = 4):
         if feature_size < 1 or ram_bytes < 0 or disk_bytes < 0:
             raise ValueError(f"FeatureCache: feature_size={feature_size}, ram_bytes={ram_bytes}, "
                              f"disk_bytes={disk_bytes} are invalid; use a positive size and budgets >= 0")
@@ -94,6 +146,14 @@ class FeatureCache:
         self._disk: dict[int, tuple[int, int]] = {}  # sample id -> (byte offset, tokens)
         self._stats = CacheStats()
         self._file = None
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.h2d_staging = StagingRing(staging, pin)  # hit rows on their way to the device
+        self.d2h_staging = StagingRing(staging, pin)  # new samples on their way to the cache
+        self._stores: deque = deque()  # (event, ring index, host rows, [(sample id, tokens)]) in flight
+        self._storing: set[int] = set()  # sample ids in ``_stores``: room reserved, not readable yet
+        self._reserved = {"ram": 0, "disk": 0}  # bytes of ``_stores`` per tier, counted until stored
+        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="feature-cache") if copy_threads > 1 \
+            else None
         if disk_bytes:
             if directory is None:
                 raise ValueError("FeatureCache: disk_bytes > 0 needs a directory for the scratch file")
@@ -121,10 +181,14 @@ class FeatureCache:
             raise ValueError(f"FeatureCache.put: sample {sample_id} has features {tuple(features_LF.shape)} "
                              f"{features_LF.dtype}; expected [len, {self.feature_size}] {self.dtype}")
         nbytes = features_LF.numel() * self.itemsize
-        if sample_id in self or not self.has_room(nbytes):
+        if sample_id in self or sample_id in self._storing or not self.has_room(nbytes):
             return False
-        host = features_LF.to("cpu", copy=True).contiguous()  # a copy: never a view of a batch's buffer
-        if self._stats.ram_bytes + nbytes <= self.ram_budget:
+        return self._keep(sample_id, features_LF.to("cpu", copy=True).contiguous(), self._tier(nbytes))
+
+    def _keep(self, sample_id: int, host: torch.Tensor, tier: str) -> bool:
+        """Store ``host`` (a CPU tensor of its own) in ``tier``, which has room for it."""
+        nbytes = host.numel() * self.itemsize
+        if tier == "ram":
             self._ram[sample_id] = host
             self._stats.ram_bytes += nbytes
         else:
@@ -137,8 +201,16 @@ class FeatureCache:
         return True
 
     def has_room(self, nbytes: int) -> bool:
-        return (self._stats.ram_bytes + nbytes <= self.ram_budget
-                or (self._file is not None and self._stats.disk_bytes + nbytes <= self.disk_budget))
+        """Whether a tier has room for ``nbytes`` more, beyond the samples still on their way in."""
+        return self._tier(nbytes) is not None
+
+    def _tier(self, nbytes: int) -> str | None:
+        """The first tier with room for ``nbytes`` more (RAM, then disk), or None."""
+        if self._stats.ram_bytes + self._reserved["ram"] + nbytes <= self.ram_budget:
+            return "ram"
+        if self._file is not None and self._stats.disk_bytes + self._reserved["disk"] + nbytes <= self.disk_budget:
+            return "disk"
+        return None
 
     def read_into(self, sample_id: int, out_LF: torch.Tensor) -> None:
         """Copy sample ``sample_id``'s features into ``out_LF`` (a contiguous CPU [len, F] view)."""
@@ -183,7 +255,10 @@ class FeatureCache:
 
     def lookup(self, sample_ids: np.ndarray, lengths: torch.Tensor, device: torch.device) -> CacheLookup:
         """Host-to-device part: the cached rows of a micro-batch, padded [B, S, F] on ``device``
-        (a non_blocking copy from pinned memory on CUDA; on the caller's current stream)."""
+        (zeros outside the hit rows), from a pooled staging buffer: only the hit rows are
+        written there, then one non_blocking copy (pinned, on a GPU; on the caller's current
+        stream) and one masked fill on the device."""
+        self._store_completed()
         ids = [int(i) for i in sample_ids]
         hit_rows = [r for r, i in enumerate(ids) if i in self]
         miss_rows = [r for r, i in enumerate(ids) if i not in self]
@@ -192,11 +267,25 @@ class FeatureCache:
         if not hit_rows:
             return CacheLookup(hit_rows, miss_rows, None)
         lengths = lengths.tolist()  # a host tensor: no device sync
-        features = torch.zeros(len(ids), max(lengths), self.feature_size, dtype=self.dtype,
-                               pin_memory=device.type == "cuda")
+        shape = (len(ids), max(lengths), self.feature_size)
+        k, flat = self.h2d_staging.take(int(np.prod(shape)) * self.itemsize)
+        staged = flat.view(self.dtype).view(shape)
+        self._map(lambda r: self.read_into(ids[r], staged[r, : lengths[r]]), hit_rows)
+        features = staged.to(device, non_blocking=True, copy=True)  # its own tensor, even on the CPU
+        self.h2d_staging.busy_until(k, _record_event(device))
+        keep = torch.zeros(shape[:2], dtype=torch.bool)  # [B, S]: the hit rows' real tokens
         for r in hit_rows:
-            self.read_into(ids[r], features[r, : lengths[r]])
-        return CacheLookup(hit_rows, miss_rows, features.to(device, non_blocking=True))
+            keep[r, : lengths[r]] = True
+        features.masked_fill_(~keep.to(device, non_blocking=True)[..., None], 0)  # stale staging bytes elsewhere
+        return CacheLookup(hit_rows, miss_rows, features)
+
+    def _map(self, fn, rows: list[int]) -> None:
+        if self._copiers is None or len(rows) < 2:
+            for r in rows:
+                fn(r)
+        else:
+            for _ in self._copiers.map(fn, rows):  # re-raises a row's error
+                pass
 
     def complete(self, found: CacheLookup, target, batch, sample_ids: np.ndarray,
                  lengths: torch.Tensor) -> torch.Tensor:
@@ -204,9 +293,9 @@ class FeatureCache:
 
         No miss: the cached rows, no target forward. No hit: the target on the whole batch,
         exactly as without a cache. Otherwise the target runs on the missing rows only
-        (trimmed to their longest). New samples are kept while the budget lasts; on CUDA
-        that copy to the host waits for the forward (a sync in the calling, target, thread).
-        batch: the device Batch; lengths: its host lengths [B]."""
+        (trimmed to their longest). New samples are kept while the budget lasts: one
+        non-blocking copy to the host, stored once it has completed (no sync in the calling,
+        target, thread). batch: the device Batch; lengths: its host lengths [B]."""
         if not found.miss_rows:
             self._stats.skipped_forwards += 1
             return found.features
@@ -218,24 +307,81 @@ class FeatureCache:
             s = int(lengths[found.miss_rows].max())
             features = found.features
             features[rows, :s] = target.features(batch.input_ids[rows, :s], batch.attention_mask[rows, :s])
-        lengths = lengths.tolist()
-        for r in found.miss_rows:
-            if self.has_room(lengths[r] * self.feature_size * self.itemsize):
-                self.put(int(sample_ids[r]), features[r, : lengths[r]])
+        self._store_rows(features, found.miss_rows, sample_ids, lengths.tolist())
         return features
+
+    def _store_rows(self, features: torch.Tensor, rows: list[int], sample_ids: np.ndarray, lengths: list[int]) -> None:
+        """Start keeping rows ``rows`` of ``features`` [B, S, F] (any device): the ones the
+        budget has room for, packed on their device, one non_blocking copy into a pooled
+        staging buffer, stored by ``_store_completed`` once its event has completed."""
+        keep = []  # (row, sample id, tier): the tiers fill in row order, as put() one by one would
+        for r in rows:
+            sample_id, size = int(sample_ids[r]), lengths[r] * self.feature_size * self.itemsize
+            tier = None if sample_id in self or sample_id in self._storing else self._tier(size)
+            if tier is not None:
+                keep.append((r, sample_id, tier))
+                self._reserved[tier] += size
+        if not keep:
+            return
+        while len(self._stores) >= self.d2h_staging.size:  # every staging buffer holds a copy not yet stored
+            if self._stores[0][0] is not None:
+                self._stores[0][0].synchronize()  # rare: the oldest is ``size`` micro-batches old
+            self._store_completed()
+        packed = torch.cat([features[r, : lengths[r]] for r, _, _ in keep])  # [tokens, F] on the device
+        k, flat = self.d2h_staging.take(packed.numel() * self.itemsize)
+        host = flat.view(self.dtype).view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        event = _record_event(features.device)
+        self.d2h_staging.busy_until(k, event)
+        self._stores.append((event, host, [(sample_id, lengths[r], tier) for r, sample_id, tier in keep]))
+        self._storing.update(sample_id for _, sample_id, _ in keep)
+        self._store_completed()
+
+    def _store_completed(self) -> None:
+        """Store the samples whose copy to the host has completed (``query``: never a wait);
+        the copies are stored in order, so the first one still running ends the scan."""
+        while self._stores and (self._stores[0][0] is None or self._stores[0][0].query()):
+            _, host, entries = self._stores.popleft()
+            offset = 0
+            for sample_id, tokens, tier in entries:
+                self._storing.discard(sample_id)
+                self._reserved[tier] -= tokens * self.feature_size * self.itemsize
+                self._keep(sample_id, host[offset : offset + tokens].clone(), tier)  # out of the reused buffer
+                offset += tokens
 
     # ---- lifetime -------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
         return CacheStats(**asdict(self._stats))
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging rings (pinned on a GPU)."""
+        return self.h2d_staging.nbytes + self.d2h_staging.nbytes
+
     def close(self) -> None:
-        """Drop every entry and the scratch file (idempotent)."""
+        """Drop every entry, the copies in flight and the scratch file (idempotent)."""
         self._ram.clear()
         self._disk.clear()
+        self._stores.clear()
+        self._storing.clear()
+        self._reserved = {"ram": 0, "disk": 0}
+        if self._copiers is not None:
+            self._copiers.shutdown()
+            self._copiers = None
         if self._file is not None:
             self._file.close()  # unlinked already: its space is freed now
             self._file = None
+
+
+def _record_event(device: torch.device):
+    """An event on ``device``'s current stream after the work queued so far; None on the CPU
+    (its copies are done when they return)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

@@ -68,6 +68,59 @@ def test_ram_only_cache_needs_no_directory_and_refuses_wrong_features():
         FeatureCache(feature_size=F, dtype=torch.float32, ram_bytes=0, disk_bytes=100)
 
 
+class _Taps(torch.nn.Module):
+    """A frozen stand-in target with the interface the cache calls: features per token from an
+    embedding of the token id (so a sample's features are the same in every batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, F, dtype=torch.bfloat16)
+        self.calls = 0
+
+    def features(self, input_ids, attention_mask):
+        self.calls += 1
+        return self.embed(input_ids) * attention_mask[..., None]
+
+
+def test_the_staging_pool_stays_bounded_over_an_epoch_of_varying_shapes(tmp_path):
+    """Two epochs of 120 micro-batches of 1-8 samples of 1-400 tokens, through lookup and
+    complete: the staging buffers are allocated a handful of times (a fresh [B, S, F] buffer per
+    micro-batch kept every size the pinned allocator rounded to), they hold a few of the largest
+    micro-batches, and every micro-batch's features are the target's, zeros in the padding."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 400, 480)
+    tokens = [torch.from_numpy(rng.integers(1, 100, n)) for n in lengths.tolist()]
+    target = _Taps().requires_grad_(False)
+    ram = int(lengths[:300].sum()) * F * 2  # the RAM tier holds ~60%, the disk tier the rest
+    cache = FeatureCache(feature_size=F, dtype=torch.bfloat16, ram_bytes=ram, disk_bytes=10**9, directory=tmp_path,
+                         pin_memory=False, staging=4)
+    order, largest, micro_batches = np.arange(480), 0, 0
+    for epoch in range(2):
+        rng.shuffle(order)
+        start = 0
+        while start < len(order):
+            ids = order[start : start + int(rng.integers(1, 9))]
+            start += len(ids)
+            b, s = len(ids), int(lengths[ids].max())
+            input_ids, mask = torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
+            for r, i in enumerate(ids):
+                input_ids[r, : lengths[i]], mask[r, : lengths[i]] = tokens[i], 1
+            batch = type("Batch", (), {"input_ids": input_ids, "attention_mask": mask})
+            found = cache.lookup(ids, torch.from_numpy(lengths[ids]), torch.device("cpu"))
+            got = cache.complete(found, target, batch, ids, torch.from_numpy(lengths[ids]))
+            expected = target.features(input_ids, mask)
+            for r, i in enumerate(ids):
+                assert torch.equal(got[r, : lengths[i]], expected[r, : lengths[i]]), (epoch, i)
+                assert not got[r, lengths[i] :].any() or not found.hit_rows  # hits padded with zeros
+            largest, micro_batches = max(largest, b * s * F * 2), micro_batches + 1
+    stats = cache.stats()
+    assert stats.entries == 480 and stats.hits == 480 and stats.ram_bytes <= ram and stats.disk_bytes
+    assert micro_batches > 200
+    assert cache.h2d_staging.allocations <= 4 * 6 and cache.d2h_staging.allocations <= 4 * 6  # grow by 1.5x
+    assert cache.staging_bytes <= 2 * 4 * 1.5 * largest
+    cache.close()
+
+
 def test_budgets_are_never_exceeded_and_the_first_samples_that_fit_stay(tmp_path):
     rng = np.random.default_rng(0)
     ram, disk = 1000 * F * 4, 3000 * F * 4

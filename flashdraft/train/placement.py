@@ -119,7 +119,7 @@ class Header:
 
 
 @contextlib.contextmanager
-def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, output, dist: Dist):
+def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, dist: Dist):
     """This rank's own next ``num_steps`` steps: data (plan + collate into pooled pinned buffers)
     and target (H2D + frozen forward) stages, in a Pipeline whose consumer is the caller's loop
     (the drafter step, on this thread). pipeline.enabled=false, or a tensor-parallel target,
@@ -134,7 +134,7 @@ def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int,
     pool = stages.buffer_pool()
     if threaded and num_steps > 0:
         stages.warm_up()
-    stages.open_cache(output, dist.is_main, dist.world_size)
+    stages.open_cache(dist.is_main, dist.world_size)
     pipe = Pipeline(stages.step_inputs(sampler, pool, num_steps), [stages.target_stage()], capacity=pcfg.capacity,
                     threaded=threaded, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
     try:

@@ -11,6 +11,7 @@ which owns the threads. Each stage runs exactly once per micro-batch.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,16 +172,19 @@ class FeatureStages:
 
     # ---- the feature cache -----------------------------------------------------------------
 
-    def open_cache(self, output: Path, is_main: bool, world_size: int) -> None:
+    def open_cache(self, is_main: bool, world_size: int) -> None:
         """Open this run's target-feature cache (pipeline.feature_cache_*), when on. Always
         starts empty: it is an optimisation, never part of a checkpoint."""
         pcfg = self.config.pipeline
         if not pcfg.feature_cache_bytes and not pcfg.feature_cache_disk_bytes:
             return
-        directory = Path(pcfg.feature_cache_dir) if pcfg.feature_cache_dir else output / "feature_cache"
+        # The disk tier's default is node-local scratch ($TMPDIR, else /tmp): every rank streams
+        # its own file there, which a shared output directory (NFS, Lustre) would carry for all.
+        directory = Path(pcfg.feature_cache_dir) if pcfg.feature_cache_dir else \
+            Path(tempfile.gettempdir()) / "flashdraft-feature-cache"
         self.cache = FeatureCache(feature_size=self.target.feature_size, dtype=self.target.dtype,
                                   ram_bytes=pcfg.feature_cache_bytes, disk_bytes=pcfg.feature_cache_disk_bytes,
-                                  directory=directory)
+                                  directory=directory, pin_memory=self.device.type == "cuda")
         if is_main:
             need = full_cache_bytes(int(self.dataset.lengths.sum()), self.cache.feature_size, self.cache.itemsize)
             log.info("feature cache: RAM %s + disk %s per rank; the features of every sample take %s (each rank "

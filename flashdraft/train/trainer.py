@@ -277,7 +277,7 @@ class Trainer:
             feed = placement.drafter_feed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
                                           self.total_steps, stop)
         else:
-            feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.output, self.dist)
+            feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.dist)
         pipe = None
         try:
             with feed as (pipe, pool):
