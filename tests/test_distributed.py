@@ -95,3 +95,22 @@ def test_dead_peer_makes_the_next_collective_fail_fast(forkserver):
     r0 = results(workers[:1])[0]
     assert r0["error"] and "all_reduce(sum) failed on rank 0/2" in r0["error"]
     assert r0["waited_s"] < 30  # well before the timeout: the closed connection is noticed
+
+
+def test_the_multi_gpu_check_fails_on_a_context_on_another_gpu(tmp_path, capsys):
+    """benchmarks/gpu_multi.sh's context check (flashdraft.bench.multi_check): a rank whose
+    thread created a context on GPU 0 besides its own fails it; contexts on its own GPU pass."""
+    import json
+
+    from flashdraft.bench.multi_check import check_contexts, cuda_contexts
+
+    if not torch.cuda.is_available():
+        assert cuda_contexts() == []  # nothing to read: the smoke run's records hold no context
+    record = {"tag": "ddp", "pid": 1, "exit": 0}
+    (tmp_path / "ddp-rank0.json").write_text(json.dumps({**record, "rank": 0, "local_rank": 0, "contexts": [0]}))
+    (tmp_path / "ddp-rank1.json").write_text(json.dumps({**record, "rank": 1, "local_rank": 1, "contexts": [1]}))
+    assert check_contexts(tmp_path)
+    (tmp_path / "ddp-rank1.json").write_text(json.dumps({**record, "rank": 1, "local_rank": 1, "contexts": [0, 1]}))
+    assert not check_contexts(tmp_path)
+    assert "ddp rank 1 (pid 1, LOCAL_RANK 1): contexts on GPUs [0, 1]" in capsys.readouterr().out
+    assert not check_contexts(tmp_path / "empty")  # no process recorded: never a PASS

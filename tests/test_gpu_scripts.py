@@ -43,3 +43,17 @@ def test_gpu_checks_script_smoke(tmp_path):
         assert result[mode]["steps_per_s"] > 0 and result[mode]["pipeline"]["bound"].endswith("-bound")
         assert len(result[mode]["losses"]) == 3  # logged every 2 of 6 steps
     assert result["max_loss_diff"] == 0.0  # CPU: the pipeline changes timing, not results
+
+
+def test_gpu_multi_script_smoke(tmp_path):
+    """benchmarks/gpu_multi.sh with SMOKE=1 (2 gloo CPU ranks): the disaggregated run's 5 steps,
+    DDP with a checkpoint and an exact resume, the per-process context check (no CUDA here:
+    none), each reported PASS. The sharded eval is left out: test_gpu_checks_script_smoke runs
+    gpu_sharded.sh already."""
+    proc = run(["bash", "benchmarks/gpu_multi.sh"], tmp_path, SMOKE="1", MULTI_SHARDED="0", MULTI_TIMEOUT="400")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "disaggregated: final checkpoint at step 5, expected 5: PASS" in out
+    assert "resumed (resumed) vs ddp (uninterrupted), step 6 vs 6: max |diff| 0" in out
+    assert "CUDA contexts, 6 processes, each on its own GPU only: PASS" in out
+    assert out.rstrip().endswith("multi-GPU check: PASS")

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Many GPUs: the distributed paths a 1-GPU machine never runs (NCCL, p2p, DDP, LOCAL_RANK > 0, a
+# tensor-parallel target), on 2 GPUs, in under 5 minutes; exits non-zero when a check fails.
+#   1. the disaggregated placement (1 target rank -> 1 drafter rank) trains 5 steps; a hang
+#      fails within MULTI_TIMEOUT s (120: collective timeout 60 s, and an outer `timeout`)
+#   2. 2-rank DDP: 6 steps with a checkpoint at 3; resumed from it, the run ends equal
+#   3. every process of 1-2 holds a CUDA context on its own GPU only (read in the process
+#      from the driver: flashdraft/bench/multi_check.py)
+#   4. a tensor-parallel-2 eval equals the unsharded one (benchmarks/gpu_sharded.sh;
+#      MULTI_SHARDED=0 leaves it out)
+# Skips (exit 0) with fewer than 2 GPUs. SMOKE=1 runs it on 2 CPU ranks (gloo) at toy sizes, to
+# check the script itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-gpu_results} PYTHONPATH=$PWD
+limit=${MULTI_TIMEOUT:-120}
+if [ "${SMOKE:-0}" = 1 ]; then
+  device=cpu
+else
+  device=cuda
+  gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$gpus" -lt 2 ]; then
+    echo "multi-GPU check skipped: $gpus GPU(s) here, it needs 2"
+    exit 0
+  fi
+fi
+work="$OUT/multi"
+rm -rf "$work" && mkdir -p "$work"
+python -m flashdraft.bench.multi_check job "$work" || exit 1
+common=(model.target="$work/target" model.mask_token_id=299 model.num_draft_layers=1 model.block_size=4
+        model.target_layer_ids="[1,2]" data.path="$work/data" data.token_budget=160 data.max_batch_size=4
+        objective.num_anchors=8 optim.lr=2e-3 train.log_every=1 train.device="$device" train.deterministic=true
+        train.collective_timeout_s=60)
+failed=0
+
+launch() {  # launch TAG OVERRIDES...: `flashdraft train` on 2 ranks under the time limit
+  local tag=$1; shift
+  MULTI_CHECK_DIR="$work/ranks" MULTI_CHECK_TAG=$tag timeout -k 10 "$limit" \
+    torchrun --standalone --nproc-per-node=2 -m flashdraft.bench.multi_check worker train "${common[@]}" "$@" \
+    > "$work/$tag.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    [ $rc -eq 124 ] && echo "$tag: no end within $limit s (a hang?): FAIL" || echo "$tag: exit status $rc: FAIL"
+    tail -n 30 "$work/$tag.log"
+    failed=1
+  fi
+  return $rc
+}
+
+launch disaggregated train.output_dir="$work/disaggregated" pipeline.placement=disaggregated \
+  pipeline.target_ranks=1 train.max_steps=5 \
+  && { python -m flashdraft.bench.multi_check steps "$work/disaggregated" 5 || failed=1; }
+launch ddp train.output_dir="$work/ddp" train.max_steps=6 train.save_every=3 \
+  && launch resumed train.output_dir="$work/resumed" train.max_steps=6 \
+       train.resume="$work/ddp/checkpoints/step_00000003" \
+  && { python -m flashdraft.bench.multi_check same "$work/ddp" "$work/resumed" || failed=1; }
+python -m flashdraft.bench.multi_check contexts "$work/ranks" || failed=1
+if [ "${MULTI_SHARDED:-1}" = 1 ]; then
+  bash benchmarks/gpu_sharded.sh || { echo "tensor-parallel-2 eval vs unsharded: FAIL"; failed=1; }
+fi
+[ $failed = 0 ] && echo "multi-GPU check: PASS" || echo "multi-GPU check: FAIL"
+exit $failed
