@@ -383,7 +383,7 @@ class _TargetLink:
     def __init__(self, config: Config, stages: FeatureStages, peer: int | None):
         """``peer`` None: a mirror, on a rank of a tensor-parallel target group that computes
         the features its group's first rank sends (it plans the same batches, sends nothing)."""
-        self.config, self.stages, self.peer, self.device = config, stages, peer, stages.device
+        self.config, self.stages, self.peer = config, stages, peer
         self.capacity = config.pipeline.capacity
         self.header = Header(config.train.grad_accum, config.data.max_batch_size)
         self.pending: deque = deque()  # (transfers, item, header) sent but not yet received, oldest first
