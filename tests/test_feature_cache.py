@@ -121,6 +121,41 @@ def test_the_staging_pool_stays_bounded_over_an_epoch_of_varying_shapes(tmp_path
     cache.close()
 
 
+def test_new_samples_are_stored_once_their_copy_to_the_host_has_completed(monkeypatch):
+    """On a GPU the new samples leave in one non-blocking copy with an event; the cache stores
+    them when a later call finds the event completed (query), never waiting for it. Modelled
+    with events the test completes; their room is reserved meanwhile."""
+    import flashdraft.feature_cache as fc
+
+    class Copy:
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("the cache waited for a copy")
+
+    events = []
+    monkeypatch.setattr(fc, "_record_event", lambda device: events.append(Copy()) or events[-1])
+    cache = FeatureCache(feature_size=F, dtype=torch.bfloat16, ram_bytes=8 * F * 2, pin_memory=False)
+    target, ids, lengths = _Taps().requires_grad_(False), np.array([5, 6]), torch.tensor([3, 4])
+    batch = type("Batch", (), {"input_ids": torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7]]),
+                               "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
+    cache.complete(cache.lookup(ids, lengths, torch.device("cpu")), target, batch, ids, lengths)
+    assert len(events) == 1 and len(cache) == 0  # in flight: not readable yet, its 7 tokens reserved
+    assert not cache.has_room(2 * F * 2) and cache.has_room(F * 2)
+    again = cache.lookup(ids, lengths, torch.device("cpu"))
+    assert again.hit_rows == [] and target.calls == 1
+    cache.complete(again, target, batch, ids, lengths)
+    assert len(events) == 1  # the samples on their way are not copied twice
+    events[0].done = True
+    found = cache.lookup(ids, lengths, torch.device("cpu"))  # stores the completed copy first
+    assert found.hit_rows == [0, 1] and len(cache) == 2 and cache.stats().ram_bytes == 7 * F * 2
+    expected = target.features(batch.input_ids, batch.attention_mask)
+    assert torch.equal(found.features[0, :3], expected[0, :3]) and torch.equal(found.features[1], expected[1])
+
+
 def test_budgets_are_never_exceeded_and_the_first_samples_that_fit_stay(tmp_path):
     rng = np.random.default_rng(0)
     ram, disk = 1000 * F * 4, 3000 * F * 4
