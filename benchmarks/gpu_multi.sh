@@ -14,10 +14,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_results} PYTHONPATH=$PWD
 limit=${MULTI_TIMEOUT:-120}
+# CPU: deterministic kernels, so the resumed run must end bitwise equal; GPU: atomics reorder
+# sums (and deterministic mode refuses some kernels), so equal to a relative 1e-4
 if [ "${SMOKE:-0}" = 1 ]; then
-  device=cpu
+  device=cpu deterministic=true rtol=0
 else
-  device=cuda
+  device=cuda deterministic=false rtol=1e-4
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   if [ "$gpus" -lt 2 ]; then
     echo "multi-GPU check skipped: $gpus GPU(s) here, it needs 2"
@@ -29,7 +31,7 @@ rm -rf "$work" && mkdir -p "$work"
 python -m flashdraft.bench.multi_check job "$work" || exit 1
 common=(model.target="$work/target" model.mask_token_id=299 model.num_draft_layers=1 model.block_size=4
         model.target_layer_ids="[1,2]" data.path="$work/data" data.token_budget=160 data.max_batch_size=4
-        objective.num_anchors=8 optim.lr=2e-3 train.log_every=1 train.device="$device" train.deterministic=true
+        objective.num_anchors=8 optim.lr=2e-3 train.log_every=1 train.device="$device" train.deterministic=$deterministic
         train.collective_timeout_s=60)
 failed=0
 
@@ -53,7 +55,7 @@ launch disaggregated train.output_dir="$work/disaggregated" pipeline.placement=d
 launch ddp train.output_dir="$work/ddp" train.max_steps=6 train.save_every=3 \
   && launch resumed train.output_dir="$work/resumed" train.max_steps=6 \
        train.resume="$work/ddp/checkpoints/step_00000003" \
-  && { python -m flashdraft.bench.multi_check same "$work/ddp" "$work/resumed" || failed=1; }
+  && { python -m flashdraft.bench.multi_check same "$work/ddp" "$work/resumed" "$rtol" || failed=1; }
 python -m flashdraft.bench.multi_check contexts "$work/ranks" || failed=1
 if [ "${MULTI_SHARDED:-1}" = 1 ]; then
   bash benchmarks/gpu_sharded.sh || { echo "tensor-parallel-2 eval vs unsharded: FAIL"; failed=1; }
