@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from flashdraft.metrics import format_bytes
+from flashdraft.pipeline import HostWorkers, record_event
 
 
 @dataclass
@@ -152,8 +152,7 @@ class FeatureCache:
         self._stores: deque = deque()  # (event, ring index, host rows, [(sample id, tokens)]) in flight
         self._storing: set[int] = set()  # sample ids in ``_stores``: room reserved, not readable yet
         self._reserved = {"ram": 0, "disk": 0}  # bytes of ``_stores`` per tier, counted until stored
-        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="feature-cache") if copy_threads > 1 \
-            else None
+        self._copiers = HostWorkers(copy_threads) if copy_threads > 1 else None
         if disk_bytes:
             if directory is None:
                 raise ValueError("FeatureCache: disk_bytes > 0 needs a directory for the scratch file")
@@ -272,7 +271,7 @@ class FeatureCache:
         staged = flat.view(self.dtype).view(shape)
         self._map(lambda r: self.read_into(ids[r], staged[r, : lengths[r]]), hit_rows)
         features = staged.to(device, non_blocking=True, copy=True)  # its own tensor, even on the CPU
-        self.h2d_staging.busy_until(k, _record_event(device))
+        self.h2d_staging.busy_until(k, record_event(device))
         keep = torch.zeros(shape[:2], dtype=torch.bool)  # [B, S]: the hit rows' real tokens
         for r in hit_rows:
             keep[r, : lengths[r]] = True
@@ -284,8 +283,7 @@ class FeatureCache:
             for r in rows:
                 fn(r)
         else:
-            for _ in self._copiers.map(fn, rows):  # re-raises a row's error
-                pass
+            self._copiers.run(fn, rows)  # re-raises a row's error
 
     def complete(self, found: CacheLookup, target, batch, sample_ids: np.ndarray,
                  lengths: torch.Tensor) -> torch.Tensor:
@@ -331,7 +329,7 @@ class FeatureCache:
         k, flat = self.d2h_staging.take(packed.numel() * self.itemsize)
         host = flat.view(self.dtype).view(packed.shape)
         host.copy_(packed, non_blocking=True)
-        event = _record_event(features.device)
+        event = record_event(features.device)
         self.d2h_staging.busy_until(k, event)
         self._stores.append((event, host, [(sample_id, lengths[r], tier) for r, sample_id, tier in keep]))
         self._storing.update(sample_id for _, sample_id, _ in keep)
@@ -367,21 +365,11 @@ class FeatureCache:
         self._storing.clear()
         self._reserved = {"ram": 0, "disk": 0}
         if self._copiers is not None:
-            self._copiers.shutdown()
+            self._copiers.close()
             self._copiers = None
         if self._file is not None:
             self._file.close()  # unlinked already: its space is freed now
             self._file = None
-
-
-def _record_event(device: torch.device):
-    """An event on ``device``'s current stream after the work queued so far; None on the CPU
-    (its copies are done when they return)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

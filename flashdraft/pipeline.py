@@ -48,6 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -74,6 +75,35 @@ def enter_device(device: torch.device | str | None) -> None:
 def thread_device() -> torch.device | None:
     """The device the calling thread selected with ``enter_device`` (None: it never did)."""
     return getattr(_THREAD, "device", None)
+
+
+def record_event(device: torch.device | str) -> Any:
+    """A CUDA event on ``device``'s current stream (of the calling thread), after the work queued
+    there so far; None for the CPU (its copies are done when they return)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class HostWorkers:
+    """A few threads for host-memory work that releases the GIL (memcpy, ``preadv``), e.g. the
+    feature cache's row copies. Each selects ``device`` first, like every thread here."""
+
+    def __init__(self, threads: int, device: torch.device | str | None = None):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="flashdraft-host",
+                                        initializer=enter_device, initargs=(device,))
+
+    def run(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> None:
+        """``fn(item)`` for every item, concurrently; returns when all are done (re-raises the
+        first error)."""
+        for _ in self._pool.map(fn, items):
+            pass
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 class ChannelClosed(Exception):

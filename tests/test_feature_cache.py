@@ -137,7 +137,7 @@ def test_new_samples_are_stored_once_their_copy_to_the_host_has_completed(monkey
             raise AssertionError("the cache waited for a copy")
 
     events = []
-    monkeypatch.setattr(fc, "_record_event", lambda device: events.append(Copy()) or events[-1])
+    monkeypatch.setattr(fc, "record_event", lambda device: events.append(Copy()) or events[-1])
     cache = FeatureCache(feature_size=F, dtype=torch.bfloat16, ram_bytes=8 * F * 2, pin_memory=False)
     target, ids, lengths = _Taps().requires_grad_(False), np.array([5, 6]), torch.tensor([3, 4])
     batch = type("Batch", (), {"input_ids": torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7]]),
