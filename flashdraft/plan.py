@@ -160,10 +160,11 @@ def batch_size_at(cfg: Config, seq_len: int) -> int:
 
 def anchors_per_pass(cfg: Config, seq_len: int) -> int:
     """Anchored blocks per sample in one forward + backward on one rank: the anchor tensor's
-    width min(num_anchors, S), shared over a tensor-parallel group (Blocks.shard), then sliced
-    by objective.anchors_per_microbatch."""
+    width min(num_anchors, S), shared over a colocated tensor-parallel group (Blocks.shard; a
+    disaggregated drafter rank trains them all), then sliced by objective.anchors_per_microbatch."""
     n = min(cfg.objective.num_anchors, seq_len)
-    n = -(-n // cfg.model.tensor_parallel)
+    if cfg.pipeline.placement == "colocated":
+        n = -(-n // cfg.model.tensor_parallel)
     apm = cfg.objective.anchors_per_microbatch
     return min(n, apm) if apm > 0 else n
 
@@ -503,19 +504,23 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     else:
         s = seq_len
     b, n = batch_size_at(cfg, s), anchors_per_pass(cfg, s)
-    role, consumers = _peak_role(sizes, measure_step(cfg, shape, dev, b, s, n), b, s, b * n * cfg.model.block_size)
-    consumers = sorted(((name, int(v)) for name, v in consumers if v > 0), key=lambda c: -c[1])
+    roles = _roles(sizes, measure_step(cfg, shape, dev, b, s, n), b, s, b * n * cfg.model.block_size)
+    totals = {name: sum(v for _, v in parts if v > 0) for name, parts in roles.items()}
+    role = max(totals, key=totals.get)
+    consumers = sorted(((name, int(v)) for name, v in roles[role] if v > 0), key=lambda c: -c[1])
+    others = [f"a {name} rank's peak: {total / GiB:.2f} GiB" for name, total in totals.items() if name != role]
     peak = sum(v for _, v in consumers)
     fits = device_bytes is None or peak <= device_bytes * (1 - MemoryPlan.MARGIN)
     plan = MemoryPlan(peak, consumers, device_bytes, fits, [], s, b, b * n * cfg.model.block_size, role, dev,
-                      _notes(cfg, dev))
+                      others + _notes(cfg, dev))
     if device_bytes is not None:
         plan.advice = _advice(cfg, plan, dict(consumers))
     return plan
 
 
-def _peak_role(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> tuple[str, list[tuple[str, int]]]:
-    """The consumers of each role's device at the step's peak; the role with the largest sum."""
+def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[str, list[tuple[str, int]]]:
+    """The consumers of each role's device at its peak (colocated; or a disaggregated job's
+    drafter and target ranks)."""
     cfg, shape = sizes.cfg, sizes.shape
     chunk_rows = min(cfg.objective.loss_chunk_size or rows, rows)
     # [chunk, V] logits in the compute dtype, their fp32 copy and (bf16) the gradient cast back
@@ -540,7 +545,7 @@ def _peak_role(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> t
     else:  # sequential: the target forward runs between steps, in the memory the step frees
         roles = {"colocated": [weights, *drafter,
                                ("target forward beyond the step's transient", forward - activations - head)]}
-    return max(roles.items(), key=lambda item: sum(v for _, v in item[1] if v > 0))
+    return roles
 
 
 def _notes(cfg: Config, dev: str) -> list[str]:

@@ -127,7 +127,7 @@ def test_the_estimate_follows_the_code(tmp_path):
 
 
 # (fixture, tensor_parallel, expert_parallel, parameters in billions from the model card)
-TARGETS = [("Qwen3-8B", 1, False, 8.19), ("Qwen3-30B-A3B", 2, True, 30.5), ("Qwen3-235B-A22B", 8, True, 235.1),
+TARGETS = [("Qwen3-8B", 1, False, 8.19), ("Qwen3-30B-A3B", 2, True, 30.5), ("Qwen3-235B-A22B", 4, True, 235.1),
            ("Llama-3.1-8B-Instruct", 1, False, 8.03), ("gpt-oss-120b", 4, False, 116.8)]
 
 
