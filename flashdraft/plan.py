@@ -185,7 +185,7 @@ class _HeadsStub:
 
 class _SavedLike(torch.autograd.Function):
     """An attention stand-in: returns a tensor shaped like q and saves ``saved`` for backward
-    (what the real kernel keeps); its backward gives zero-shaped gradients of the inputs."""
+    (what the real kernel keeps); its backward returns gradients of the inputs' shapes (no values)."""
 
     @staticmethod
     def forward(ctx, q, k1, v1, k2, v2, *saved):
