@@ -236,6 +236,7 @@ class TrainConfig:
     deterministic: bool = False  # torch deterministic algorithms (exact resume tests)
     # reusing freed activations means no page faults each step
     keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse (false: glibc default)
+    memory_check: bool = True  # CUDA: refuse a run the memory plan (`flashdraft plan`) says cannot fit (false: try)
 
     def __post_init__(self):
         _check_finite(self, "train")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashdraft import distributed
+from flashdraft import distributed, plan
 from flashdraft.checkpoint import step_dir_name
 from flashdraft.config import Config, save_config
 from flashdraft.data.dataset import open_dataset
@@ -58,6 +58,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         checks.check_paths(cfg)
         checks.check_drafter_sizes(cfg)
+        # before any weights load: a run that cannot fit its GPU is refused in seconds, not after them
+        self.memory_plan = plan.check_fits(cfg, self.device)
         self.output = Path(cfg.train.output_dir)
         model = self._build_models()
         self._open_data()

@@ -1,0 +1,659 @@
+"""The memory plan: whether a run fits its device, known before any weights load.
+
+``plan_memory(cfg)`` reads the target's ``config.json`` (nothing else from its directory) and
+the run config, and estimates the per-device peak memory of training at the real sizes:
+
+- the target's weights come from the Hugging Face model class built on the meta device (its
+  own parameter shapes, no bytes), in the compute dtype, sharded over ``model.tensor_parallel``;
+- the drafter's training state and step are MEASURED: the real drafter (drafter/model.py) is
+  built and one real optimizer step (train/step.py ``forward_backward``, the objective, the
+  trainer's AdamW) runs under ``FakeTensorMode`` on the planned device at the worst
+  micro-batch's real shapes, with torch's ``MemTracker`` counting the live bytes. Fake tensors
+  carry shapes and dtypes but no data, so this costs Python time only, and the figure follows
+  the code (autocast, the lean kernels, the chunked head, DFlash2's modules, checkpointing);
+- the attention kernels are the one part modelled rather than run (their masks depend on the
+  anchors' values, which fake tensors do not have): a stand-in saves for backward what the
+  real kernel saves (flex: q, k, v, the output and the fp32 log-sum-exp; blockwise: q, k, v,
+  the output, the last layer's probabilities and the plan's additive masks);
+- the target's no-grad forward and the features in flight are formulas of the target's
+  config (a Mixture-of-Experts forward routes by value, which fake tensors cannot run).
+
+The worst micro-batch follows the batch plan: a padded length S holds
+B = min(max_batch_size, token_budget // S, row_budget // (min(num_anchors, S - 1) * block_size))
+samples (at least 1), each with min(num_anchors, S) anchored blocks, sliced by
+``objective.anchors_per_microbatch`` and shared over a tensor-parallel group. The worst S up to
+``data.max_length`` is found with a linear model of the step's measured peak in
+(B, S, anchors), fitted from four small fake steps, and then measured at its real shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import types
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flashdraft.config import Config
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+
+
+@dataclass
+class MemoryPlan:
+    """The estimated per-device peak of one training run and what it is made of."""
+
+    peak_bytes: int  # the largest consumer sum over the run's roles (a device's peak)
+    consumers: list[tuple[str, int]]  # (what, bytes) on the device at that peak, largest first
+    device_bytes: int | None  # the device's memory (None: unknown, e.g. CPU training)
+    fits: bool  # peak_bytes within device_bytes minus the margin (True when device_bytes is None)
+    advice: list[str]  # what to change when it does not fit (or is close)
+    seq_len: int = 0  # the padded length S of the micro-batch the peak is at
+    batch_size: int = 0  # samples in that micro-batch
+    rows: int = 0  # drafter rows (anchors x block_size) of one forward + backward (a slice) on this device
+    role: str = "colocated"  # colocated | target | drafter: whose peak this is
+    device: str = "cuda"
+    notes: list[str] = field(default_factory=list)
+
+    MARGIN = 0.05  # of the device kept free: CUDA context, allocator fragmentation, NCCL buffers
+
+    def format(self) -> str:
+        """The plan as a readable table, its verdict and its advice."""
+        width = max([len(name) for name, _ in self.consumers] + [len("total (peak)")])
+        lines = [f"memory plan ({self.role} rank, {self.device}): worst micro-batch S={self.seq_len}, "
+                 f"B={self.batch_size}, {self.rows} drafter rows per forward + backward",
+                 f"  {'consumer':<{width}}  {'GiB':>8}"]
+        lines += [f"  {name:<{width}}  {size / GiB:8.2f}" for name, size in self.consumers]
+        lines.append(f"  {'total (peak)':<{width}}  {self.peak_bytes / GiB:8.2f}")
+        lines.append(self.verdict())
+        lines += [f"  - {a}" for a in self.advice]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        if self.device_bytes is None:
+            return f"peak {self.peak_bytes / GiB:.2f} GiB (no device memory limit given)"
+        usable = self.device_bytes * (1 - self.MARGIN)
+        word = "fits" if self.fits else "does NOT fit"
+        return (f"{word}: peak {self.peak_bytes / GiB:.2f} GiB of {self.device_bytes / GiB:.1f} GiB "
+                f"({usable / GiB:.1f} GiB usable, {self.MARGIN:.0%} kept free)")
+
+
+# ---- the target, from its config.json ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What the plan needs of the target: its sizes and its weight bytes (from config.json)."""
+
+    hidden: int
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # the dense MLP's (0 for a pure MoE)
+    experts: int  # routed experts (0: dense)
+    experts_per_token: int
+    expert_intermediate: int
+    params: int  # every parameter
+    head_params: int  # the input embedding and the LM head (one table when tied)
+    config: object  # the transformers config (text part)
+
+
+def target_config_path(target: str) -> Path:
+    from flashdraft.target import _model_dir
+
+    path = _model_dir(target) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: not found; model.target must be a Hugging Face model directory with a "
+                         "config.json (the plan reads only that file)")
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _target_shape(path: str, trust_remote_code: bool) -> TargetShape:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(Path(path).parent), trust_remote_code=trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    with torch.device("meta"):  # the class's own parameter shapes, no bytes
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    heads = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+             for p in m.parameters()}
+    params = sum(p.numel() for p in model.parameters())
+    head_params = sum(p.numel() for p in model.parameters() if id(p) in heads)
+    experts = int(getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0) or 0)
+    hidden, n_heads = int(text.hidden_size), int(text.num_attention_heads)
+    return TargetShape(
+        hidden=hidden, vocab=int(text.vocab_size), layers=int(text.num_hidden_layers), heads=n_heads,
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or n_heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // n_heads),
+        intermediate=0 if experts else int(getattr(text, "intermediate_size", 0) or 0), experts=experts,
+        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
+        expert_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0)),
+        params=params, head_params=head_params, config=text)
+
+
+# ---- the worst micro-batch -----------------------------------------------------------------
+
+
+def longest(cfg: Config) -> int:
+    """The longest padded length a micro-batch can have: data.max_length, or the token budget
+    when that is smaller (the start-up checks refuse longer samples)."""
+    return min(cfg.data.max_length, cfg.data.token_budget)
+
+
+def batch_size_at(cfg: Config, seq_len: int) -> int:
+    """Samples of padded length ``seq_len`` one micro-batch holds under the batch plan's budgets."""
+    rows = min(cfg.objective.num_anchors, max(seq_len - 1, 1)) * cfg.model.block_size
+    return max(1, min(cfg.data.max_batch_size, cfg.data.token_budget // seq_len, cfg.data.row_budget // rows))
+
+
+def anchors_per_pass(cfg: Config, seq_len: int) -> int:
+    """Anchored blocks per sample in one forward + backward on one rank: the anchor tensor's
+    width min(num_anchors, S), shared over a colocated tensor-parallel group (Blocks.shard; a
+    disaggregated drafter rank trains them all), then sliced by objective.anchors_per_microbatch."""
+    n = min(cfg.objective.num_anchors, seq_len)
+    if cfg.pipeline.placement == "colocated":
+        n = -(-n // cfg.model.tensor_parallel)
+    apm = cfg.objective.anchors_per_microbatch
+    return min(n, apm) if apm > 0 else n
+
+
+# ---- the drafter's step, measured on fake tensors ------------------------------------------
+
+
+class _HeadsStub:
+    """The target's embedding and LM head as block_loss reads them; plain tensors, not modules,
+    so the tracker counts their outputs but not their weights (the target's, counted with it)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype, device):
+        self.lm_head = types.SimpleNamespace(weight=torch.empty(vocab, hidden, dtype=dtype, device=device))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.lm_head.weight)
+
+
+class _SavedLike(torch.autograd.Function):
+    """An attention stand-in: returns a tensor shaped like q and saves ``saved`` for backward
+    (what the real kernel keeps); its backward returns gradients of the inputs' shapes (no values)."""
+
+    @staticmethod
+    def forward(ctx, q, k1, v1, k2, v2, *saved):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k1, v1, k2, v2, out, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k1, v1, k2, v2, _, *rest = ctx.saved_tensors  # read once (activation checkpointing allows no more)
+        return (torch.empty_like(q), torch.empty_like(k1), torch.empty_like(v1), torch.empty_like(k2),
+                torch.empty_like(v2), *([None] * len(rest)))
+
+
+def _blockwise_shape(b: int, n: int, seq_len: int, bs: int) -> list[tuple[int, int]]:
+    """(query rows, keys) of each batched call of the blockwise plan (drafter/attention.py
+    query_groups): groups of 64 // bs blocks, 256 query rows per call; a call's context is its
+    last anchor (anchors sorted, spread evenly over the sequence: the expected order statistic)."""
+    group = min(max(1, 64 // bs), n)
+    per_call = max(1, 256 // (group * bs))
+    out, first = [], 0
+    while first < n:
+        k = min(per_call, (n - first) // group)
+        blocks, g = (k * group, group) if k else (n - first, n - first)
+        first += blocks
+        context = min(seq_len, math.ceil(first * seq_len / n))
+        out.append((blocks * bs, context + g * bs))
+    return out
+
+
+@contextlib.contextmanager
+def _attention_stand_in(impl: str):
+    """Swap the drafter's attention plan and kernels for stand-ins that keep what the real ones
+    keep (see the module doc); restores them on exit."""
+    from flashdraft.drafter import attention
+    from flashdraft.drafter import model as drafter_model
+
+    real_attend = drafter_model.attend
+
+    def plan(self, anchors, valid, seq_len, attention_impl=None, needs_grad=True, dtype=torch.float32, layer=None):
+        b, n = anchors.shape
+        if impl == "flex":
+            return attention.BlockAttentionPlan("flex", num_blocks=n)
+        calls = _blockwise_shape(b, n, seq_len, self.block_size)
+        # the plan's additive masks [B, rows, keys] per call, alive for the whole forward + backward
+        bias = anchors.new_empty(sum(b * r * k for r, k in calls), dtype=dtype)
+        return attention.BlockAttentionPlan("blockwise", num_blocks=n, groups=[(calls, bias)])
+
+    def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink=None):
+        if plan.impl == "flex":  # CUDA's path: [context | blocks] keys, GQA without repeated heads
+            k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            return _SavedLike.apply(q, k, v, k[..., :0, :], v[..., :0, :], lse)
+        return real_attend(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink)
+
+    def blockwise(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink=None):
+        calls, bias = plan.groups[0]
+        dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
+        tensors = [t.to(dtype) for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
+        saved = [bias]
+        if plan.keep_probs and torch.is_grad_enabled():  # the last layer's probabilities, per call
+            saved.append(q.new_empty(sum(q.shape[0] * q.shape[1] * r * k for r, k in calls), dtype=dtype))
+        with torch.autocast(q.device.type, enabled=False):
+            return _SavedLike.apply(*tensors, *saved)
+
+    saved = (drafter_model.DFlashDrafter.attention_plan, drafter_model.attend, attention.blockwise_attention)
+    drafter_model.DFlashDrafter.attention_plan, drafter_model.attend = plan, attend
+    attention.blockwise_attention = blockwise
+    try:
+        yield
+    finally:
+        drafter_model.DFlashDrafter.attention_plan, drafter_model.attend, attention.blockwise_attention = saved
+
+
+class LiveBytes(TorchDispatchMode):
+    """The live bytes of the tensors created while it is active, and their peak: each op's new
+    storages are counted once and uncounted when freed (a weakref finalizer). Works on fake
+    tensors. (torch's MemTracker answers the same, but rescans every live tensor at every op:
+    ~10 s per fake step of the 8B drafter here, against ~1 s.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._ids: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self._ids.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.prim.device.default:  # thousands of .device queries: no tensor made
+            return out
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._ids:
+                    size = storage.nbytes()
+                    self._ids.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, size)
+        return out
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    peak: int  # the step's peak live bytes (drafter weights, grads, AdamW state, everything it allocates)
+    weights: int
+    grads: int
+    optimizer: int
+    autocast_cache: int  # the bf16 copies of the drafter's weights autocast keeps through the backward
+
+
+def _drafter_config(cfg: Config, shape: TargetShape) -> dict:
+    from flashdraft.drafter.serving import drafter_config_from_target
+    from flashdraft.target import default_target_layer_ids
+
+    ids = (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
+           else default_target_layer_ids(shape.layers, cfg.model.num_taps))
+    mask_id = cfg.model.mask_token_id if cfg.model.mask_token_id is not None else shape.vocab - 1
+    return drafter_config_from_target(
+        shape.config, num_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size, mask_token_id=mask_id,
+        target_layer_ids=ids, layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
+        causal=cfg.model.drafter_causal, dflash2=cfg.model.dflash2, sinks=cfg.model.drafter_attention_sink)
+
+
+def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_len: int, anchors: int) -> StepMeasure:
+    """One optimizer step of the real drafter at micro-batch [batch, seq_len] with ``anchors``
+    blocks per sample (one slice), under FakeTensorMode on ``device``; its peak live bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.drafter.attention import resolve_attention
+    from flashdraft.objective import Blocks, SelectorLoss
+    from flashdraft.target import resolve_dtype
+    from flashdraft.train.optim import build_optimizer
+    from flashdraft.train.step import forward_backward
+
+    dev = torch.device(device)
+    dtype = resolve_dtype(cfg.model.dtype, dev)
+    impl = resolve_attention(cfg.model.drafter_attention, dev, True)
+    if cfg.model.drafter_attention_sink and impl == "flex":
+        impl = "blockwise"
+    config = _drafter_config(cfg, shape)
+    bs, k = cfg.model.block_size, len(config["dflash_config"]["target_layer_ids"])
+    # Fake tensors live on the CPU (a CPU-only torch cannot make CUDA ones): a CUDA run's bf16
+    # autocast is CPU autocast here, the same casts of the drafter's matmuls.
+    host = torch.device("cpu")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=False), _attention_stand_in(impl):
+        drafter = DFlashDrafter(config, attention=cfg.model.drafter_attention,
+                                activation_checkpointing=cfg.model.activation_checkpointing)
+        if drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
+            drafter.candidate_selector.requires_grad_(False)
+        heads = _HeadsStub(shape.vocab, shape.hidden, dtype, host)
+        optimizer, _ = build_optimizer(drafter.parameters(), cfg.optim, 10, dev)
+        trainable = [p for p in drafter.parameters() if p.requires_grad]
+        weights = sum(p.numel() * p.element_size() for p in drafter.parameters())
+        grads = sum(p.numel() * 4 for p in trainable)
+        autocast_cache = sum(m.weight.numel() * 2 for m in drafter.modules()
+                             if isinstance(m, torch.nn.Linear)) if dev.type == "cuda" else 0
+        tracker = LiveBytes()
+        with tracker:
+            for p in trainable:  # the optimizer's state exists from the first step on: make it now
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                        if torch.is_tensor(t))
+            features = torch.empty(batch, seq_len, k * shape.hidden, dtype=dtype, device=host)
+            ids = torch.zeros(batch, anchors, bs, dtype=torch.long, device=host)
+            selector = SelectorLoss(cfg.objective.selector_alpha) if drafter.candidate_selector is not None else None
+            blocks = Blocks(torch.zeros(batch, anchors, dtype=torch.long, device=host),
+                            torch.ones(batch, anchors, dtype=torch.bool, device=host), ids, ids,
+                            torch.ones(batch, anchors, bs, device=host), cfg.objective.slot_loss, selector)
+            forward_backward(drafter, heads, features, blocks, chunk_size=cfg.objective.loss_chunk_size,
+                             autocast=autocast)
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        total = weights + tracker.peak  # the weights exist before; everything else is counted
+        # the features were counted (allocated inside): they are "features in flight", not the step's
+        total -= batch * seq_len * k * shape.hidden * dtype.itemsize
+    return StepMeasure(total, weights, grads, state, autocast_cache)
+
+
+@dataclass(frozen=True)
+class _StepModel:
+    """The step's peak as c0 + B * (a * R + b * S + g * R * S), R = anchors per sample: fitted from
+    four measured steps, used only to find the worst S (which is then measured)."""
+
+    c0: float
+    a: float
+    b: float
+    g: float
+
+    def __call__(self, batch: int, seq_len: int, anchors: int) -> float:
+        return self.c0 + batch * (self.a * anchors + self.b * seq_len + self.g * anchors * seq_len)
+
+
+def _fit_step_model(cfg: Config, shape: TargetShape, device: str) -> _StepModel:
+    bs, chunk = cfg.model.block_size, cfg.objective.loss_chunk_size
+    n0 = max(32, math.ceil(1.05 * chunk / (bs - 1))) if chunk else 32  # rows past one head chunk: linear
+    s0 = 2 * n0
+    m = functools.partial(measure_step, cfg, shape, device)
+    m1, m2 = m(1, s0, n0).peak, m(2, s0, n0).peak
+    m3, m4 = m(1, s0, 2 * n0).peak, m(1, 2 * s0, n0).peak
+    u, v, w = m2 - m1, m3 - m1, m4 - m1
+    return _StepModel(c0=m1 - u, a=(u - w) / n0, b=(u - v) / s0, g=(v + w - u) / (n0 * s0))
+
+
+def _worst_seq_len(cfg: Config, model: _StepModel, other) -> int:
+    """The padded length S <= longest(cfg) whose micro-batch has the largest modelled peak
+    (``other(B, S)``: the S-dependent bytes besides the step, e.g. the features in flight)."""
+    best, best_s = -math.inf, longest(cfg)
+    for s in range(2, longest(cfg) + 1):
+        b = batch_size_at(cfg, s)
+        value = model(b, s, anchors_per_pass(cfg, s)) + other(b, s)
+        if value > best:
+            best, best_s = value, s
+    return best_s
+
+
+# ---- the target's side: formulas of its config ----------------------------------------------
+
+
+def target_forward_bytes(shape: TargetShape, cfg: Config, batch: int, seq_len: int, dtype_bytes: int,
+                         layers_run: int) -> int:
+    """The no-grad forward's transient peak up to the last tapped layer: the taps held until
+    they are packed, one layer's working set (residual, normed input, q / k / v, attention
+    output, the MLP's gate / up / product, or a MoE layer's router logits and routed copies),
+    and a padded batch's [B, 1, S, S] boolean mask. Column-sharded terms divide by the group."""
+    tokens, tp = batch * seq_len, cfg.model.tensor_parallel
+    k = len(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None else cfg.model.num_taps
+    taps = k * tokens * shape.hidden
+    attn = tokens * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * 2 // tp
+    if shape.experts:
+        mlp = tokens * shape.experts_per_token * (shape.hidden + 3 * shape.expert_intermediate // tp)
+        mlp += tokens * shape.experts * 4 // dtype_bytes  # fp32 router logits
+    else:
+        mlp = 3 * tokens * shape.intermediate // tp
+    working = 3 * tokens * shape.hidden + max(attn, mlp)
+    return (taps + working) * dtype_bytes + batch * seq_len * seq_len
+
+
+def target_weight_bytes(shape: TargetShape, cfg: Config, dtype_bytes: int, heads_only: bool) -> int:
+    """This rank's share of the target's weights: all of them over the group (tensor / expert
+    parallel), plus the whole embedding and LM head the drafter uses (gathered once when
+    sharded); a drafter rank of a disaggregated job holds only those two."""
+    if heads_only:
+        return shape.head_params * dtype_bytes
+    tp = cfg.model.tensor_parallel
+    whole_heads = shape.head_params if tp > 1 else 0
+    return (shape.params // tp + whole_heads) * dtype_bytes
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+
+def _planned_device(cfg: Config, device: str | None) -> str:
+    if device is not None:
+        return torch.device(device).type
+    return "cpu" if cfg.train.device == "cpu" else "cuda"
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The run's byte counts that are formulas of the target's config (see the module doc)."""
+
+    cfg: Config
+    shape: TargetShape
+    dtype_bytes: int
+    taps: int
+    layers_run: int
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose features exist at once: those queued between the stages and the step's own."""
+        pcfg = self.cfg.pipeline
+        return self.cfg.train.grad_accum * ((pcfg.capacity if pcfg.enabled else 0) + 1)
+
+    def features(self, b: int, s: int) -> int:
+        return self.in_flight * b * s * self.taps * self.shape.hidden * self.dtype_bytes
+
+    def target_forward(self, b: int, s: int) -> int:
+        return target_forward_bytes(self.shape, self.cfg, b, s, self.dtype_bytes, self.layers_run)
+
+    def overlap(self, b: int, s: int) -> int:
+        """What the step shares the device with besides its own: the features in flight and, when
+        a colocated pipeline overlaps them, the next micro-batch's target forward."""
+        cfg = self.cfg
+        overlapped = cfg.pipeline.enabled and cfg.pipeline.placement == "colocated"
+        return self.features(b, s) + (self.target_forward(b, s) if overlapped else 0)
+
+
+def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | None = None,
+                device: str | None = None) -> MemoryPlan:
+    """The per-device peak memory of training ``cfg`` (see the module doc), at the worst padded
+    length up to data.max_length or at ``seq_len``; ``device_bytes`` the device's memory (None:
+    no limit known); ``device`` "cuda" or "cpu" (default: from train.device, cuda unless cpu).
+    Reads only model.target's config.json; loads no weights."""
+    from flashdraft.target import default_target_layer_ids, resolve_dtype
+
+    dev = _planned_device(cfg, device)
+    shape = _target_shape(str(target_config_path(cfg.model.target)), cfg.model.trust_remote_code)
+    ids = (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
+           else default_target_layer_ids(shape.layers, cfg.model.num_taps))
+    sizes = _Sizes(cfg, shape, resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize, len(ids), max(ids) + 1)
+    if seq_len is None:
+        s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap)
+    elif not 2 <= seq_len <= longest(cfg):
+        raise ValueError(f"seq_len={seq_len}: give a padded length in [2, {longest(cfg)}] (data.max_length="
+                         f"{cfg.data.max_length}, data.token_budget={cfg.data.token_budget})")
+    else:
+        s = seq_len
+    b, n = batch_size_at(cfg, s), anchors_per_pass(cfg, s)
+    roles = _roles(sizes, measure_step(cfg, shape, dev, b, s, n), b, s, b * n * cfg.model.block_size)
+    totals = {name: sum(v for _, v in parts if v > 0) for name, parts in roles.items()}
+    role = max(totals, key=totals.get)
+    consumers = sorted(((name, int(v)) for name, v in roles[role] if v > 0), key=lambda c: -c[1])
+    others = [f"a {name} rank's peak: {total / GiB:.2f} GiB" for name, total in totals.items() if name != role]
+    peak = sum(v for _, v in consumers)
+    fits = device_bytes is None or peak <= device_bytes * (1 - MemoryPlan.MARGIN)
+    plan = MemoryPlan(peak, consumers, device_bytes, fits, [], s, b, b * n * cfg.model.block_size, role, dev,
+                      others + _notes(cfg, dev))
+    if device_bytes is not None:
+        plan.advice = _advice(cfg, plan, dict(consumers))
+    return plan
+
+
+def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[str, list[tuple[str, int]]]:
+    """The consumers of each role's device at its peak (colocated; or a disaggregated job's
+    drafter and target ranks)."""
+    cfg, shape = sizes.cfg, sizes.shape
+    chunk_rows = min(cfg.objective.loss_chunk_size or rows, rows)
+    # [chunk, V] logits in the compute dtype, their fp32 copy and (bf16) the gradient cast back
+    head = chunk_rows * shape.vocab * (4 + 2 * sizes.dtype_bytes if sizes.dtype_bytes < 4 else 4)
+    activations = max(0, step.peak - step.weights - step.grads - step.optimizer - step.autocast_cache - head)
+    drafter = [("drafter weights (fp32 master)", step.weights), ("drafter gradients (fp32)", step.grads),
+               ("AdamW state (fp32)", step.optimizer), ("bf16 autocast weight cache", step.autocast_cache),
+               ("drafter saved activations + temporaries (measured)", activations),
+               (f"LM head + CE chunk ({chunk_rows} x {shape.vocab})", head),
+               ("features in flight", sizes.features(b, s))]
+    tp = cfg.model.tensor_parallel
+    weights = (f"target weights{f' (1/{tp}, + whole embedding / LM head)' if tp > 1 else ''}",
+               target_weight_bytes(shape, cfg, sizes.dtype_bytes, heads_only=False))
+    forward = sizes.target_forward(b, s)
+    if cfg.pipeline.placement == "disaggregated":
+        roles = {"drafter": [("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes, True)),
+                             *drafter],
+                 "target": [weights, ("target forward (no grad, transient)", forward),
+                            ("features in flight", sizes.features(b, s))]}
+    elif cfg.pipeline.enabled:  # the next micro-batch's target forward runs beside this step
+        roles = {"colocated": [weights, *drafter, ("target forward (no grad, overlapping the step)", forward)]}
+    else:  # sequential: the target forward runs between steps, in the memory the step frees
+        roles = {"colocated": [weights, *drafter,
+                               ("target forward beyond the step's transient", forward - activations - head)]}
+    return roles
+
+
+def _notes(cfg: Config, dev: str) -> list[str]:
+    notes = ["attention kernels modelled (saved tensors of the real kernel); the rest of the drafter's step "
+             "measured on fake tensors"]
+    if dev == "cuda" and cfg.model.drafter_attention in ("auto", "flex") and not cfg.model.drafter_attention_sink:
+        notes.append("flex attention's block mask (sparse tables, a few MiB) is not counted; building it "
+                     "without torch.compile adds a dense transient at the start of each forward")
+    return notes
+
+
+def _advice(cfg: Config, plan: MemoryPlan, parts: dict[str, int]) -> list[str]:
+    """What to change, largest lever first, when the plan does not fit (or is within 10 %)."""
+    usable = plan.device_bytes * (1 - MemoryPlan.MARGIN)
+    if plan.peak_bytes <= 0.9 * usable:
+        return []
+    over = plan.peak_bytes - 0.9 * usable  # down to 90 % of the usable memory: some room to spare
+    advice = []
+    dynamic = sum(v for name, v in parts.items() if "activations" in name or "chunk" in name)
+    bs = cfg.model.block_size
+    if dynamic > 0.05 * usable and plan.rows > bs:
+        keep = 1 - over / dynamic if dynamic > over else 0.25
+        rows = max(bs, int(plan.rows * keep) // bs * bs)
+        enough = "" if dynamic > over else f" (saves ~{(1 - keep) * dynamic / GiB:.0f} GiB; not enough alone)"
+        advice.append(f"lower data.row_budget (now {cfg.data.row_budget}) to about {rows}: fewer drafter rows per "
+                      f"micro-batch{enough}")
+        per = max(1, int(anchors_per_pass(cfg, plan.seq_len) * keep))
+        advice.append(f"or set objective.anchors_per_microbatch={per}: the same loss in slices (recomputes the "
+                      "context K/V per slice)")
+        if not cfg.model.activation_checkpointing:
+            advice.append("or set model.activation_checkpointing=true: recompute each drafter layer in backward "
+                          "(~30% slower)")
+    weights = next((v for name, v in parts.items() if name.startswith("target weights")), 0)
+    if weights > 0.3 * usable and plan.role != "drafter":
+        advice.append(f"shard the target: model.tensor_parallel={2 * cfg.model.tensor_parallel} (now "
+                      f"{cfg.model.tensor_parallel}), or pipeline.placement=disaggregated (the target on its own "
+                      "ranks)")
+    in_flight = parts.get("features in flight", 0)
+    if in_flight > 0.1 * usable:
+        advice.append(f"lower data.token_budget (now {cfg.data.token_budget}) or pipeline.capacity (now "
+                      f"{cfg.pipeline.capacity}): fewer target features in flight")
+    if cfg.objective.loss_chunk_size == 0 or cfg.objective.loss_chunk_size > 1024:
+        advice.append("set objective.loss_chunk_size=1024: one smaller LM-head chunk at a time")
+    need = plan.peak_bytes / (1 - MemoryPlan.MARGIN)
+    advice.append(f"or a device with at least {need / GiB:.0f} GiB")
+    return advice
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The device's memory in bytes (None on CPU: no device limit)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def check_fits(cfg: Config, device: torch.device) -> MemoryPlan | None:
+    """The start-up check, before the trainer loads any weights. With a device memory limit (CUDA):
+    the plan at the worst length, and a run that cannot fit refused (ValueError with the plan and
+    what to change) unless train.memory_check is off. Without one (CPU): the plan at the longest
+    length (one fake step, ~1 s), logged; a plan that cannot be made there is logged too, never fatal."""
+    total = device_memory(device)
+    if total is None:
+        try:
+            plan = plan_memory(cfg, seq_len=longest(cfg), device="cpu")
+        except Exception as exc:  # noqa: BLE001 -- informational on CPU: the run itself decides
+            log.warning("memory plan: not available (%s)", exc)
+            return None
+        log.info("memory plan: peak %.2f GiB per process at S=%d, B=%d (%s)", plan.peak_bytes / GiB, plan.seq_len,
+                 plan.batch_size, ", ".join(f"{n} {v / GiB:.2f}" for n, v in plan.consumers[:3]))
+        return plan
+    plan = plan_memory(cfg, device_bytes=total, device=device.type)
+    if not plan.fits and cfg.train.memory_check:
+        raise ValueError(f"the memory plan says this run cannot fit the device ({total / GiB:.1f} GiB): change what "
+                         f"it advises, or set train.memory_check=false to try anyway\n{plan.format()}")
+    log.info("%s", plan.format())
+    return plan
+
+
+# ---- `flashdraft plan` ----------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    import argparse
+
+    from flashdraft.config import describe_fields
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = describe_fields()
+    parser.add_argument("--config", help="YAML config file (as for `flashdraft train`)")
+    parser.add_argument("--device-memory", type=float, default=None,
+                        help="the device's memory in GiB (default: the visible GPU's, else none)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="plan at this padded length (default: the worst up to data.max_length)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.row_budget=8192 model.target=DIR")
+
+
+def run(args) -> int:
+    """Print the plan's table, verdict and advice; exit 0 when the run fits, 1 when it does not."""
+    from flashdraft.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    device_bytes = None
+    if args.device_memory is not None:
+        if args.device_memory <= 0:
+            raise ValueError(f"--device-memory {args.device_memory}: give the device's memory in GiB, e.g. 80")
+        device_bytes = int(args.device_memory * GiB)
+    elif torch.cuda.is_available() and cfg.train.device != "cpu":
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    plan = plan_memory(cfg, device_bytes=device_bytes, seq_len=args.seq_len)
+    print(plan.format())
+    return 0 if plan.fits else 1
+
+

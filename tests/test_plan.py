@@ -1,0 +1,148 @@
+"""The memory plan (flashdraft/plan.py): its estimate against the measured peak of real CPU
+training steps, `train` refusing a run that cannot fit before it loads any weights, the
+`flashdraft plan` command, and the plan of each public target config kept in
+tests/fixtures/configs (Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, Llama-3.1-8B-Instruct,
+gpt-oss-120b)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashdraft import plan as plan_module
+from flashdraft.cli import main
+from flashdraft.config import load_config
+from flashdraft.plan import GiB, batch_size_at, plan_memory
+
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
+ROOT = Path(__file__).parent.parent
+
+
+def _small_target(root: Path, hidden: int) -> Path:
+    """A Qwen3 target's config.json (no weights: the plan reads only this file)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+        "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 128,
+        "head_dim": 64, "num_hidden_layers": 8, "vocab_size": 8192, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32"}))
+    return root
+
+
+SMALL = ["model.mask_token_id=8191", "model.num_draft_layers=2", "model.num_taps=3", "data.max_length=1024",
+         "data.row_budget=4096", "data.token_budget=4096", "train.device=cpu"]
+
+
+@pytest.mark.slow
+def test_estimate_within_15_percent_of_measured_cpu_steps(tmp_path):
+    """Three hidden widths x two lengths: the plan's drafter-side bytes (its weights, gradients,
+    AdamW state, saved activations and temporaries, LM-head chunk) against the measured peak of
+    two real optimizer steps (real anchors, the real blockwise attention) in a fresh process:
+    its peak resident set minus the one before (tests/plan_measure.py says how)."""
+    runs = [(str(_small_target(tmp_path / f"h{h}", h)), s, SMALL) for h in (128, 256, 384) for s in (128, 512)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "plan_measure.py"), json.dumps(runs)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    for (target, s, overrides), got in zip(runs, measured):
+        plan = plan_memory(load_config(None, [f"model.target={target}", *overrides]), seq_len=s)
+        assert plan.batch_size == got["batch"]
+        drafter = sum(v for name, v in plan.consumers if not name.startswith(("target", "features")))
+        assert got["peak"] > 50 * 2**20  # large enough for the process's own noise not to matter
+        assert abs(drafter - got["peak"]) <= 0.15 * got["peak"], (target, s, drafter, got["peak"], plan.format())
+
+
+def test_row_budget_bounds_the_worst_micro_batch():
+    """B samples of length S: never over the token budget, the batch size cap, or the row
+    budget (unless one sample alone exceeds it: then one sample)."""
+    cfg = load_config(None, ["data.row_budget=16384", "data.token_budget=16384", "data.max_batch_size=64"])
+    bs, n = cfg.model.block_size, cfg.objective.num_anchors
+    for s in (2, 17, 100, 513, 1024, 3072):
+        b = batch_size_at(cfg, s)
+        per = min(n, s - 1) * bs
+        assert b * s <= 16384 and b <= 64
+        assert b * per <= 16384 or b == 1
+    assert batch_size_at(cfg, 1024) == 2 and batch_size_at(cfg, 129) == 8
+
+
+def _qwen3_8b(tmp_path: Path) -> Path:
+    """A target directory holding only Qwen3-8B's config.json: no weights, no tokenizer."""
+    target = tmp_path / "Qwen3-8B"
+    target.mkdir()
+    shutil.copy(FIXTURES / "Qwen3-8B" / "config.json", target / "config.json")
+    return target
+
+
+def test_train_refuses_a_run_that_cannot_fit_before_loading_weights(tmp_path, monkeypatch, fresh_dist):
+    """On a GPU the trainer asks the plan before building anything; here the device's size is
+    the one thing modelled (no CUDA on this machine): a 24 GiB device for Qwen3-8B. The target
+    directory has no weights, so getting past the check would fail differently."""
+    from flashdraft.target import TargetModel
+    from flashdraft.train.trainer import Trainer
+
+    loads = []
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: 24 * GiB)
+    monkeypatch.setattr(TargetModel, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
+    cfg = load_config(None, [f"model.target={_qwen3_8b(tmp_path)}", "model.mask_token_id=151669",
+                             "model.num_draft_layers=1", "data.path=unused", "train.device=cpu",
+                             f"train.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ValueError, match="train.memory_check=false") as info:
+        Trainer(cfg)
+    message = str(info.value)
+    assert "does NOT fit" in message and "tensor_parallel" in message and "data.row_budget" in message
+    assert loads == []
+
+
+def test_plan_command_exit_status_and_table(tmp_path, capsys):
+    target = _qwen3_8b(tmp_path)
+    args = ["plan", f"model.target={target}", "model.mask_token_id=151669", "model.num_draft_layers=1",
+            "--seq-len", "512"]
+    assert main([*args, "--device-memory", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "target weights" in out and "fits: peak" in out
+    assert main([*args, "--device-memory", "20"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "or a device with at least" in out
+
+
+def test_the_estimate_follows_the_code(tmp_path):
+    """The step is measured by running it: activation checkpointing (recompute each layer in
+    backward) and anchor slices both shrink the measured activations."""
+    target = _small_target(tmp_path / "t", 256)
+
+    def activations(*extra):
+        plan = plan_memory(load_config(None, [f"model.target={target}", *SMALL, *extra]), seq_len=512)
+        return dict(plan.consumers)["drafter saved activations + temporaries (measured)"]
+
+    full = activations()
+    assert activations("model.activation_checkpointing=true") < 0.85 * full
+    assert activations("objective.anchors_per_microbatch=128") < 0.5 * full
+
+
+# (fixture, tensor_parallel, expert_parallel, parameters in billions from the model card)
+TARGETS = [("Qwen3-8B", 1, False, 8.19), ("Qwen3-30B-A3B", 2, True, 30.5), ("Qwen3-235B-A22B", 4, True, 235.1),
+           ("Llama-3.1-8B-Instruct", 1, False, 8.03), ("gpt-oss-120b", 4, False, 116.8)]
+
+
+@pytest.mark.parametrize("name,tp,ep,billions", TARGETS)
+def test_plan_of_each_public_target(name, tp, ep, billions):
+    cfg = load_config(None, [f"model.target={FIXTURES / name}", "model.mask_token_id=0",
+                             f"model.tensor_parallel={tp}", f"model.expert_parallel={str(ep).lower()}"])
+    plan = plan_memory(cfg, device_bytes=141 * GiB, seq_len=2048)
+    parts = dict(plan.consumers)
+    weights = next(v for k, v in parts.items() if k.startswith("target weights"))
+    shape = plan_module._target_shape(str(FIXTURES / name / "config.json"), False)
+    assert abs(shape.params / 1e9 - billions) < 0.01 * billions
+    assert weights >= shape.params * 2 // tp  # bf16, 1/tp each (+ the whole embedding / head when sharded)
+    assert plan.peak_bytes == sum(parts.values()) and plan.consumers == sorted(plan.consumers, key=lambda c: -c[1])
+    # exp_avg and exp_avg_sq, like the fp32 weights (+ a 4-byte step count per parameter)
+    assert 0 <= parts["AdamW state (fp32)"] - 2 * parts["drafter weights (fp32 master)"] < 2**20
+    # the row budget (16384) holds 2 samples of 512 anchors; a tensor-parallel rank trains on 1/tp of them
+    assert plan.batch_size == 2 and plan.rows == 2 * 512 * cfg.model.block_size // tp
