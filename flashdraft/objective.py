@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.autocast import autocast_suspended
+from flashdraft.data.batching import anchor_slots
 
 
 def default_gamma(block_size: int) -> float:
@@ -149,12 +150,14 @@ def sample_anchors(
 
     Candidates are positions a with loss_mask[a] == 1 and a + 1 < length. ``seed`` changes every
     step (the trainer mixes its seed with the step); ``sample_ids`` [B] are the samples' dataset
-    indices (default 0..B-1). Returns anchors [B, N] sorted ascending (N = min(num_anchors, S))
-    and valid [B, N] bool; a sequence with fewer candidates than N gets invalid padding anchors
-    (position 0, valid False) after its real ones.
+    indices (default 0..B-1). Returns anchors [B, N] sorted ascending and valid [B, N] bool,
+    N = max(1, min(num_anchors, S - 1)) (``anchor_slots``: no sequence of at most S tokens has more
+    candidates, and the batch plan's row budget counts exactly N x block_size rows per sequence);
+    a sequence with fewer candidates than N gets invalid padding anchors (position 0, valid False)
+    after its real ones.
     """
     b, s = loss_mask.shape
-    n = min(num_anchors, s)
+    n = int(anchor_slots(s, num_anchors))
     if sample_ids is None:
         sample_ids = torch.arange(b, device=loss_mask.device)
     pos = torch.arange(s, device=loss_mask.device)

@@ -13,23 +13,26 @@ POINT = ["--seq", "64", "--hidden", "64", "--layers", "2", "--anchors", "8", "--
          "--repeat", "1", "--chunk", "8", "--threads", "1"]
 
 
-@pytest.mark.parametrize("extra,rtol", [([], 1e-5), (["--dtype", "bfloat16", "--autocast"], 2e-2)])
+@pytest.mark.parametrize("extra,precision,rtol", [(["--precision", "fp32"], "fp32", 1e-5), ([], "trainer", 2e-2),
+                                                   (["--dtype", "bfloat16"], "bf16", 2e-2)])
 @pytest.mark.slow
-def test_bench_step_variants_compute_the_same_loss(tmp_path, capsys, extra, rtol):
-    """fp32 also times the DFlash2 step next to the v1 step (its loss: another model's)."""
+def test_bench_step_variants_compute_the_same_loss(tmp_path, capsys, extra, precision, rtol):
+    """The default is the trainer's precision (fp32 weights under bf16 autocast); fp32 also times
+    the DFlash2 step next to the v1 step (its loss: another model's)."""
     out = tmp_path / "step.json"
-    variants = [] if extra else ["--variants", "fast,reference,dflash2", "--conv-group-size", "8",
-                                 "--selector-rank", "8"]
+    variants = ["--variants", "fast,reference,dflash2", "--conv-group-size", "8",
+                "--selector-rank", "8"] if precision == "fp32" else []
     assert main(["bench", "step", *POINT, *extra, *variants, "--json", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
-    if not extra:
+    if variants:
         assert rows["dflash2"]["ms_per_step"] > 0 and rows["dflash2"]["loss"] > 0
         assert "dflash2 / fast: time" in capsys.readouterr().out
     fast, reference = rows["fast"], rows["reference"]
-    assert fast["autocast"] == reference["autocast"] == bool(extra)
+    assert fast["precision"] == reference["precision"] == precision
+    assert fast["autocast"] == reference["autocast"] == (precision == "trainer")
     assert fast["loss"] == pytest.approx(reference["loss"], rel=rtol)
     for row in (fast, reference):
-        assert row["ms_per_step"] > 0 and row["peak_mib"] >= 0
+        assert row["ms_per_step"] > 0 and row["peak_mib"] >= 0 and row["saved_mib"] > 0
 
 
 def test_unknown_bench_step_variants_are_refused():

@@ -5,7 +5,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashdraft.data.batching import BatchSampler, budget_fill, build_batches, padding_waste, plan_steps
+from flashdraft.data.batching import (
+    BatchSampler,
+    DrafterRows,
+    anchor_slots,
+    budget_fill,
+    build_batches,
+    padding_waste,
+    plan_steps,
+)
 
 
 def lengths_strategy():
@@ -190,3 +198,98 @@ def test_load_state_dict_rejects_other_plan():
     t = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=1)
     with pytest.raises(ValueError, match="seed=0.*restore seed=0"):
         t.load_state_dict(state)
+
+
+# ---- the drafter's row budget (DrafterRows) --------------------------------------------------------
+
+
+def _max_rows(plan, lengths, rows: DrafterRows) -> int:
+    """The most drafter rows any micro-batch of ``plan`` computes: B x anchor slots x block size."""
+    return max(len(b) * int(rows.per_sequence(lengths[b].max())) for b in plan)
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=300).map(np.array),
+       num_anchors=st.integers(1, 1024), block_size=st.integers(2, 32), slack=st.integers(0, 200_000),
+       max_bs=st.integers(1, 64), seed=st.integers(0, 2**31), epoch=st.integers(0, 9))
+def test_rows_per_micro_batch_never_exceed_the_row_budget(lengths, num_anchors, block_size, slack, max_bs, seed,
+                                                          epoch):
+    lengths = lengths.astype(np.int64)
+    rows = DrafterRows(int(DrafterRows(1, num_anchors, block_size).per_sequence(lengths.max())) + slack,
+                       num_anchors, block_size)
+    token_budget = int(lengths.max()) * 8
+    plan = build_batches(lengths, token_budget=token_budget, max_batch_size=max_bs, seed=seed, epoch=epoch, rows=rows)
+    assert np.array_equal(np.sort(np.concatenate(plan)), np.arange(len(lengths)))
+    assert _max_rows(plan, lengths, rows) <= rows.budget
+    for b in plan:
+        assert 1 <= len(b) <= max_bs and len(b) * lengths[b].max() <= token_budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_strategy(), num_anchors=st.integers(1, 400), seed=st.integers(0, 1000),
+       epoch=st.integers(0, 5))
+def test_plan_unchanged_where_the_row_budget_does_not_bind(lengths, num_anchors, seed, epoch):
+    args = dict(token_budget=int(lengths.max()) * 4, max_batch_size=16, seed=seed, epoch=epoch)
+    unbounded = build_batches(lengths, **args)
+    rows = DrafterRows(1, num_anchors, 8)
+    rows = DrafterRows(_max_rows(unbounded, lengths, rows), num_anchors, 8)  # just enough for every batch
+    bounded = build_batches(lengths, **args, rows=rows)
+    assert [b.tolist() for b in bounded] == [b.tolist() for b in unbounded]
+    if rows.budget > int(rows.per_sequence(lengths.max())):  # one row fewer binds somewhere: another plan
+        tighter = build_batches(lengths, **args, rows=DrafterRows(rows.budget - 1, num_anchors, 8))
+        assert _max_rows(tighter, lengths, rows) < rows.budget
+        assert [b.tolist() for b in tighter] != [b.tolist() for b in unbounded]
+
+
+def test_row_budget_bounds_short_sequences_the_token_budget_lets_through():
+    # The issue's worst case: short chats. 64 sequences of 300 tokens fit 16384 tokens, but would
+    # carry 64 x 299 anchors x 16 = 306K drafter rows; the row budget keeps 3 per micro-batch.
+    lengths = np.full(648, 300)
+    rows = DrafterRows(16384, 512, 16)
+    plan = build_batches(lengths, token_budget=16384, max_batch_size=64, seed=0, epoch=0, rows=rows)
+    assert {len(b) for b in plan} == {16384 // (299 * 16)} and _max_rows(plan, lengths, rows) <= 16384
+    assert len(build_batches(lengths, token_budget=16384, max_batch_size=64, seed=0, epoch=0)[0]) == 54
+
+
+def test_anchor_slots_follow_what_a_sequence_can_supply():
+    assert anchor_slots(np.array([1, 2, 100, 513, 514, 5000]), 512).tolist() == [1, 1, 99, 512, 512, 512]
+    assert DrafterRows(10_000, 512, 16).per_sequence(200) == 199 * 16
+
+
+def test_sample_over_the_row_budget_names_the_fix():
+    with pytest.raises(ValueError, match=r"sample 1 has 900 tokens.*8192 drafter rows.*data.row_budget=4096.*"
+                                         r"raise data.row_budget to at least 8192.*objective.num_anchors to 256"):
+        build_batches([5, 900, 6], token_budget=1024, max_batch_size=4, seed=0, epoch=0,
+                      rows=DrafterRows(4096, 512, 16))
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=lengths_strategy(), world=st.integers(1, 4), data=st.data())
+def test_resume_with_a_row_budget_reproduces_remaining_batches(lengths, world, data):
+    rows = DrafterRows(int(DrafterRows(1, 64, 4).per_sequence(lengths.max())) * 3, 64, 4)
+    args = dict(lengths=lengths, token_budget=int(lengths.max()) * 6, max_batch_size=12, seed=3, rows=rows)
+    full, _ = collect(args, world, epochs=2)
+    for _, _, _, idx in full:
+        assert len(idx) * rows.per_sequence(lengths[idx].max()) <= rows.budget
+    cut = data.draw(st.integers(0, len({(e, s) for e, s, _, _ in full})))
+    resumed, _ = collect(args, world, epochs=2, resume_after=cut, new_world=world)
+    assert [(e, s, r, i.tolist()) for e, s, r, i in resumed] == [(e, s, r, i.tolist()) for e, s, r, i in full]
+
+
+def test_cursor_refuses_another_row_budget_and_one_saved_before_it_that_it_would_change():
+    lengths = np.full(40, 300)
+    bound = DrafterRows(16384, 512, 16)
+    saved = BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=bound).state_dict()
+    assert (saved["row_budget"], saved["num_anchors"], saved["block_size"]) == (16384, 512, 16)
+    other = BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=DrafterRows(8192, 512, 16))
+    with pytest.raises(ValueError, match="row_budget=16384.*restore row_budget=16384"):
+        other.load_state_dict(saved)
+    fewer = BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=DrafterRows(16384, 256, 16))
+    with pytest.raises(ValueError, match="num_anchors=512.*restore num_anchors=512"):
+        fewer.load_state_dict(saved)
+    # A cursor from before the row budget (no such keys): its plan had 40 x 299 x 16 rows in one batch.
+    old = {k: v for k, v in saved.items() if k not in ("row_budget", "num_anchors", "block_size")}
+    with pytest.raises(ValueError, match="saved without a drafter row budget.*at least 191360"):
+        BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=bound).load_state_dict(old)
+    BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0,
+                 rows=DrafterRows(191360, 512, 16)).load_state_dict(old)  # does not bind: the same plan

@@ -2,9 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from flashdraft.data.batching import DrafterRows, build_batches
 from flashdraft.objective import (
     LossOutput,
     SlotLoss,
@@ -299,3 +303,29 @@ def test_shards_of_the_blocks_partition_them_padded_with_weightless_blocks():
         assert not joined[:, 7:].any()  # the padding: invalid, weightless
     assert sum(s.weight_sum for s in shards) == blocks.weight_sum
     assert blocks.shard(0, 1) is blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_anchors=st.integers(1, 80), block_size=st.integers(2, 16), slack=st.integers(0, 3000))
+def test_the_steps_blocks_carry_no_more_rows_than_the_plan_assumed(data, num_anchors, block_size, slack):
+    # Random lengths and supervised spans; the plan's batches, padded as the collate pads them,
+    # through the step's make_blocks: the rows it builds stay within the row budget, and each
+    # sequence gets min(num_anchors, its eligible positions) real anchors.
+    n = data.draw(st.integers(1, 40))
+    lengths = np.array(data.draw(st.lists(st.integers(1, 200), min_size=n, max_size=n)), dtype=np.int64)
+    rows = DrafterRows(int(DrafterRows(1, num_anchors, block_size).per_sequence(lengths.max())) + slack,
+                       num_anchors, block_size)
+    masks = [np.array(data.draw(st.lists(st.integers(0, 1), min_size=int(s), max_size=int(s))), dtype=np.uint8)
+             for s in lengths]
+    plan = build_batches(lengths, token_budget=int(lengths.max()) * 8, max_batch_size=32, seed=1, epoch=0, rows=rows)
+    for batch in plan:
+        s = int(lengths[batch].max())
+        mask = torch.zeros(len(batch), s, dtype=torch.uint8)
+        for row, i in enumerate(batch.tolist()):
+            mask[row, : lengths[i]] = torch.from_numpy(masks[i])
+        blk = make_blocks(torch.ones(len(batch), s, dtype=torch.long), mask, torch.from_numpy(lengths[batch]),
+                          block_size=block_size, mask_token_id=0, num_anchors=num_anchors, gamma=None, seed=5,
+                          sample_ids=torch.from_numpy(batch))
+        assert blk.input_ids.shape[:2].numel() * block_size <= rows.budget
+        eligible = torch.tensor([int(masks[i][: max(0, lengths[i] - 1)].sum()) for i in batch.tolist()])
+        assert blk.valid.sum(1).tolist() == torch.clamp(eligible, max=num_anchors).tolist()

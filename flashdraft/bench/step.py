@@ -21,6 +21,11 @@ identical weights and inputs:
   RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``); ``block_loss``'s
   oracle switches (``scored_only=False, distinct_rows=False``).
 
+Precision (``--precision``): ``trainer`` (the default) is how the trainer runs on CUDA: fp32
+master weights under bf16 autocast, the target's features, embeddings and LM head in bf16;
+``bf16`` puts the drafter's weights in bf16 too, without autocast (what this benchmark measured
+before; the serving dtype); ``fp32`` is the CPU trainer's default, all fp32.
+
 Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
 stepped alternately (the min is robust to other processes on a shared host). Memory: every
 (point, variant) runs in a fresh subprocess: one warm-up step, then the peak extra memory of
@@ -46,6 +51,24 @@ import time
 from types import SimpleNamespace
 
 import torch
+
+# --precision -> (the step's low-precision dtype, autocast): the drafter's weights are fp32 under
+# autocast, else in that dtype; the target's features, embeddings and LM head always in it.
+PRECISIONS = {"trainer": ("bfloat16", True), "bf16": ("bfloat16", False), "fp32": ("float32", False)}
+
+
+def resolve_precision(args) -> str:
+    """--precision, or what the older --dtype / --autocast spelled (default: trainer)."""
+    if args.precision is not None:
+        return args.precision
+    if args.dtype is None:
+        return "trainer"
+    if args.dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype {args.dtype!r}: use bfloat16 or float32 (or --precision trainer|bf16|fp32)")
+    if args.autocast:
+        return "trainer" if args.dtype == "bfloat16" else "fp32"
+    return "bf16" if args.dtype == "bfloat16" else "fp32"
+
 
 DEFAULT_GRID = {
     # (seq, anchors, hidden): the S sweep, the num_anchors sweep, the hidden sweep.
@@ -77,10 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per point (after 1 warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    parser.add_argument("--autocast", action="store_true",
-                        help="as the trainer runs on CUDA: the drafter in fp32, the step under autocast to --dtype "
-                             "(the target's features, embeddings and LM head in --dtype)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="trainer (default): fp32 drafter weights under bf16 autocast, as the trainer runs on "
+                             "CUDA; bf16: bf16 weights, no autocast; fp32: all fp32 (the CPU trainer's default)")
+    parser.add_argument("--dtype", default=None,
+                        help="older spelling: bfloat16 (--precision bf16, or trainer with --autocast) or float32")
+    parser.add_argument("--autocast", action="store_true", help="with --dtype bfloat16: --precision trainer")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head dim (Qwen3-8B: 128)")
     parser.add_argument("--intermediate", type=int, default=0, help="MLP size (0: 3 * hidden, as Qwen3-8B)")
     parser.add_argument("--peak-tflops", type=float, default=0.0,
@@ -197,14 +222,40 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def saved_activations(drafter, heads):
+    """A saved_tensors_hooks context counting the bytes autograd saves for backward (each storage
+    once), weights and their casts apart (tensors of a weight's shape): ``with ... as saved``,
+    then ``saved["bytes"]``. Counts what a step keeps, not its peak (no transients)."""
+    weights = [*drafter.parameters(), *heads.parameters()]
+    shapes, ptrs = {tuple(w.shape) for w in weights}, {w.untyped_storage().data_ptr() for w in weights}
+    seen: dict[int, int] = {}
+    result = {"bytes": 0}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in ptrs and tuple(t.shape) not in shapes:
+            seen[ptr] = t.untyped_storage().nbytes()
+            result["bytes"] = sum(seen.values())
+        return t
+
+    class Context(torch.autograd.graph.saved_tensors_hooks):
+        def __enter__(self):
+            super().__enter__()
+            return result
+
+    return Context(pack, lambda t: t)
+
+
 def measure(point: dict) -> dict:
-    """Time (median of ``repeat`` steps) and peak extra memory of one point, after one warm-up step."""
+    """Time (median of ``repeat`` steps) and peak extra memory of one point, after one warm-up step
+    (whose saved-for-backward activations are counted: ``saved_mib``)."""
     if point["threads"]:
         torch.set_num_threads(point["threads"])
     cuda = point["device"] == "cuda"
     drafter, heads, inputs = build(point)
     step = step_fn(point, drafter, heads, inputs)
-    step().loss.item()  # warm-up: lazy initialisation is not the step's memory
+    with saved_activations(drafter, heads) as saved:
+        step().loss.item()  # warm-up: lazy initialisation is not the step's memory
     drafter.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
@@ -233,6 +284,7 @@ def measure(point: dict) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     times.sort()
     return {**point, "ms_per_step": 1e3 * times[len(times) // 2], "peak_mib": peak / 2**20,
+            "saved_mib": saved["bytes"] / 2**20,
             "loss": float(out.loss), "threads": torch.get_num_threads()}
 
 
@@ -299,11 +351,14 @@ def run_point(point: dict) -> dict:
 
 
 def _point(args, seq, anchors, hidden, variant) -> dict:
+    precision = resolve_precision(args)
+    dtype, autocast = PRECISIONS[precision]
     return dict(
         seq=seq, anchors=anchors, hidden=hidden, layers=args.layers, block=args.block, vocab=args.vocab,
         batch=args.batch, taps=args.taps, chunk=args.chunk, anchors_per_microbatch=args.anchors_per_microbatch,
         checkpointing=args.checkpointing, attention=args.attention, variant=variant, repeat=args.repeat,
-        threads=args.threads, device=args.device, dtype=args.dtype, autocast=args.autocast, head_dim=args.head_dim,
+        threads=args.threads, device=args.device, precision=precision, dtype=dtype, autocast=autocast,
+        head_dim=args.head_dim,
         intermediate=args.intermediate or 3 * hidden, sliding_window=args.sliding_window, weighting=args.weighting,
         conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
         selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
@@ -343,7 +398,8 @@ def _fmt(r: dict) -> str:
     if "error" in r:
         peak = f"{r['peak_mib']:.1f}" if "peak_mib" in r else "nan"
         return f"{r['variant']} ms_per_step=nan peak_mib={peak} ({r['error']})"
-    return f"{r['variant']} ms_per_step={r['ms_per_step']:.1f} peak_mib={r['peak_mib']:.1f}"
+    saved = f" saved_mib={r['saved_mib']:.1f}" if "saved_mib" in r else ""
+    return f"{r['variant']} ms_per_step={r['ms_per_step']:.1f} peak_mib={r['peak_mib']:.1f}{saved}"
 
 
 def _loadavg() -> str:
@@ -375,7 +431,7 @@ def run(args) -> int:
     else:
         grid = {name: DEFAULT_GRID[name] for name in args.sweeps.split(",") if name}
     print(f"drafter step (forward + backward): layers={args.layers} block={args.block} vocab={args.vocab} "
-          f"batch={args.batch} device={args.device} dtype={args.dtype}{' (autocast)' if args.autocast else ''} "
+          f"batch={args.batch} device={args.device} precision={resolve_precision(args)} "
           f"threads={args.threads or torch.get_num_threads()} "
           f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
     results, seen = [], {}

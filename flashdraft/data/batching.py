@@ -3,9 +3,10 @@
 Global plan for one epoch (``build_batches``): samples are sorted by length, ties broken by a
 random permutation drawn from (seed, epoch); consecutive samples, longest first, are packed
 greedily into batches whose padded size ``len(batch) * max_length_in_batch`` stays within the
-token budget and whose count stays within ``max_batch_size``; then the batch order is shuffled
-with the same generator. Every sample appears in exactly one batch. Because the sorted length
-sequence is the same every epoch, so is the number of batches.
+token budget, whose count stays within ``max_batch_size`` and, given a ``DrafterRows``, whose
+drafter rows stay within its row budget; then the batch order is shuffled with the same
+generator. Every sample appears in exactly one batch. Because the sorted length sequence is the
+same every epoch, so is the number of batches.
 
 Rank split (``BatchSampler``): global batch ``g`` belongs to global step ``g // world_size`` and
 goes to rank ``g % world_size``, so a step consumes ``world_size`` consecutive plan entries.
@@ -19,7 +20,8 @@ almost every batch is a single sample, are the last ``r`` entries dropped -- cou
 
 Cursor: ``state_dict()`` holds ``epoch``, ``consumed`` (GLOBAL plan entries of that epoch
 already trained on; every step consumes whole entries) and ``step``, plus the segment the
-epoch's steps were cut from (``segment_start``, ``segment_world_size``). Resuming with the
+epoch's steps were cut from (``segment_start``, ``segment_world_size``), and what the plan is
+built from (``PLAN_KEYS``: seed, budgets, sample count; a cursor saved under others is refused). Resuming with the
 same world size rebuilds the same steps and skips the consumed ones -- the remaining batches
 are identical. Resuming with a different world size starts a new segment at ``consumed`` and
 splits the remaining entries ``plan[consumed:]`` across the new ranks. Nothing before the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,13 +43,57 @@ def _rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), 0x5EED]))
 
 
-def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
+def anchor_slots(lengths, num_anchors: int):
+    """The anchor axis of a padded micro-batch whose longest sample has ``lengths`` tokens (an int
+    or an int array, one per micro-batch or per sample): max(1, min(num_anchors, length - 1)).
+
+    A sequence of length L has at most L - 1 positions eligible as anchors (an anchor needs a
+    next position: a + 1 < L), so it can supply no more; the objective's ``sample_anchors`` draws
+    exactly this many anchors per sequence (invalid padding ones after a sequence's real ones),
+    and the batch plan counts the same number: what the plan assumes is what the step computes.
+    """
+    return np.maximum(1, np.minimum(num_anchors, np.asarray(lengths, dtype=np.int64) - 1))
+
+
+@dataclass(frozen=True)
+class DrafterRows:
+    """The drafter's work budget of a micro-batch: its rows, anchors x block_size per sequence.
+
+    The drafter's cost (activations, FLOPs) grows with its rows, not with the target's tokens: a
+    micro-batch of B sequences padded to S tokens computes B x ``anchor_slots(S, num_anchors)``
+    anchored blocks of ``block_size`` rows each (padding anchors included, as the token budget
+    counts padding tokens). The batch plan keeps that within ``budget``.
+    """
+
+    budget: int  # data.row_budget
+    num_anchors: int  # objective.num_anchors
+    block_size: int  # model.block_size
+
+    def __post_init__(self):
+        if min(self.budget, self.num_anchors, self.block_size) < 1:
+            raise ValueError(f"{self}: the row budget, num_anchors and block_size must all be >= 1")
+
+    def per_sequence(self, lengths):
+        """Drafter rows of one sequence of each length in ``lengths`` (also: of every sequence of a
+        micro-batch padded to that length)."""
+        return anchor_slots(lengths, self.num_anchors) * self.block_size
+
+    @classmethod
+    def of(cls, config) -> DrafterRows:
+        """The budget a flashdraft Config sets (data.row_budget, objective.num_anchors, model.block_size)."""
+        return cls(config.data.row_budget, config.objective.num_anchors, config.model.block_size)
+
+
+def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int, epoch: int,
+                  rows: DrafterRows | None = None) -> list[np.ndarray]:
     """The global batch plan for one epoch: a list of int64 arrays of sample indices.
 
     Contract: every index in [0, len(lengths)) appears exactly once; for each batch,
-    ``len(batch) * lengths[batch].max() <= token_budget`` and ``len(batch) <= max_batch_size``;
+    ``len(batch) * lengths[batch].max() <= token_budget``, ``len(batch) <= max_batch_size`` and,
+    given ``rows``, ``len(batch) * rows.per_sequence(lengths[batch].max()) <= rows.budget``;
     identical for identical (seed, epoch); batch order (and tie-breaking) differ across epochs.
-    A sample longer than ``token_budget`` is a ValueError naming the fix.
+    Where ``rows`` does not bind, the plan is the one without it. A sample longer than
+    ``token_budget``, or needing more drafter rows than ``rows.budget``, is a ValueError naming the fix.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if token_budget < 1 or max_batch_size < 1:
@@ -61,6 +108,8 @@ def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int,
             f"raise data.token_budget to at least {int(lengths[longest])} or lower data.max_length to "
             f"{token_budget} (samples are truncated to max_length)"
         )
+    if rows is not None:
+        check_row_budget(int(lengths[longest]), rows, f"sample {longest}")
     rng = _rng(seed, epoch)
     # Longest first, random among equal lengths. Two stable sorts on 16-bit keys (numpy radix-
     # sorts those in O(n)): first by a random key, then by length -- 8x faster than lexsort
@@ -73,15 +122,33 @@ def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int,
         length_key = -lengths[order]
     order = order[np.argsort(length_key, kind="stable")]
     # Greedy packing: a batch starting at sorted position i has max length lengths[order[i]]
-    # (longest first), so it holds min(max_batch_size, token_budget // that) samples: one O(1)
-    # step per batch (~20K for 1M samples), nothing per sample.
+    # (longest first), so it holds min(max_batch_size, token_budget // that) samples -- and at
+    # most row budget // that length's rows: one O(1) step per batch (~20K for 1M samples),
+    # nothing per sample.
     bounds = [0]
     i = 0
     while i < n:
-        i = min(n, i + min(max_batch_size, token_budget // max(int(lengths[order[i]]), 1)))
+        longest_here = max(int(lengths[order[i]]), 1)
+        fit = min(max_batch_size, token_budget // longest_here)
+        if rows is not None:
+            fit = min(fit, rows.budget // int(rows.per_sequence(longest_here)))
+        i = min(n, i + fit)
         bounds.append(i)
     batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # views; np.split is 3x slower
     return [batches[j] for j in rng.permutation(len(batches))]
+
+
+def check_row_budget(length: int, rows: DrafterRows, what: str) -> None:
+    """Refuse a sequence of ``length`` tokens whose own drafter rows exceed the row budget (it
+    fits no micro-batch), naming the fixes."""
+    need = int(rows.per_sequence(length))
+    if need > rows.budget:
+        raise ValueError(
+            f"{what} has {length} tokens: min(objective.num_anchors={rows.num_anchors}, {length} - 1) anchors x "
+            f"model.block_size={rows.block_size} = {need} drafter rows, more than data.row_budget={rows.budget}: "
+            f"raise data.row_budget to at least {need} or lower objective.num_anchors to "
+            f"{max(1, rows.budget // rows.block_size)}"
+        )
 
 
 def padding_waste(lengths, batches) -> float:
@@ -183,11 +250,12 @@ class BatchSampler:
     """
 
     def __init__(self, lengths, *, token_budget: int, max_batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, num_epochs: int | None = None):
+                 world_size: int = 1, num_epochs: int | None = None, rows: DrafterRows | None = None):
+        """``rows``: the drafter's row budget per micro-batch (None: rows unbounded)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.token_budget, self.max_batch_size, self.seed = token_budget, max_batch_size, seed
+        self.token_budget, self.max_batch_size, self.seed, self.rows = token_budget, max_batch_size, seed, rows
         self.rank, self.world_size, self.num_epochs = rank, world_size, num_epochs
         # Cursor (global, identical on every rank): epoch, plan entries consumed, steps done, and
         # the segment -- where in the plan, and with which world size, this epoch's steps were cut.
@@ -197,10 +265,13 @@ class BatchSampler:
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
         self._num_global = len(self._plan(0))
 
+    def _build(self, epoch: int) -> list[np.ndarray]:
+        return build_batches(self.lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+                             seed=self.seed, epoch=epoch, rows=self.rows)
+
     def _plan(self, epoch: int) -> list[np.ndarray]:
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            plan = build_batches(self.lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
-                                 seed=self.seed, epoch=epoch)
+            plan = self._build(epoch)
             self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
 
@@ -238,8 +309,7 @@ class BatchSampler:
             done += 1
         later = 0
         for epoch in range(self.epoch + 1, num_epochs):  # not via _plan: its cache holds the current epoch
-            plan = build_batches(self.lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
-                                 seed=self.seed, epoch=epoch)
+            plan = self._build(epoch)
             later += len(plan_steps(plan, self.world_size)[0])
         return len(steps) - done + later
 
@@ -273,18 +343,43 @@ class BatchSampler:
             if not steps or self.epoch == epoch:
                 self.epoch, self.consumed, self.step, self.segment_start = epoch + 1, 0, 0, 0
 
+    def _check_unbounded_cursor(self, epoch: int) -> None:
+        """A cursor saved before the row budget existed (rows unbounded) resumes only where the
+        budget does not bind, i.e. the plan is the one it was saved from."""
+        unbounded = build_batches(self.lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+                                  seed=self.seed, epoch=epoch)
+        planned = self._plan(epoch)
+        if len(unbounded) != len(planned) or not all(np.array_equal(a, b) for a, b in zip(unbounded, planned)):
+            need = max(len(b) * int(self.rows.per_sequence(self.lengths[b].max())) for b in unbounded)
+            raise ValueError(
+                f"data cursor was saved without a drafter row budget, and data.row_budget={self.rows.budget} changes "
+                f"its batch plan: set data.row_budget to at least {need} to resume it (or start a fresh run)"
+            )
+
     def __len__(self) -> int:
         return self.batches_per_epoch
+
+    # What the plan is built from, besides the lengths: a cursor saved under other values points
+    # into another plan. The row budget's fields are 0 when rows are unbounded.
+    PLAN_KEYS = ("seed", "token_budget", "max_batch_size", "num_samples", "row_budget", "num_anchors", "block_size")
+
+    def _plan_key(self, key: str) -> int:
+        if key == "num_samples":
+            return len(self.lengths)
+        if key in ("row_budget", "num_anchors", "block_size"):
+            return 0 if self.rows is None else getattr(self.rows, "budget" if key == "row_budget" else key)
+        return getattr(self, key)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "step": self.step,
                 "segment_start": self.segment_start, "segment_world_size": self.segment_world_size,
-                "seed": self.seed, "token_budget": self.token_budget, "max_batch_size": self.max_batch_size,
-                "num_samples": len(self.lengths)}
+                **{key: self._plan_key(key) for key in self.PLAN_KEYS}}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "token_budget", "max_batch_size", "num_samples"):
-            mine = len(self.lengths) if key == "num_samples" else getattr(self, key)
+        if "row_budget" not in state and self.rows is not None:
+            self._check_unbounded_cursor(int(state["epoch"]))
+        for key in self.PLAN_KEYS:
+            mine = self._plan_key(key)
             if key in state and state[key] != mine:
                 raise ValueError(
                     f"data cursor was saved with {key}={state[key]} but this run has {mine}; the batch plan would "

@@ -3,8 +3,11 @@
 RMSNorm, RoPE and the SwiGLU MLP as autograd Functions that save less and allocate fewer
 full-size temporaries than autograd's graph of the same expressions (same values as
 transformers' Qwen3 modules; tests/test_step_equivalence.py), and ``use_lean``, the switch
-between them and the stock modules. RotaryEmbedding is Qwen3's, with frequencies that stay fp32
-when the drafter is cast.
+between them and the stock modules. Under autocast they compute as the stock modules would with
+weights in the autocast dtype (the bf16-weights path), taking the fp32 master weights as inputs:
+their outputs and saved tensors are in that dtype, the weights are cast on the fly (forward and
+again in backward, never kept), and their gradients come back in the weights' own dtype.
+RotaryEmbedding is Qwen3's, with frequencies that stay fp32 when the drafter is cast.
 """
 
 from __future__ import annotations
@@ -14,26 +17,36 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from flashdraft.autocast import autocast_suspended
+
 
 def use_lean(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module`` (RMSNorm, DrafterAttention, DrafterLayer) takes its lean custom-backward
-    path for input ``x``: switched on (``lean``), training, and no autocast (the custom backwards
-    assume one dtype; autocast gets transformers' stock modules)."""
-    return module.lean and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+    path for input ``x``: switched on (``lean``) and training, with or without autocast."""
+    return module.lean and torch.is_grad_enabled()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` (None: as it is); a floating-point tensor only."""
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 class _RMSNormFn(torch.autograd.Function):
     """Qwen3's RMSNorm, w * (x * rsqrt(mean(x^2) + eps)), saving x and the per-row scale only
     and computing the backward with two full-size fp32 temporaries for fp32 x (autograd's
     graph keeps x^2 and x * r and makes ~6; lower-precision x adds its fp32 copies). Same
-    values (fp32 inside, as Qwen3RMSNorm)."""
+    values (fp32 inside, as Qwen3RMSNorm). ``dtype`` (autocast's, or None): the weight is used
+    rounded to it and the output is in it, as Qwen3RMSNorm with a weight in that dtype (under
+    autocast the stock module's fp32 weight would promote the output to fp32 [rows, H])."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, dtype):
         xf = x.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, r)
-        return weight * (xf * r).to(x.dtype)
+        ctx.dtype = dtype
+        out_dtype = dtype or x.dtype
+        return _cast(weight, dtype) * (xf * r).to(out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -42,11 +55,11 @@ class _RMSNormFn(torch.autograd.Function):
         u = dy.float() * xhat
         dw = u.sum(dim=tuple(range(u.dim() - 1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
-            return None, dw, None
-        u = torch.mul(dy, weight, out=u)  # dL/dxhat
+            return None, dw, None, None
+        u = torch.mul(dy, _cast(weight, ctx.dtype), out=u)  # dL/dxhat (the weight as the forward used it)
         mean = torch.linalg.vecdot(u, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
         dx = xhat.mul_(mean).neg_().add_(u).mul_(r)  # r * (u - xhat * mean(u * xhat))
-        return dx.to(x.dtype), dw, None
+        return dx.to(x.dtype), dw, None, None
 
 
 class RMSNorm(Qwen3RMSNorm):
@@ -57,7 +70,8 @@ class RMSNorm(Qwen3RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_lean(self, x):
-            return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
+            with autocast_suspended(x.device.type) as dtype:
+                return _RMSNormFn.apply(x, self.weight, self.variance_epsilon, dtype)
         return super().forward(x)
 
 
@@ -87,9 +101,12 @@ class _Rope(torch.autograd.Function):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lean: bool = True) -> torch.Tensor:
     """Rotary embedding of x [B, H, T, D] at the positions of cos / sin [B, T, D] (``lean``:
-    one output tensor; else transformers' expression)."""
+    one output tensor, in autocast's dtype under autocast; else transformers' expression)."""
     if lean:
-        return _Rope.apply(x, cos, sin)
+        with autocast_suspended(x.device.type) as dtype:
+            if dtype is not None:  # elementwise: autocast leaves it alone; an fp32 cos would promote x
+                x, cos, sin = _cast(x, dtype), _cast(cos, dtype), _cast(sin, dtype)
+            return _Rope.apply(x, cos, sin)
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
@@ -113,17 +130,24 @@ class _SwiGLU(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) saving only x, gate(x) and up(x): the [T, I] silu(gate) and
     product that autograd would also keep are recomputed in backward (elementwise, cheap).
     Both directions reuse their [T, I] temporaries in place: on CPU every fresh multi-MB tensor
-    costs page faults (measured: ~10% of the step before this)."""
+    costs page faults (measured: ~10% of the step before this). ``dtype`` (autocast's, or None):
+    x and the weights are cast to it, as autocast casts a linear's inputs; the casts of the weights
+    are not kept (backward casts again), so only the [T, H] and [T, I] activations are saved."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down):
-        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+    def forward(ctx, x, w_gate, w_up, w_down, dtype):
+        ctx.x_dtype, ctx.dtype = x.dtype, dtype
+        x = _cast(x, dtype)
+        gate, up = F.linear(x, _cast(w_gate, dtype)), F.linear(x, _cast(w_up, dtype))
         ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
-        return F.linear(F.silu(gate).mul_(up), w_down)
+        return F.linear(F.silu(gate).mul_(up), _cast(w_down, dtype))
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        x, gate, up, *weights = ctx.saved_tensors
+        grad_dtypes = [w.dtype for w in weights]
+        w_gate, w_up, w_down = (_cast(w, ctx.dtype) for w in weights)
+        dy = _cast(dy, ctx.dtype)
         shape = x.shape
         x, gate, up, dy = x.flatten(0, -2), gate.flatten(0, -2), up.flatten(0, -2), dy.flatten(0, -2)
         sig = torch.sigmoid(gate)
@@ -136,5 +160,12 @@ class _SwiGLU(torch.autograd.Function):
         d_gate = d_prod.mul_(up).mul_(act.neg_().add_(gate).add_(1).mul_(sig))
         del act, sig
         dx = torch.addmm(d_gate @ w_gate, d_up, w_up)
-        return dx.view(shape), d_gate.t() @ x, d_up.t() @ x, grad_down
+        grads = (d_gate.t() @ x, d_up.t() @ x, grad_down)
+        return (dx.view(shape).to(ctx.x_dtype), *(g.to(dt) for g, dt in zip(grads, grad_dtypes)), None)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) through _SwiGLU, in autocast's dtype under autocast."""
+    with autocast_suspended(x.device.type) as dtype:
+        return _SwiGLU.apply(x, w_gate, w_up, w_down, dtype)
 

@@ -33,7 +33,7 @@ from flashdraft.drafter.attention import (
     resolve_attention,
 )
 from flashdraft.drafter.dflash2 import CandidateSelector, GroupedDynamicConv
-from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, _SwiGLU, apply_rope, use_lean
+from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, apply_rope, swiglu, use_lean
 from flashdraft.drafter.serving import drafter_config_from_target
 
 
@@ -146,7 +146,7 @@ class DrafterLayer(nn.Module):
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu and use_lean(self, h):  # the memory-lean MLP (same values)
             mlp = self.mlp
-            return _SwiGLU.apply(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            return swiglu(h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         return self.mlp(h)
 
 
@@ -175,9 +175,9 @@ class DFlashDrafter(nn.Module):
         ``group_blocks``: blocks per group for "split" (0: auto, N / 8) and "blockwise" (0: auto,
         64 query rows);
         ``activation_checkpointing``: recompute each layer in backward (training forward only);
-        ``lean``: the custom-backward RMSNorm / RoPE / SwiGLU in training without autocast (False:
-        transformers' stock modules under autograd, same values: the oracle's way; see
-        set_lean). Inference and autocast always run the stock modules.
+        ``lean``: the custom-backward RMSNorm / RoPE / SwiGLU in training, with or without autocast
+        (False: transformers' stock modules under autograd, same values: the oracle's way; see
+        set_lean). Inference always runs the stock modules.
         None of these touch the weights or the serving config."""
         super().__init__()
         if attention not in ATTENTION_IMPLS:

@@ -10,6 +10,7 @@ import functools
 import logging
 
 from flashdraft.config import Config
+from flashdraft.data.batching import DrafterRows, check_row_budget
 from flashdraft.evaluate import check_prompts_fit, prompts_from_dataset, read_prompts
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ def check_tokenizer(target_dir: str, *datasets) -> None:
 
 
 def check_lengths(dataset, cfg: Config, target_config) -> None:
-    """Refuse samples no batch (or no target position) can hold."""
+    """Refuse samples no batch (or no target position) can hold: over the token budget, over the
+    drafter's row budget, or past the target's positions."""
     if len(dataset) == 0:
         raise ValueError(
             f"{dataset.report.source}: no usable samples ({dataset.report.to_dict()}); check the data "
@@ -123,6 +125,7 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
             f"({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
             f"data.token_budget to at least {longest} or lower data.max_length to {cfg.data.token_budget}"
         )
+    check_row_budget(longest, DrafterRows.of(cfg), f"{dataset.report.source}: its longest sample")
     max_pos = getattr(target_config, "max_position_embeddings", None)
     if max_pos and longest > max_pos:
         raise ValueError(

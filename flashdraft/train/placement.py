@@ -73,7 +73,8 @@ DATA, END, ABORT = 1, 2, 3  # target -> drafter message kinds
 DONE, STOP = 1, 2  # drafter -> target control (ABORT as above)
 
 CURSOR_KEYS = ("epoch", "consumed", "step", "segment_start", "segment_world_size", "seed", "token_budget",
-               "max_batch_size", "num_samples")  # BatchSampler.state_dict(), all ints
+               "max_batch_size", "num_samples", "row_budget", "num_anchors",
+               "block_size")  # BatchSampler.state_dict(), all ints
 FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BATCH_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8, "attention_mask": torch.int64}
 

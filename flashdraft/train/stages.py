@@ -21,7 +21,7 @@ import torch
 
 from flashdraft import distributed
 from flashdraft.config import Config
-from flashdraft.data.batching import BatchSampler
+from flashdraft.data.batching import BatchSampler, DrafterRows
 from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
 from flashdraft.feature_cache import CacheLookup, CacheStats, FeatureCache, full_cache_bytes
 from flashdraft.metrics import format_bytes
@@ -65,11 +65,13 @@ class StepInput:
 def batch_sampler(dataset, config: Config, rank: int, world_size: int) -> BatchSampler:
     """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated target
     rank builds the plan of each drafter rank it feeds): ``train.epochs`` passes over the data, or
-    endless when ``train.max_steps`` sets the budget."""
+    endless when ``train.max_steps`` sets the budget. Each micro-batch stays within the target's
+    token budget and the drafter's row budget (DrafterRows)."""
     data = config.data
     return BatchSampler(dataset.lengths, token_budget=data.token_budget, max_batch_size=data.max_batch_size,
                         seed=config.train.seed, rank=rank, world_size=world_size,
-                        num_epochs=None if config.train.max_steps else config.train.epochs)
+                        num_epochs=None if config.train.max_steps else config.train.epochs,
+                        rows=DrafterRows.of(config))
 
 
 def steps_left(sampler: BatchSampler, config: Config, step: int) -> int:

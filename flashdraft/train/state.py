@@ -21,7 +21,9 @@ from flashdraft.data.batching import BatchSampler
 
 log = logging.getLogger(__name__)
 
-# Config fields a resume must find unchanged: they change what is trained or in which order.
+# Config fields a resume must find unchanged: they change what is trained or in which order. The
+# batch plan's own inputs (data.row_budget and objective.num_anchors among them) are also checked by
+# the data cursor itself (BatchSampler.PLAN_KEYS), which knows a cursor saved before the row budget.
 RESUME_KEYS = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
                                        "mask_token_id", "drafter_layer_types", "drafter_sliding_window",
                                        "drafter_causal", "drafter_attention_sink", "drafter", "conv_kernel_size",

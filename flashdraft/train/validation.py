@@ -7,7 +7,7 @@ import torch
 
 from flashdraft import distributed
 from flashdraft.config import Config
-from flashdraft.data.batching import BatchSampler
+from flashdraft.data.batching import BatchSampler, DrafterRows
 from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau
@@ -74,7 +74,7 @@ class Validator:
         # DFlash2: the selector term at its full weight (its schedule's end), so evals compare across the run
         selector = cfg.objective.selector_loss(1.0, 1.0) if self.drafter.candidate_selector is not None else None
         plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
-                            max_batch_size=cfg.data.max_batch_size, seed=0)
+                            max_batch_size=cfg.data.max_batch_size, seed=0, rows=DrafterRows.of(cfg))
         buffers = CollateBuffers()
         for n, (_, _, idx) in enumerate(plan):
             if n >= min(max_batches, plan.batches_per_epoch):
