@@ -409,13 +409,9 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan,
         return _BlockwiseAttention.apply(*tensors, calls, keep, sink)
 
 
-def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
-                    layer: LayerMask = FULL):
-    """flex_attention BlockMask over keys [context S | all N*bs slots], same pattern as dense_block_mask."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, n = anchors.shape
-    q = n * block_size
+def flex_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, layer: LayerMask = FULL):
+    """flex_attention's mask_mod over keys [context S | all N*bs slots]: dense_block_mask's pattern
+    for one (batch, head, query, key) index."""
     limit = torch.where(valid, anchors, torch.zeros_like(anchors))
     window, causal = layer.window, layer.causal
 
@@ -431,7 +427,58 @@ def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, bl
             own = own & (k_slot <= q_slot)
         return sees_ctx | own
 
-    return create_block_mask(mask_mod, b, None, q, seq_len + q, device=anchors.device)
+    return mask_mod
+
+
+def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
+                    layer: LayerMask = FULL, tile: int = 128):
+    """flex_attention BlockMask over keys [context S | all N*bs slots], dense_block_mask's pattern,
+    built from the anchors without the dense [B, Q, S + Q] grid (create_block_mask evaluates the
+    mask_mod at every element: ~10 bytes each, GiBs at real sizes). Memory ~ B * Q * 16 bytes.
+
+    Every query row sees two intervals of keys: the context [lo, hi) (hi its block's anchor, 0
+    for a padded block; lo the window's start) and its own block's slots (from the window's
+    start to the block's end, or to itself when causal). A tile of ``tile`` queries x ``tile``
+    keys is visited when some row's interval meets it and full (no mask_mod) when every row's
+    interval covers it; both counted per tile with difference arrays over the key tiles. Equal
+    to create_block_mask of flex_mask_mod (tests/test_block_mask.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, n = anchors.shape
+    q_len, kv_len, device = n * block_size, seq_len + n * block_size, anchors.device
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    row = torch.arange(q_len, device=device)
+    blk, slot = row // block_size, row % block_size  # [Q]
+    anchor = anchors.long()[:, blk]  # [B, Q]
+    ctx_hi = torch.where(valid[:, blk], anchor, 0).clamp(0, seq_len)
+    ctx_lo = torch.zeros_like(ctx_hi) if layer.window is None else (anchor + slot - layer.window + 1).clamp(min=0)
+    own_lo = seq_len + blk * block_size + (0 if layer.window is None else (slot - layer.window + 1).clamp(min=0))
+    own_hi = seq_len + blk * block_size + (slot + 1 if layer.causal else block_size)
+    intervals = [(ctx_lo, ctx_hi), (own_lo.expand(b, -1), own_hi.expand(b, -1))]
+
+    def per_tile(touched: bool) -> torch.Tensor:
+        """[B, q_tiles, kv_tiles]: how many rows of each query tile meet (``touched``) or cover
+        each key tile, from each row's tile range [first, last] of each interval."""
+        diff = torch.zeros(b, q_tiles, kv_tiles + 1, dtype=torch.int32, device=device)
+        for lo, hi in intervals:
+            first, last = (lo // tile, (hi - 1) // tile) if touched else (-(-lo // tile), hi // tile - 1)
+            keep = ((hi > lo) & (first <= last)).int()
+            at = (torch.arange(b, device=device).view(-1, 1) * q_tiles + row // tile) * (kv_tiles + 1)
+            diff.view(-1).scatter_add_(0, (at + first).flatten(), keep.flatten())
+            diff.view(-1).scatter_add_(0, (at + (last + 1).clamp(max=kv_tiles)).flatten(), -keep.flatten())
+        return diff.cumsum(-1)[..., :kv_tiles]
+
+    full = per_tile(touched=False) == tile  # every one of the tile's rows covers it (a tile covered only by
+    # the two intervals together, which needs block_size >= tile, is visited as partial: exact all the same)
+    partial = (per_tile(touched=True) > 0) & ~full
+
+    def ordered(tiles: torch.Tensor):  # the visited key tiles first, ascending (create_block_mask's order)
+        tiles = tiles.unsqueeze(1).int()  # [B, 1 (every head), q_tiles, kv_tiles]
+        return tiles.sum(-1).int(), tiles.argsort(dim=-1, descending=True, stable=True).int()
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=tile,
+                                    mask_mod=flex_mask_mod(anchors, valid, seq_len, block_size, layer),
+                                    seq_lengths=(q_len, kv_len))
 
 
 _compiled_flex = None
