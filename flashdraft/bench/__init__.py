@@ -22,6 +22,7 @@ SUBBENCHES: dict[str, str] = {
     "pipeline": "pipelined vs sequential stages: synthetic costs and the real trainer",
     "soak": "thousands of tiny CPU steps with checkpoints and evals: RSS, fds, threads over time",
     "gpu-pipeline": "GPU: the trainer sequential vs pipelined on a Qwen3-0.6B-shaped target (--smoke: on CPU)",
+    "gpu-check": "GPU: one part of benchmarks/gpu_checks.sh (the one-GPU check; --smoke: on CPU)",
 }
 
 
