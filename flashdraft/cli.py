@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
     "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
     "bench": ("flashdraft.bench",
-              "benchmarks: flashdraft bench {data,prepare,step,train,pipeline,soak,gpu-pipeline} [options]"),
+              "benchmarks: flashdraft bench {data,prepare,step,train,pipeline,soak,gpu-pipeline,gpu-check} [options]"),
 }
 
 

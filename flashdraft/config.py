@@ -28,7 +28,7 @@ import yaml
 
 from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
-from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES
+from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES, SINK_IMPLS
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
@@ -86,6 +86,9 @@ class ModelConfig:
         _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
         _check(self.drafter_attention in ATTENTION_IMPLS, "model.drafter_attention", self.drafter_attention,
                f"use one of {', '.join(ATTENTION_IMPLS)}")
+        _check(not self.drafter_attention_sink or self.drafter_attention in SINK_IMPLS, "model.drafter_attention",
+               self.drafter_attention, f"flex has no attention sink (model.drafter_attention_sink=true): use one of "
+               f"{', '.join(SINK_IMPLS)} (auto trains sinks blockwise on CUDA, in fp32 under autocast)")
         _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
                "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
         types = self.drafter_layer_types

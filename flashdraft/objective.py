@@ -39,11 +39,17 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
     C_k = prod_{i <= k} q~_i over valid slots (an invalid slot is a no-op: q~ = 1), and
     w_k = sum_{m >= k, m valid} C_m -- the expected accepted length's gradient with respect to
     log q~_k, so weight moves to later slots as the early ones become confident. Invalid slots
-    weigh 0. (D-PACE, arXiv 2605.18810, Eq. 7-9.)"""
+    weigh 0. (D-PACE, arXiv 2605.18810, Eq. 7-9.)
+
+    The suffix sums are one fp64 matmul with a triangular 0/1 matrix, not a float cumsum: CUDA's
+    float cumsum raises under train.deterministic (torch.use_deterministic_algorithms), and a
+    matmul over n <= block size slots costs nothing."""
     ce, valid = ce.detach().float(), valid.detach() > 0
     q = torch.where(valid, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
     c = q.cumprod(-1) * valid
-    return c.flip(-1).cumsum(-1).flip(-1) * valid
+    n = c.shape[-1]
+    suffix = torch.ones(n, n, dtype=torch.float64, device=c.device).tril()  # [m, k]: 1 where m >= k
+    return (c.double() @ suffix).float() * valid
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class Sampling:
             z = z.masked_fill(z < kth, float("-inf"))
         if self.top_p < 1:
             probs, order = z.softmax(-1).sort(-1, descending=True)
-            drop = probs.cumsum(-1) - probs >= self.top_p  # the mass before a token already reaches top_p
+            drop = mass_before(probs) >= self.top_p  # the mass before a token already reaches top_p
             z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return z.softmax(-1)
 
@@ -89,6 +89,15 @@ class Sampling:
 
 
 GREEDY = Sampling()
+
+
+def mass_before(probs: torch.Tensor) -> torch.Tensor:
+    """The probability mass before each entry along the last axis [..., V] (an exclusive prefix
+    sum, float64), summed in 2^-53 fixed point: an integer cumsum is deterministic on every
+    device, a float one raises on CUDA under torch.use_deterministic_algorithms. Each entry is
+    rounded by at most 2^-54, so the sums are within V * 2^-54 of exact (fp32 cumsum: ~1e-7)."""
+    fixed = (probs.double() * 2.0**53).round().long()
+    return (fixed.cumsum(-1) - fixed).double() * 2.0**-53
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

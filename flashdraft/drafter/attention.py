@@ -26,18 +26,25 @@ ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
 
 
-def resolve_attention(impl: str, device: torch.device, needs_grad: bool) -> str:
+SINK_IMPLS = ("auto", "dense", "split", "blockwise")  # the implementations with an attention sink (flex has none)
+
+
+def resolve_attention(impl: str, device: torch.device, needs_grad: bool, sinks: bool = False) -> str:
     """Pick the concrete training-attention implementation for ``impl`` on ``device``.
 
     "auto": "flex" on CUDA when flex_attention imports (block-sparse, fused, one kernel per
-    layer), else "blockwise" (groups of blocks over their context prefix, matmuls). "flex"
-    asked for where it cannot run backward (CPU with grad) falls back to "blockwise":
-    flex_attention has no CPU backward.
+    layer), else "blockwise" (groups of blocks over their context prefix, matmuls); with
+    attention ``sinks``, "blockwise" (flex has no sink; blockwise works in fp32 under autocast).
+    "flex" asked for where it cannot run backward (CPU with grad) falls back to "blockwise":
+    flex_attention has no CPU backward. "flex" with ``sinks`` is refused (ValueError).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
+    if sinks and impl not in SINK_IMPLS:
+        raise ValueError(f"model.drafter_attention={impl} has no attention sink (model.drafter_attention_sink=true): "
+                         f"use one of {', '.join(SINK_IMPLS)} (auto trains sinks blockwise on CUDA)")
     if impl in ("auto", "flex"):
-        if device.type == "cuda" and _flex_available():
+        if device.type == "cuda" and _flex_available() and not sinks:
             return "flex"
         if impl == "flex" and not needs_grad:
             return "flex"  # forward-only flex runs (unfused) on CPU: used by the tests
@@ -315,22 +322,24 @@ class _BlockwiseAttention(torch.autograd.Function):
     Saved: q, k, v and the output, plus each call's probabilities with ``keep_probs`` (else the
     backward recomputes them per call); no score matrix of another call, no per-group K/V copy
     outlives its loop iteration, no repeated KV heads. Every query row sees its own slots, so
-    no row is empty.
+    no row is empty. bf16 / fp16 inputs are worked on in fp32 one call at a time (_work_dtype):
+    the outputs and gradients come back in the inputs' dtype.
     """
 
     @staticmethod
     def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, calls, keep_probs, sink=None):
-        hkv = k_ctx.shape[1]
+        hkv, work = k_ctx.shape[1], _work_dtype(q.dtype)
         out, q_scaled = torch.empty_like(q), q * q.shape[-1] ** -0.5
         probs = []
         for g in calls:
             rows = _sink_rows(sink, q.shape[1], hkv, (g.stop - g.start) // g.groups)
-            p = _group_probs(_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), g, rows)
+            p = _group_probs(_to_groups(q_scaled, g, hkv).to(work), _group_kv(k_ctx, k_blk, g).to(work), g,
+                             None if rows is None else rows.to(work))
             if sink is not None:
                 p, p_sink = p
-            _from_groups(p @ _group_kv(v_ctx, v_blk, g), out, g)
-            if keep_probs:
-                probs += [p, p_sink] if sink is not None else [p]
+            _from_groups(p @ _group_kv(v_ctx, v_blk, g).to(work), out, g)
+            if keep_probs:  # kept in the inputs' dtype (memory); the backward works in ``work`` again
+                probs += [p.to(q.dtype), p_sink] if sink is not None else [p.to(q.dtype)]
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, *((sink,) if sink is not None else ()), *probs)
         ctx.calls, ctx.has_sink = calls, sink is not None
         return out
@@ -339,25 +348,28 @@ class _BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_ctx, v_ctx, k_blk, v_blk, out, *rest = ctx.saved_tensors
         sink, probs = (rest[0], rest[1:]) if ctx.has_sink else (None, rest)
-        hkv = k_ctx.shape[1]
+        hkv, work = k_ctx.shape[1], _work_dtype(q.dtype)
         scale = q.shape[-1] ** -0.5
         dq, dk_blk, dv_blk = torch.empty_like(q), torch.empty_like(k_blk), torch.empty_like(v_blk)
-        dk_ctx, dv_ctx = torch.zeros_like(k_ctx), torch.zeros_like(v_ctx)
+        # the context's gradients sum over every group that sees it: accumulated in ``work``
+        dk_ctx, dv_ctx = (torch.zeros(t.shape, dtype=work, device=t.device) for t in (k_ctx, v_ctx))
         # sum_j p_j dp_j per query row; with a sink, p the sink-normalised probabilities: the same
         # formulas hold (the sink has no value), and d sink = -sum over its rows of p_sink * delta
-        delta = (dout * out).sum(-1, keepdim=True)
+        delta = (dout.to(work) * out.to(work)).sum(-1, keepdim=True)
         dsink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if sink is not None else None
         q_scaled = q * scale
         per_call = 2 if sink is not None else 1  # saved per call: its probabilities (and sink shares)
-        delta32 = (dout.float() * out.float()).sum(-1, keepdim=True) if sink is not None else None
         for i, g in enumerate(ctx.calls):
-            qg, kg, vg = _to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g), _group_kv(v_ctx, v_blk, g)
+            qg, kg, vg = (t.to(work) for t in (_to_groups(q_scaled, g, hkv), _group_kv(k_ctx, k_blk, g),
+                                               _group_kv(v_ctx, v_blk, g)))
             rows = _sink_rows(sink, q.shape[1], hkv, (g.stop - g.start) // g.groups)
-            found = probs[per_call * i:per_call * (i + 1)] if probs else _group_probs(qg, kg, g, rows)
+            found = probs[per_call * i:per_call * (i + 1)] if probs else \
+                _group_probs(qg, kg, g, None if rows is None else rows.to(work))
             p, p_sink = (found if sink is not None else (found[0] if probs else found, None))
-            do = _to_groups(dout, g, hkv)
+            p = p.to(work)
+            do = _to_groups(dout, g, hkv).to(work)
             if dsink is not None:  # d s_h = -sum over its rows of p_sink * delta (fp32); -> [H]
-                term = p_sink.squeeze(-1) * _to_groups(delta32, g, hkv).squeeze(-1)
+                term = p_sink.squeeze(-1).float() * _to_groups(delta, g, hkv).squeeze(-1).float()
                 dsink -= term.sum((0, 2)).view(hkv, -1, (g.stop - g.start) // g.groups).sum(-1).flatten()
             ds = (do @ vg.transpose(-1, -2)).sub_(_to_groups(delta, g, hkv)).mul_(p)
             dv = p.transpose(-1, -2) @ do
@@ -368,7 +380,15 @@ class _BlockwiseAttention(torch.autograd.Function):
             dv_ctx[:, :, lo:g.context] += dv[:, :, :, :n].sum(2)
             _from_groups(dk[:, :, :, n:], dk_blk, g)
             _from_groups(dv[:, :, :, n:], dv_blk, g)
-        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None, None if dsink is None else dsink.to(sink.dtype)
+        return (dq, dk_ctx.to(k_ctx.dtype), dv_ctx.to(v_ctx.dtype), dk_blk, dv_blk, None, None,
+                None if dsink is None else dsink.to(sink.dtype))
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The blockwise attention's working precision for inputs of ``dtype``: fp32 for bf16 / fp16
+    (scores, softmax, delta and ds as a fused kernel keeps them: in bf16 they cost 2-6x the
+    gradient error, tests/test_sinks.py), the inputs' own dtype otherwise."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan,
@@ -389,13 +409,9 @@ def blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan,
         return _BlockwiseAttention.apply(*tensors, calls, keep, sink)
 
 
-def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
-                    layer: LayerMask = FULL):
-    """flex_attention BlockMask over keys [context S | all N*bs slots], same pattern as dense_block_mask."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, n = anchors.shape
-    q = n * block_size
+def flex_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int, layer: LayerMask = FULL):
+    """flex_attention's mask_mod over keys [context S | all N*bs slots]: dense_block_mask's pattern
+    for one (batch, head, query, key) index."""
     limit = torch.where(valid, anchors, torch.zeros_like(anchors))
     window, causal = layer.window, layer.causal
 
@@ -411,7 +427,58 @@ def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, bl
             own = own & (k_slot <= q_slot)
         return sees_ctx | own
 
-    return create_block_mask(mask_mod, b, None, q, seq_len + q, device=anchors.device)
+    return mask_mod
+
+
+def flex_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
+                    layer: LayerMask = FULL, tile: int = 128):
+    """flex_attention BlockMask over keys [context S | all N*bs slots], dense_block_mask's pattern,
+    built from the anchors without the dense [B, Q, S + Q] grid (create_block_mask evaluates the
+    mask_mod at every element: ~10 bytes each, GiBs at real sizes). Memory ~ B * Q * 16 bytes.
+
+    Every query row sees two intervals of keys: the context [lo, hi) (hi its block's anchor, 0
+    for a padded block; lo the window's start) and its own block's slots (from the window's
+    start to the block's end, or to itself when causal). A tile of ``tile`` queries x ``tile``
+    keys is visited when some row's interval meets it and full (no mask_mod) when every row's
+    interval covers it; both counted per tile with difference arrays over the key tiles. Equal
+    to create_block_mask of flex_mask_mod (tests/test_block_mask.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, n = anchors.shape
+    q_len, kv_len, device = n * block_size, seq_len + n * block_size, anchors.device
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    row = torch.arange(q_len, device=device)
+    blk, slot = row // block_size, row % block_size  # [Q]
+    anchor = anchors.long()[:, blk]  # [B, Q]
+    ctx_hi = torch.where(valid[:, blk], anchor, 0).clamp(0, seq_len)
+    ctx_lo = torch.zeros_like(ctx_hi) if layer.window is None else (anchor + slot - layer.window + 1).clamp(min=0)
+    own_lo = seq_len + blk * block_size + (0 if layer.window is None else (slot - layer.window + 1).clamp(min=0))
+    own_hi = seq_len + blk * block_size + (slot + 1 if layer.causal else block_size)
+    intervals = [(ctx_lo, ctx_hi), (own_lo.expand(b, -1), own_hi.expand(b, -1))]
+
+    def per_tile(touched: bool) -> torch.Tensor:
+        """[B, q_tiles, kv_tiles]: how many rows of each query tile meet (``touched``) or cover
+        each key tile, from each row's tile range [first, last] of each interval."""
+        diff = torch.zeros(b, q_tiles, kv_tiles + 1, dtype=torch.int32, device=device)
+        for lo, hi in intervals:
+            first, last = (lo // tile, (hi - 1) // tile) if touched else (-(-lo // tile), hi // tile - 1)
+            keep = ((hi > lo) & (first <= last)).int()
+            at = (torch.arange(b, device=device).view(-1, 1) * q_tiles + row // tile) * (kv_tiles + 1)
+            diff.view(-1).scatter_add_(0, (at + first).flatten(), keep.flatten())
+            diff.view(-1).scatter_add_(0, (at + (last + 1).clamp(max=kv_tiles)).flatten(), -keep.flatten())
+        return diff.cumsum(-1)[..., :kv_tiles]
+
+    full = per_tile(touched=False) == tile  # every one of the tile's rows covers it (a tile covered only by
+    # the two intervals together, which needs block_size >= tile, is visited as partial: exact all the same)
+    partial = (per_tile(touched=True) > 0) & ~full
+
+    def ordered(tiles: torch.Tensor):  # the visited key tiles first, ascending (create_block_mask's order)
+        tiles = tiles.unsqueeze(1).int()  # [B, 1 (every head), q_tiles, kv_tiles]
+        return tiles.sum(-1).int(), tiles.argsort(dim=-1, descending=True, stable=True).int()
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=tile,
+                                    mask_mod=flex_mask_mod(anchors, valid, seq_len, block_size, layer),
+                                    seq_lengths=(q_len, kv_len))
 
 
 _compiled_flex = None
@@ -498,8 +565,7 @@ def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, sink: torch.
     is None lets every query see every key (inference: one block after its whole context).
     Hq may be a multiple of Hkv (GQA). ``sink`` [Hq]: an attention sink's per-head logit s_h,
     one more column in every row's softmax, visible to every query, with no value (DFLASH2.md
-    3.1: exp(z_j) / (exp(s_h) + sum_i exp(z_i))); a flex plan is built as blockwise then
-    (DFlashDrafter.attention_plan)."""
+    3.1: exp(z_j) / (exp(s_h) + sum_i exp(z_i))); flex has none (resolve_attention refuses it)."""
     if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
         return blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink)
     heads, kv_heads = q.shape[1], k_blk.shape[1]
@@ -517,7 +583,7 @@ def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, sink: torch.
     v = torch.cat([v_ctx, v_blk], dim=2)
     if plan.impl == "flex":
         if sink is not None:
-            raise ValueError("attention sinks run on the dense, split and blockwise paths, not flex")
+            raise ValueError(f"attention sinks run on {', '.join(SINK_IMPLS[1:])}, not flex (see resolve_attention)")
         return _flex_attention(q, k, v, plan.block_mask, gqa)
     return _sdpa(q, k, v, plan.mask, gqa, sink)
 

@@ -348,11 +348,9 @@ class DFlashDrafter(nn.Module):
     ) -> BlockAttentionPlan:
         """The masks the layers of one training forward with the pattern ``layer`` (a LayerMask;
         None: the first layer's) share (see BlockAttentionPlan), for this drafter's block size
-        and group_blocks; ``attention`` overrides ``self.attention``. With attention sinks, a flex
-        plan (auto on CUDA) is built as blockwise: the sink is implemented on the exact paths."""
-        impl = resolve_attention(attention or self.attention, anchors.device, needs_grad)
-        if self.sinks and impl == "flex":
-            impl = "blockwise"
+        and group_blocks; ``attention`` overrides ``self.attention``. With attention sinks, "auto"
+        resolves to blockwise on CUDA and "flex" is refused (resolve_attention)."""
+        impl = resolve_attention(attention or self.attention, anchors.device, needs_grad, self.sinks)
         return attention_plan(impl, anchors, valid, seq_len, self.block_size,
                               self.group_blocks, needs_grad, dtype, layer or self.layer_masks[0])
 

@@ -7,6 +7,7 @@
 - :func:`keep_freed_host_memory`: glibc keeps freed activations for reuse (CPU training).
 - :class:`ProcessRNG`: the torch / numpy / python (/ CUDA) generators as one checkpointable
   component.
+- :func:`deterministic_mode`: train.deterministic, with the cuBLAS workspace CUDA needs for it.
 """
 
 from __future__ import annotations
@@ -148,6 +149,21 @@ def keep_freed_host_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
     kept = mallopt(m_trim_threshold, 2**31 - 1)
     return bool(kept and (mallopt(m_mmap_threshold, 1 << 30) or mallopt(m_mmap_threshold, 32 << 20)))
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace (its docs: :4096:8 or :16:8)
+
+
+def deterministic_mode() -> None:
+    """train.deterministic: torch's deterministic algorithms, and CUBLAS_WORKSPACE_CONFIG set first
+    (without it every CUDA matmul raises under them). cuBLAS reads the variable when it makes its
+    workspace, so this runs before the trainer touches CUDA; a value already in the environment
+    is kept. What stays non-deterministic is in docs/reliability.md."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        log.warning("train.deterministic: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set; if cuBLAS "
+                    "then raises, export CUBLAS_WORKSPACE_CONFIG=%s before starting", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
 
 
 class ProcessRNG:

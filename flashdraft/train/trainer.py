@@ -31,7 +31,14 @@ from flashdraft.target import TargetModel
 from flashdraft.train import checks, placement
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
-from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, keep_freed_host_memory, output_lock
+from flashdraft.train.runtime import (
+    GracefulStop,
+    ProcessRNG,
+    Stopped,
+    deterministic_mode,
+    keep_freed_host_memory,
+    output_lock,
+)
 from flashdraft.train.stages import FeatureStages, batch_sampler, steps_left
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
@@ -47,6 +54,8 @@ class Trainer:
 
     def __init__(self, config: Config):
         cfg = self.config = config
+        if cfg.train.deterministic:  # before init_distributed touches CUDA: cuBLAS reads its workspace setting once
+            deterministic_mode()
         disaggregated = cfg.pipeline.placement == "disaggregated"
         self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
                                                  num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
@@ -54,8 +63,6 @@ class Trainer:
         self.device = self.dist.device
         if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
             log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
         checks.check_paths(cfg)
         checks.check_drafter_sizes(cfg)
         # before any weights load: a run that cannot fit its GPU is refused in seconds, not after them
