@@ -138,7 +138,7 @@ def prepare(job: Path, smoke: bool) -> dict:
     device, big, small = _device(smoke), _big(smoke), _small(smoke)
     _save_target(job / "target8b", 6, big, device)
     for s in SMOKE_SEQS if smoke else SEQS:
-        per_step = min(64, 16384 // s)  # the data plan's defaults: 16,384 tokens, at most 64 sequences
+        per_step = min(64, 16384 // s)  # the most a step can take (the token budget; the row budget takes fewer)
         _write_shard(job / f"data_{s}", [s] * per_step * (TRAINER_STEPS + 2), big["vocab"], seed=s)
     _save_target(job / "small", 4, small, device)
     rng = np.random.default_rng(0)
