@@ -552,8 +552,7 @@ def _notes(cfg: Config, dev: str) -> list[str]:
     notes = ["attention kernels modelled (saved tensors of the real kernel); the rest of the drafter's step "
              "measured on fake tensors"]
     if dev == "cuda" and cfg.model.drafter_attention in ("auto", "flex") and not cfg.model.drafter_attention_sink:
-        notes.append("flex attention's block mask (sparse tables, a few MiB) is not counted; building it "
-                     "without torch.compile adds a dense transient at the start of each forward")
+        notes.append("flex attention's block mask (sparse tables built from the anchors, a few MiB) is not counted")
     return notes
 
 
