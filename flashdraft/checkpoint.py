@@ -571,18 +571,20 @@ class CheckpointManager:
                 log.warning("skipping checkpoint %s: %s", p, exc)
         return None
 
-    def load_latest(self, rank: int | None = None) -> Loaded | None:
+    def load_latest(self, rank: int | None = None, verified: Path | None = None) -> Loaded | None:
         """Load the newest complete checkpoint, or return None when there is none.
 
         Collective: rank 0 removes stale temp dirs, verifies candidates newest first (sizes
         and sha256; corrupt or partial ones are skipped with a warning) and broadcasts its
         choice, so every rank loads the same step. ``rank`` (default: this process's rank)
         selects which per-rank parts are returned under their plain names (e.g. ``"rng"``).
+        ``verified``: rank 0's ``latest_complete()`` found earlier (the others need not wait
+        through the hashing here); None: verify now.
         """
         choice: str | None = None
         if distributed.get_rank() == 0:
             self._remove_stale_tmp()
-            found = self.latest_complete()
+            found = verified if verified is not None else self.latest_complete()
             choice = str(found) if found is not None else None
         choice = distributed.broadcast_object(choice, src=0)
         if choice is None:

@@ -168,7 +168,10 @@ def train_ranks(overrides_json: str) -> None:
 
 def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
     """flashdraft training on every rank, recording each optimizer step's learning rate and this
-    rank's sample ids; SIGTERM to itself after step ``stop_at`` (0: run to the end)."""
+    rank's sample ids; SIGTERM to itself during step ``stop_at`` (before the step's vote, so the
+    run stops after that step; 0: run to the end)."""
+    import signal
+
     from flashdraft.config import load_config
     from flashdraft.train.runtime import Stopped
     from flashdraft.train.trainer import Trainer
@@ -179,20 +182,115 @@ def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
     def recorded(micro, step, stats):
         ids = sorted(int(i) for m in micro for i in m.sample_ids)
         steps.append([step + 1, trainer.scheduler.get_last_lr()[0], ids])  # the lr this step trains with
+        if step + 1 == int(stop_at):
+            os.kill(os.getpid(), signal.SIGTERM)
         return step_fn(micro, step, stats)
-
-    def stop(trainer):
-        if trainer.step == int(stop_at):
-            os.kill(os.getpid(), __import__("signal").SIGTERM)
 
     trainer.step_fn = recorded
     stopped = False
     try:
-        trainer.fit(on_step=stop)
+        trainer.fit()
     except Stopped:
         stopped = True
     result({"steps": steps, "total_steps": trainer.total_steps, "stopped": stopped, "final_step": trainer.step})
     trainer.release_ddp()
+    D.teardown()
+
+
+def train_collectives(overrides_json: str) -> None:
+    """flashdraft training on every rank, recording the collectives torch.distributed is asked
+    for between one optimizer step's hook and the next (name and element count; DDP's bucketed
+    gradient all-reduce runs in C++ and is not seen here)."""
+    import torch.distributed as tdist
+
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import Trainer
+
+    seen: list = []
+    names = ("all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_object",
+             "broadcast_object_list", "gather_object")
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            seen.append([name, int(args[0].numel()) if args and isinstance(args[0], torch.Tensor) else 0])
+            return real(*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(tdist, name, counted(name, getattr(tdist, name)))
+    per_step: list = []
+
+    def hook(trainer) -> None:
+        per_step.append(list(seen))
+        seen.clear()
+
+    trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
+    trainer.fit(on_step=hook)
+    result({"per_step": per_step})
+    trainer.release_ddp()
+    D.teardown()
+
+
+def train_slow_loader(overrides_json: str, sleep_s: str) -> None:
+    """flashdraft training on every rank, rank 1 loading its target ``sleep_s`` seconds late (a
+    slow shared filesystem); each rank reports its error (None: trained) and its step count."""
+    import flashdraft.target as target_mod
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import Trainer
+
+    real = target_mod.TargetModel.from_pretrained.__func__
+
+    def slow(cls, *args, **kwargs):
+        if int(os.environ["RANK"]) == 1:
+            time.sleep(float(sleep_s))
+        return real(cls, *args, **kwargs)
+
+    target_mod.TargetModel.from_pretrained = classmethod(slow)
+    err, steps, trainer = None, 0, None
+    try:
+        trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
+        trainer.fit()
+        steps = trainer.step
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        err = f"{type(exc).__name__}: {exc}"
+    result({"rank": int(os.environ["RANK"]), "error": err, "steps": steps})
+    if err is None:
+        trainer.release_ddp()
+        D.teardown()
+    os._exit(0 if err is None else 1)  # a failed rank skips the teardown (its peer may be gone)
+
+
+def convert_once(source: str, marks: str, flock: str) -> None:
+    """Every rank opens the parquet ``source`` (converted into a token shard on first use) on a
+    filesystem whose flock is ``flock``: "enosys" (Lustre mounted without flock) or "per_node"
+    (NFS without a lock manager across nodes: every caller gets the lock). The conversion leaves
+    ``marks/rank<R>`` and takes 3 s, longer than the collective timeout."""
+    import errno
+    import fcntl
+
+    from flashdraft.data import convert
+    from flashdraft.data.dataset import open_dataset
+
+    d = D.init_distributed("cpu", timeout_s=2, startup_timeout_s=60)
+
+    def no_flock(fd, op):
+        if flock == "enosys":
+            raise OSError(errno.ENOSYS, "Function not implemented")
+
+    fcntl.flock = no_flock
+    real = convert.convert_to_shard
+
+    def marked(path, out, **kwargs):
+        open(os.path.join(marks, f"rank{d.rank}"), "w").close()
+        time.sleep(3)
+        return real(path, out, **kwargs)
+
+    convert.convert_to_shard = marked
+    try:
+        found = {"samples": len(open_dataset(source, progress=False)), "error": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        found = {"samples": 0, "error": f"{type(exc).__name__}: {exc}"}
+    result({"rank": d.rank, **found})
     D.teardown()
 
 
@@ -363,7 +461,8 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
-                                     train_target_raises, train_recorded, sharded_features)}
+                                     train_target_raises, train_recorded, sharded_features,
+                                     train_collectives, train_slow_loader, convert_once)}
 
 
 def serve(*preload: str) -> None:
