@@ -8,7 +8,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+import flashdraft.target as target_mod
 from conftest import overrides, results, run_ranks
 
 
@@ -68,3 +70,33 @@ def test_a_failed_conversion_fails_every_rank_at_once(tmp_path, forkserver):
                               "per_node", timeout=50))
     assert "no column 'loss_mask'" in ranks[0]["error"]
     assert ranks[1]["error"].startswith("ValueError: ") and "no token shard after rank 0 converted" in ranks[1]["error"]
+
+
+def test_the_target_is_loaded_straight_onto_its_device(tiny_job, monkeypatch):
+    """transformers places each tensor on ``device_map`` as it reads it from the memory-mapped
+    files; loading to the host and then moving made a whole host copy per local rank on a GPU
+    node (with a cast, or once the pages were read). On CPU both paths read the same mapped
+    pages (measured: 150 MB above the imports for a 520 MB fp32 target either way), so this
+    checks the rule, not the RSS: the loader is told the device and nothing moves the model
+    afterwards."""
+    loads, moves, inside = [], [], [False]
+    real_load, real_to = target_mod.AutoModelForCausalLM.from_pretrained, torch.nn.Module.to
+
+    def load(*args, **kwargs):
+        loads.append(kwargs.get("device_map"))
+        inside[0] = True
+        try:
+            return real_load(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def to(module, *args, **kwargs):
+        if not inside[0]:
+            moves.append(type(module).__name__)
+        return real_to(module, *args, **kwargs)
+
+    monkeypatch.setattr(target_mod.AutoModelForCausalLM, "from_pretrained", load)
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    target = target_mod.TargetModel.from_pretrained(tiny_job / "target", target_layer_ids=[1, 2], device="cpu")
+    assert loads == [torch.device("cpu")] and moves == []
+    assert all(p.device.type == "cpu" for p in target.model.parameters())
