@@ -4,6 +4,12 @@ per step and at start-up, and that a slow rank or a second node never breaks the
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +17,8 @@ import pytest
 import torch
 
 import flashdraft.target as target_mod
-from conftest import overrides, results, run_ranks
+from conftest import REPO, WORKERS, free_port, overrides, read_log, results, run_ranks
+from flashdraft.checkpoint import CheckpointManager
 
 
 def test_each_step_votes_skip_and_stop_in_one_all_reduce(tiny_job, tmp_path, trainer_forkserver):
@@ -100,3 +107,78 @@ def test_the_target_is_loaded_straight_onto_its_device(tiny_job, monkeypatch):
     target = target_mod.TargetModel.from_pretrained(tiny_job / "target", target_layer_ids=[1, 2], device="cpu")
     assert loads == [torch.device("cpu")] and moves == []
     assert all(p.device.type == "cpu" for p in target.model.parameters())
+
+
+# ---- a multi-node rehearsal on one machine --------------------------------------------------
+
+
+def _launch_nodes(args: list[str], logs: Path, run: str, step_sleep: float = 0.0) -> list[subprocess.Popen]:
+    """Two torchrun launchers as two nodes would run them (--nnodes 2, one process each, static
+    rendezvous on 127.0.0.1), each starting ``flashdraft train ARGS`` through the test worker
+    (which paces its steps by ``step_sleep``)."""
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+           "FLASHDRAFT_TEST_STEP_SLEEP": str(step_sleep)}
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                              "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                              "--max-restarts=0", str(WORKERS), "cli", "train", *args],
+                             env=env, stdout=open(logs / f"{run}-node{node}.log", "w"), stderr=subprocess.STDOUT)
+            for node in (0, 1)]
+
+
+def _worker_of(launcher: subprocess.Popen) -> int:
+    """The pid of the training process a torchrun launcher started."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Each step's logged loss; a step logged twice (before a kill, then after the resume) keeps
+    the resumed run's."""
+    found = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the kill
+            continue
+        if "loss" in record:
+            found[record["step"]] = record["loss"]
+    return found
+
+
+def test_two_nodes_start_checkpoint_lose_a_node_and_resume_exactly(tiny_job, tmp_path, trainer_forkserver):
+    """Two launchers with different node ranks share one output directory: they start (the
+    start-up barrier), train, checkpoint every 2 steps; node 1's worker is SIGKILLed after the
+    step-4 checkpoint, node 0's fails within the collective timeout and both launchers exit;
+    restarted, the job resumes from the newest checkpoint and ends with every step's loss and
+    the final weights equal to an uninterrupted 2-rank run's."""
+    steps = 8
+    reference = tmp_path / "straight"
+    run_ranks(trainer_forkserver, "cli", "train", *overrides(tiny_job, reference, train__max_steps=steps),
+              timeout=300)
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    args = overrides(tiny_job, out, train__max_steps=steps, train__save_every=2, train__collective_timeout_s=20)
+    nodes = _launch_nodes(args, logs, "first", step_sleep=1.0)
+    manager, deadline = CheckpointManager(out / "checkpoints"), time.monotonic() + 300
+    while not (out / "checkpoints" / "step_00000004" / "manifest.json").is_file():
+        if time.monotonic() > deadline or any(n.poll() is not None for n in nodes):
+            for n in nodes:
+                n.kill()
+            pytest.fail("no step-4 checkpoint:\n" + "\n".join(read_log(f) for f in sorted(logs.iterdir())))
+        time.sleep(0.05)
+    os.kill(_worker_of(nodes[1]), signal.SIGKILL)  # node 1 is lost
+    codes = [n.wait(timeout=120) for n in nodes]
+    assert all(c != 0 for c in codes), codes
+    killed_at = manager.load_latest().step
+    assert 4 <= killed_at < steps
+    nodes = _launch_nodes(args, logs, "resumed")
+    codes = [n.wait(timeout=300) for n in nodes]
+    assert codes == [0, 0], "\n".join(read_log(f) for f in sorted(logs.iterdir()))
+    assert f"resumed from step {killed_at}" in read_log(logs / "resumed-node0.log")
+    assert _losses(out) == _losses(reference) and len(_losses(out)) == steps
+    resumed, straight = manager.load_latest(), CheckpointManager(reference / "checkpoints").load_latest()
+    assert resumed.step == straight.step == steps
+    for name, value in straight.parts["drafter"].items():
+        assert torch.equal(resumed.parts["drafter"][name], value), name
