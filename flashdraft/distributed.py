@@ -106,6 +106,9 @@ _GROUP: Any = None
 _TARGET_MESH: Any = None
 # The start-up group: gloo over the whole job with the start-up timeout (startup_barrier).
 _STARTUP: Any = None
+# This rank's role group on gloo with the start-up timeout (host_broadcast_object): the start-up
+# group itself when colocated.
+_HOST: Any = None
 _STARTUP_TIMEOUT_S = 3600.0
 
 
@@ -189,7 +192,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     ``tensor_parallel`` > 1 groups the ranks into target groups of that many (module doc).
     ``startup_timeout_s`` bounds each ``startup_barrier`` (module doc).
     """
-    global _STATE, _GROUP, _STARTUP, _STARTUP_TIMEOUT_S
+    global _STATE, _GROUP, _STARTUP, _STARTUP_TIMEOUT_S, _HOST
     if _STATE is not None:
         return _STATE
     if timeout_s <= 0 or startup_timeout_s <= 0:
@@ -227,6 +230,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
         # first, in the same order on every rank (new_group is collective over the world)
         _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
         _STARTUP_TIMEOUT_S = float(startup_timeout_s)
+        _HOST = _STARTUP
     if num_target_ranks == 0:
         if tensor_parallel > 1:
             _make_target_mesh(device, backend, list(range(world_size)), tensor_parallel, timeout_s)
@@ -246,6 +250,10 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     role = "drafter" if rank in drafters else "target"
     members = drafters if role == "drafter" else targets
     _GROUP = groups[role]
+    startup = datetime.timedelta(seconds=startup_timeout_s)
+    host = {"drafter": tdist.new_group(drafters, backend="gloo", timeout=startup),
+            "target": tdist.new_group(targets, backend="gloo", timeout=startup)}
+    _HOST = host[role]
     _STATE = Dist(rank=members.index(rank), world_size=len(members), local_rank=local_rank, device=device,
                   backend=backend, timeout_s=float(timeout_s), role=role, global_rank=rank,
                   peers=_peers(rank, drafters, targets, tensor_parallel),
@@ -323,10 +331,10 @@ def get_world_size() -> int:
 
 def teardown() -> None:
     """Leave the process group (if any) and forget the topology. Safe to call twice."""
-    global _STATE, _GROUP, _TARGET_MESH, _STARTUP
+    global _STATE, _GROUP, _TARGET_MESH, _STARTUP, _HOST
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _STATE = _GROUP = _TARGET_MESH = _STARTUP = None
+    _STATE = _GROUP = _TARGET_MESH = _STARTUP = _HOST = None
 
 
 def _active() -> bool:
@@ -459,6 +467,21 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
         tdist.broadcast_object_list(box, group=_GROUP, group_src=src)
     except RuntimeError as exc:
         raise _fail("broadcast_object", exc) from exc
+    return box[0]
+
+
+def host_broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (rank within the role group) on every rank of the role, through host
+    memory on gloo with the start-up timeout: for start-up data too big for the device or too
+    slow to read for the collective timeout (a resumed checkpoint's replicated parts). Host
+    sync. Identity without a process group."""
+    if _HOST is None or not _active():
+        return obj
+    box = [obj]
+    try:
+        tdist.broadcast_object_list(box, group=_HOST, group_src=0)
+    except RuntimeError as exc:
+        raise _fail("host_broadcast_object", exc) from exc
     return box[0]
 
 

@@ -294,6 +294,50 @@ def convert_once(source: str, marks: str, flock: str) -> None:
     D.teardown()
 
 
+def resume_reads(root: str) -> None:
+    """Save a checkpoint with two replicated parts and a per-rank one, then load it on every
+    rank (load_latest, as a resume does); report which part files this rank read while
+    loading (the verification's hashing excluded: it is done first) and whether every part
+    came back equal."""
+    import safetensors.torch
+
+    from flashdraft.checkpoint import CheckpointManager
+
+    d = D.init_distributed("cpu", timeout_s=60)
+    gen = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(64, 32, generator=gen), "b": torch.arange(5)}
+    optim = {"state": {"0": {"exp_avg": torch.randn(64, 32, generator=gen), "step": torch.tensor(3.0)}}, "lr": 0.1}
+    rng = {"seed": torch.full((3,), d.rank)}
+    mgr = CheckpointManager(root)
+    path = mgr.save(5, {"model": model, "optimizer": optim}, per_rank_parts={"rng": rng})
+    verified = mgr.latest_complete() if d.rank == 0 else None
+    read: list[str] = []
+    reading = [True]
+
+    def audit(event, args):
+        if reading[0] and event == "open" and isinstance(args[0], str) and args[0].endswith(".safetensors"):
+            read.append(os.path.basename(args[0]))
+
+    sys.addaudithook(audit)
+    real = safetensors.torch.load_file
+
+    def load_file(filename, *args, **kwargs):  # opened by Rust: no audit event
+        read.append(os.path.basename(str(filename)))
+        return real(filename, *args, **kwargs)
+
+    safetensors.torch.load_file = load_file
+    import flashdraft.checkpoint as ckpt
+
+    ckpt.CheckpointManager.latest_complete = lambda self: verified  # hashing is not part of this count
+    loaded = mgr.load_latest()
+    reading[0] = False
+    same = (all(torch.equal(loaded.parts["model"][k], v) for k, v in model.items())
+            and torch.equal(loaded.parts["optimizer"]["state"]["0"]["exp_avg"], optim["state"]["0"]["exp_avg"])
+            and loaded.parts["optimizer"]["lr"] == 0.1 and torch.equal(loaded.parts["rng"]["seed"], rng["seed"]))
+    result({"rank": d.rank, "read": sorted(read), "same": same, "step": loaded.step, "path": str(path)})
+    D.teardown()
+
+
 def pace_steps(seconds: float) -> None:
     """Make every optimizer step of this process last ``seconds`` longer, so that a test's kill
     lands at a chosen moment of a run (the trainer itself has no test hook)."""
@@ -462,7 +506,8 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
                                      train_target_raises, train_recorded, sharded_features,
-                                     train_collectives, train_slow_loader, convert_once)}
+                                     train_collectives, train_slow_loader, convert_once,
+                                     resume_reads)}
 
 
 def serve(*preload: str) -> None:
