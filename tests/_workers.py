@@ -231,21 +231,35 @@ def train_collectives(overrides_json: str) -> None:
     D.teardown()
 
 
-def train_slow_loader(overrides_json: str, sleep_s: str) -> None:
-    """flashdraft training on every rank, rank 1 loading its target ``sleep_s`` seconds late (a
-    slow shared filesystem); each rank reports its error (None: trained) and its step count."""
+def train_slow_loader(overrides_json: str, sleep_s: str, what: str = "target") -> None:
+    """flashdraft training on every rank, with a slow shared filesystem: ``what`` = "target":
+    rank 1 loads its target ``sleep_s`` seconds late; "verify": rank 0's verification of each
+    checkpoint (hashing every file) takes ``sleep_s`` longer. Each rank reports its error
+    (None: trained) and its step count."""
+    import flashdraft.checkpoint as checkpoint_mod
     import flashdraft.target as target_mod
     from flashdraft.config import load_config
     from flashdraft.train.trainer import Trainer
 
-    real = target_mod.TargetModel.from_pretrained.__func__
+    rank = int(os.environ["RANK"])
+    if what == "target":
+        real = target_mod.TargetModel.from_pretrained.__func__
 
-    def slow(cls, *args, **kwargs):
-        if int(os.environ["RANK"]) == 1:
-            time.sleep(float(sleep_s))
-        return real(cls, *args, **kwargs)
+        def slow(cls, *args, **kwargs):
+            if rank == 1:
+                time.sleep(float(sleep_s))
+            return real(cls, *args, **kwargs)
 
-    target_mod.TargetModel.from_pretrained = classmethod(slow)
+        target_mod.TargetModel.from_pretrained = classmethod(slow)
+    else:
+        verify = checkpoint_mod.verify_checkpoint
+
+        def slow_verify(path):
+            if rank == 0:
+                time.sleep(float(sleep_s))
+            return verify(path)
+
+        checkpoint_mod.verify_checkpoint = slow_verify
     err, steps, trainer = None, 0, None
     try:
         trainer = Trainer(load_config(overrides=json.loads(overrides_json)))

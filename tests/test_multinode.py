@@ -42,6 +42,20 @@ def test_a_rank_loading_slower_than_the_collective_timeout_still_trains(tiny_job
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 2), (None, 2)]
 
 
+def test_rank_0_verifying_the_checkpoint_longer_than_the_collective_timeout_still_resumes(tiny_job, tmp_path,
+                                                                                          trainer_forkserver):
+    """A resume's slow part, rank 0 hashing every checkpoint file (8 s here, past the 4 s
+    collective timeout), comes before the start-up barrier: the other rank waits there, not in
+    the collective that shares rank 0's choice (which failed after 4 s before)."""
+    first = overrides(tiny_job, tmp_path / "run", train__max_steps=2)
+    assert [r["error"] for r in results(run_ranks(trainer_forkserver, "train_slow_loader", json.dumps(first), "0",
+                                                  timeout=240))] == [None, None]
+    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__collective_timeout_s=4)
+    ranks = results(run_ranks(trainer_forkserver, "train_slow_loader", json.dumps(resumed), "8", "verify",
+                              timeout=240))
+    assert [(r["error"], r["steps"]) for r in ranks] == [(None, 4), (None, 4)]
+
+
 def test_a_rank_later_than_the_startup_timeout_fails_the_job_with_a_named_error(tiny_job, tmp_path,
                                                                                   trainer_forkserver):
     args = overrides(tiny_job, tmp_path / "run", train__startup_timeout_s=2)
