@@ -474,12 +474,13 @@ def host_broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` (rank within the role group) on every rank of the role, through host
     memory on gloo with the start-up timeout: for start-up data too big for the device or too
     slow to read for the collective timeout (a resumed checkpoint's replicated parts). Host
-    sync. Identity without a process group."""
-    if _HOST is None or not _active():
+    sync. Identity without a process group; on a group made outside init_distributed (a test
+    harness's), ``broadcast_object``."""
+    if not _active():
         return obj
     box = [obj]
     try:
-        tdist.broadcast_object_list(box, group=_HOST, group_src=0)
+        tdist.broadcast_object_list(box, group=_HOST if _HOST is not None else _GROUP, group_src=0)
     except RuntimeError as exc:
         raise _fail("host_broadcast_object", exc) from exc
     return box[0]
