@@ -266,6 +266,33 @@ def _read_part(ckpt: Path, name: str) -> Any:
     return unflatten_state(tensors, skeleton)
 
 
+def _read_part_files(ckpt: Path, name: str) -> tuple[bytearray, bytes]:
+    """One part's two files' bytes (what rank 0 reads once and broadcasts on resume)."""
+    path = ckpt / f"{name}.safetensors"
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        if f.readinto(data) != len(data):
+            raise OSError(f"{path}: short read")
+    with open(ckpt / f"{name}.json", "rb") as f:
+        return data, f.read()
+
+
+def _parse_part(data: bytearray, skeleton: bytes) -> Any:
+    """The state of a part from its files' bytes; the tensors are views of ``data`` (writable,
+    no copy: safetensors.torch.load would copy each tensor and make it read-only)."""
+    size = int.from_bytes(data[:8], "little")
+    header, base = json.loads(data[8 : 8 + size]), 8 + size
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype, (start, stop) = safetensors.torch._getdtype(info["dtype"]), info["data_offsets"]
+        count = (stop - start) // dtype.itemsize
+        tensors[key] = (torch.frombuffer(data, dtype=dtype, count=count, offset=base + start) if count
+                        else torch.empty(0, dtype=dtype)).reshape(info["shape"])
+    return unflatten_state(tensors, json.loads(skeleton))
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -571,23 +598,25 @@ class CheckpointManager:
                 log.warning("skipping checkpoint %s: %s", p, exc)
         return None
 
-    def load_latest(self, rank: int | None = None) -> Loaded | None:
+    def load_latest(self, rank: int | None = None, verified: Path | None = None) -> Loaded | None:
         """Load the newest complete checkpoint, or return None when there is none.
 
         Collective: rank 0 removes stale temp dirs, verifies candidates newest first (sizes
         and sha256; corrupt or partial ones are skipped with a warning) and broadcasts its
         choice, so every rank loads the same step. ``rank`` (default: this process's rank)
         selects which per-rank parts are returned under their plain names (e.g. ``"rng"``).
+        ``verified``: rank 0's ``latest_complete()`` found earlier (the others need not wait
+        through the hashing here); None: verify now.
         """
         choice: str | None = None
         if distributed.get_rank() == 0:
             self._remove_stale_tmp()
-            found = self.latest_complete()
+            found = verified if verified is not None else self.latest_complete()
             choice = str(found) if found is not None else None
         choice = distributed.broadcast_object(choice, src=0)
         if choice is None:
             return None
-        return self._load_verified(Path(choice), rank)
+        return self._load_verified(Path(choice), rank, shared=True)
 
     def load(self, path: str | os.PathLike, rank: int | None = None) -> Loaded:
         """Load the checkpoint in ``path`` after verifying it; CheckpointError if incomplete.
@@ -597,15 +626,20 @@ class CheckpointManager:
         verify_checkpoint(path)
         return self._load_verified(Path(path), rank)
 
-    def _load_verified(self, path: Path, rank: int | None) -> Loaded:
+    def _load_verified(self, path: Path, rank: int | None, shared: bool = False) -> Loaded:
+        """``shared`` (collective, every rank loads ``path``): the parts every rank shares are
+        read once, by rank 0, and broadcast (host memory, under the start-up timeout); each
+        rank reads its own per-rank parts."""
         rank = distributed.get_rank() if rank is None else rank
         try:
             manifest = json.loads((path / MANIFEST).read_text())
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read the checkpoint on rank {rank} ({exc}); in a multi-node "
                                   "job the output directory must be on a filesystem shared by all nodes") from None
+        parts = self._shared_parts(path, manifest) if shared and distributed.get_world_size() > 1 else None
         try:
-            parts = {name: _read_part(path, name) for name in manifest["parts"]}
+            if parts is None:
+                parts = {name: _read_part(path, name) for name in manifest["parts"]}
             saved_world = manifest["world_size"]
             for name in manifest["per_rank_parts"]:
                 if rank < saved_world:
@@ -617,6 +651,29 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, safetensors.SafetensorError) as exc:
             raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
         return Loaded(step=int(manifest["step"]), parts=parts, config=config, version=int(manifest["version"]))
+
+    @staticmethod
+    def _shared_parts(path: Path, manifest: dict) -> dict[str, Any]:
+        """The replicated parts of ``path``: read by rank 0 alone (one read of shared storage
+        per job instead of one per rank) and broadcast, one part at a time (a rank holds one
+        part's bytes beside the parts already parsed); a read error on rank 0 is raised on every
+        rank."""
+        parts = {}
+        for name in manifest["parts"]:
+            files: Any = None
+            if distributed.get_rank() == 0:
+                try:
+                    files = _read_part_files(path, name)
+                except OSError as exc:
+                    files = f"{path}: cannot load on rank 0 ({type(exc).__name__}: {exc})"
+            files = distributed.host_broadcast_object(files)
+            if isinstance(files, str):
+                raise CheckpointError(files)
+            try:
+                parts[name] = _parse_part(*files)
+            except (ValueError, KeyError, safetensors.SafetensorError) as exc:
+                raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
+        return parts
 
     def _remove_stale_tmp(self) -> None:
         if not self.root.is_dir():

@@ -240,6 +240,7 @@ class TrainConfig:
     # reusing freed activations means no page faults each step
     keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse (false: glibc default)
     memory_check: bool = True  # CUDA: refuse a run the memory plan (`flashdraft plan`) says cannot fit (false: try)
+    startup_timeout_s: float = 3600.0  # how long ranks wait for each other at start-up (loading, data, resume)
 
     def __post_init__(self):
         _check_finite(self, "train")
@@ -266,6 +267,8 @@ class TrainConfig:
         _check(not bad, "train.metrics", f"{list(self.metrics)}", f"use any of {', '.join(METRIC_SINKS)}")
         _check(self.collective_timeout_s > 0, "train.collective_timeout_s", f"{self.collective_timeout_s}",
                "use a positive number of seconds")
+        _check(self.startup_timeout_s > 0, "train.startup_timeout_s", f"{self.startup_timeout_s}",
+               "use a positive number of seconds (e.g. 3600: loading a large target from shared storage)")
 
 
 @dataclass(frozen=True)

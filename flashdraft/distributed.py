@@ -31,6 +31,13 @@ the batch plan), ``Dist.tensor_rank`` a rank inside its group; ``target_mesh()``
 meshes transformers shards the target over, ``target_group()`` the group's process group. The
 drafter still trains data-parallel over every drafter rank.
 
+Start-up (``startup_barrier``): loading the target from shared storage, converting the data
+and checking a checkpoint take each rank a different time, often far longer than a step's
+collective may wait. Every rank therefore meets the others at a host-side barrier on a gloo
+group of its own, with its own (long) ``startup_timeout_s``, before the first device
+collective; a rank that never arrives fails the job there with :class:`StartupError`, naming
+it and what the ranks were doing.
+
 Failure contract: the process group is created with ``timeout_s``. When a peer dies or hangs,
 a collective on a live rank raises :class:`CollectiveError` (naming the operation, the rank
 and the timeout) instead of blocking forever. With gloo the timeout is enforced per
@@ -55,6 +62,10 @@ ReduceOpName = Literal["mean", "sum", "max", "min"]
 
 class CollectiveError(RuntimeError):
     """A collective failed, typically because a peer rank died, hung or timed out."""
+
+
+class StartupError(CollectiveError):
+    """A rank did not reach a start-up barrier within ``startup_timeout_s`` (or died before it)."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,15 @@ _GROUP: Any = None
 # the target is not sharded.
 _TARGET_MESH: Any = None
 # Disaggregated placement: the gloo group over the whole job that carries the feature links'
-# control messages (module doc); None otherwise.
+# control messages (module doc); None otherwise. Its own group, not the start-up group: a control
+# receive stays posted for the whole run, and must never match another protocol's message.
 _CONTROL: Any = None
+# The start-up group: gloo over the whole job with the start-up timeout (startup_barrier).
+_STARTUP: Any = None
+# This rank's role group on gloo with the start-up timeout (host_broadcast_object): the start-up
+# group itself when colocated.
+_HOST: Any = None
+_STARTUP_TIMEOUT_S = 3600.0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -174,7 +192,7 @@ def _peers(rank: int, drafters: list[int], targets: list[int], tensor_parallel: 
 
 
 def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_target_ranks: int = 0,
-                     tensor_parallel: int = 1) -> Dist:
+                     tensor_parallel: int = 1, startup_timeout_s: float = 3600.0) -> Dist:
     """Read the torchrun environment, pick the device and (when WORLD_SIZE > 1) join the group.
 
     ``device_type``: "auto" (CUDA when available, else CPU), "cuda" or "cpu". On CUDA this
@@ -184,12 +202,14 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     ranks have joined the rendezvous (or ``timeout_s`` passes). ``num_target_ranks > 0``
     splits the job into drafter and target roles (module doc); it needs WORLD_SIZE > 1.
     ``tensor_parallel`` > 1 groups the ranks into target groups of that many (module doc).
+    ``startup_timeout_s`` bounds each ``startup_barrier`` (module doc).
     """
-    global _STATE, _GROUP, _CONTROL
+    global _STATE, _GROUP, _CONTROL, _STARTUP, _STARTUP_TIMEOUT_S, _HOST
     if _STATE is not None:
         return _STATE
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s} is invalid: use a positive number of seconds")
+    if timeout_s <= 0 or startup_timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}: use positive numbers of "
+                         "seconds")
     world_size = _env_int("WORLD_SIZE", 1)
     sharded_ranks = num_target_ranks or world_size  # the ranks that run the target
     if tensor_parallel > 1 and sharded_ranks % tensor_parallel:
@@ -219,6 +239,10 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
             kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
         tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
                                  timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        # first, in the same order on every rank (new_group is collective over the world)
+        _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
+        _STARTUP_TIMEOUT_S = float(startup_timeout_s)
+        _HOST = _STARTUP
     if num_target_ranks == 0:
         if tensor_parallel > 1:
             _make_target_mesh(device, backend, list(range(world_size)), tensor_parallel, timeout_s)
@@ -240,6 +264,10 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     role = "drafter" if rank in drafters else "target"
     members = drafters if role == "drafter" else targets
     _GROUP = groups[role]
+    startup = datetime.timedelta(seconds=startup_timeout_s)
+    host = {"drafter": tdist.new_group(drafters, backend="gloo", timeout=startup),
+            "target": tdist.new_group(targets, backend="gloo", timeout=startup)}
+    _HOST = host[role]
     _STATE = Dist(rank=members.index(rank), world_size=len(members), local_rank=local_rank, device=device,
                   backend=backend, timeout_s=float(timeout_s), role=role, global_rank=rank,
                   peers=_peers(rank, drafters, targets, tensor_parallel),
@@ -317,10 +345,10 @@ def get_world_size() -> int:
 
 def teardown() -> None:
     """Leave the process group (if any) and forget the topology. Safe to call twice."""
-    global _STATE, _GROUP, _TARGET_MESH, _CONTROL
+    global _STATE, _GROUP, _TARGET_MESH, _CONTROL, _STARTUP, _HOST
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _STATE = _GROUP = _TARGET_MESH = _CONTROL = None
+    _STATE = _GROUP = _TARGET_MESH = _CONTROL = _STARTUP = _HOST = None
 
 
 def _active() -> bool:
@@ -346,6 +374,27 @@ def barrier() -> None:
             tdist.barrier(group=_GROUP)
     except RuntimeError as exc:
         raise _fail("barrier", exc) from exc
+
+
+def startup_barrier(what: str) -> None:
+    """Block until every rank of the job (both roles) has finished ``what`` (e.g. "loading the
+    target and the data"), waiting up to the start-up timeout instead of the collective one:
+    host-side, on the gloo start-up group, so no device collective (DDP's first broadcast, a
+    step's all-reduce) starts while a rank is still reading from shared storage. Raises
+    :class:`StartupError` naming the ranks that did not arrive (on rank 0) or the barrier (on
+    the others). No-op without a process group."""
+    if _STARTUP is None:
+        return
+    timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
+    try:
+        # monitored: rank 0 collects every rank's arrival and names the missing ones
+        tdist.monitored_barrier(group=_STARTUP, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as exc:
+        raise StartupError(
+            f"start-up barrier after {what}: rank {tdist.get_rank()} of {tdist.get_world_size()} waited "
+            f"train.startup_timeout_s={_STARTUP_TIMEOUT_S:g} s and the others did not all arrive ({exc}). A rank "
+            "is slower than that (a slow shared filesystem: raise train.startup_timeout_s) or died (check its "
+            "log for the first error)") from exc
 
 
 @contextlib.contextmanager
@@ -432,6 +481,22 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
         tdist.broadcast_object_list(box, group=_GROUP, group_src=src)
     except RuntimeError as exc:
         raise _fail("broadcast_object", exc) from exc
+    return box[0]
+
+
+def host_broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (rank within the role group) on every rank of the role, through host
+    memory on gloo with the start-up timeout: for start-up data too big for the device or too
+    slow to read for the collective timeout (a resumed checkpoint's replicated parts). Host
+    sync. Identity without a process group; on a group made outside init_distributed (a test
+    harness's), ``broadcast_object``."""
+    if not _active():
+        return obj
+    box = [obj]
+    try:
+        tdist.broadcast_object_list(box, group=_HOST if _HOST is not None else _GROUP, group_src=0)
+    except RuntimeError as exc:
+        raise _fail("host_broadcast_object", exc) from exc
     return box[0]
 
 

@@ -271,12 +271,15 @@ class TargetModel(nn.Module):
             target = cls(model, target_layer_ids, num_taps)
             target.heads_only = True
             return target
+        # Each tensor straight from the (memory-mapped) files onto this rank's device: no whole
+        # host copy per local rank first (the files' pages are the node's shared page cache).
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=torch_dtype,
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
-        ).to(device)
+            device_map=device,
+        )
         return cls(model, target_layer_ids, num_taps)
 
     heads_only = False  # True: only embed / lm_head hold weights (from_pretrained(heads_only=True))

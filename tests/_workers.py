@@ -168,7 +168,10 @@ def train_ranks(overrides_json: str) -> None:
 
 def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
     """flashdraft training on every rank, recording each optimizer step's learning rate and this
-    rank's sample ids; SIGTERM to itself after step ``stop_at`` (0: run to the end)."""
+    rank's sample ids; SIGTERM to itself during step ``stop_at`` (before the step's vote, so the
+    run stops after that step; 0: run to the end)."""
+    import signal
+
     from flashdraft.config import load_config
     from flashdraft.train.runtime import Stopped
     from flashdraft.train.trainer import Trainer
@@ -179,20 +182,173 @@ def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
     def recorded(micro, step, stats):
         ids = sorted(int(i) for m in micro for i in m.sample_ids)
         steps.append([step + 1, trainer.scheduler.get_last_lr()[0], ids])  # the lr this step trains with
+        if step + 1 == int(stop_at):
+            os.kill(os.getpid(), signal.SIGTERM)
         return step_fn(micro, step, stats)
-
-    def stop(trainer):
-        if trainer.step == int(stop_at):
-            os.kill(os.getpid(), __import__("signal").SIGTERM)
 
     trainer.step_fn = recorded
     stopped = False
     try:
-        trainer.fit(on_step=stop)
+        trainer.fit()
     except Stopped:
         stopped = True
     result({"steps": steps, "total_steps": trainer.total_steps, "stopped": stopped, "final_step": trainer.step})
     trainer.release_ddp()
+    D.teardown()
+
+
+def train_collectives(overrides_json: str) -> None:
+    """flashdraft training on every rank, recording the collectives torch.distributed is asked
+    for between one optimizer step's hook and the next (name and element count; DDP's bucketed
+    gradient all-reduce runs in C++ and is not seen here)."""
+    import torch.distributed as tdist
+
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import Trainer
+
+    seen: list = []
+    names = ("all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_object",
+             "broadcast_object_list", "gather_object")
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            seen.append([name, int(args[0].numel()) if args and isinstance(args[0], torch.Tensor) else 0])
+            return real(*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(tdist, name, counted(name, getattr(tdist, name)))
+    per_step: list = []
+
+    def hook(trainer) -> None:
+        per_step.append(list(seen))
+        seen.clear()
+
+    trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
+    trainer.fit(on_step=hook)
+    result({"per_step": per_step})
+    trainer.release_ddp()
+    D.teardown()
+
+
+def train_slow_loader(overrides_json: str, sleep_s: str, what: str = "target") -> None:
+    """flashdraft training on every rank, with a slow shared filesystem: ``what`` = "target":
+    rank 1 loads its target ``sleep_s`` seconds late; "verify": rank 0's verification of each
+    checkpoint (hashing every file) takes ``sleep_s`` longer. Each rank reports its error
+    (None: trained) and its step count."""
+    import flashdraft.checkpoint as checkpoint_mod
+    import flashdraft.target as target_mod
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import Trainer
+
+    rank = int(os.environ["RANK"])
+    if what == "target":
+        real = target_mod.TargetModel.from_pretrained.__func__
+
+        def slow(cls, *args, **kwargs):
+            if rank == 1:
+                time.sleep(float(sleep_s))
+            return real(cls, *args, **kwargs)
+
+        target_mod.TargetModel.from_pretrained = classmethod(slow)
+    else:
+        verify = checkpoint_mod.verify_checkpoint
+
+        def slow_verify(path):
+            if rank == 0:
+                time.sleep(float(sleep_s))
+            return verify(path)
+
+        checkpoint_mod.verify_checkpoint = slow_verify
+    err, steps, trainer = None, 0, None
+    try:
+        trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
+        trainer.fit()
+        steps = trainer.step
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        err = f"{type(exc).__name__}: {exc}"
+    result({"rank": int(os.environ["RANK"]), "error": err, "steps": steps})
+    if err is None:
+        trainer.release_ddp()
+        D.teardown()
+    os._exit(0 if err is None else 1)  # a failed rank skips the teardown (its peer may be gone)
+
+
+def convert_once(source: str, marks: str, flock: str) -> None:
+    """Every rank opens the parquet ``source`` (converted into a token shard on first use) on a
+    filesystem whose flock is ``flock``: "enosys" (Lustre mounted without flock) or "per_node"
+    (NFS without a lock manager across nodes: every caller gets the lock). The conversion leaves
+    ``marks/rank<R>`` and takes 3 s, longer than the collective timeout."""
+    import errno
+    import fcntl
+
+    from flashdraft.data import convert
+    from flashdraft.data.dataset import open_dataset
+
+    d = D.init_distributed("cpu", timeout_s=2, startup_timeout_s=60)
+
+    def no_flock(fd, op):
+        if flock == "enosys":
+            raise OSError(errno.ENOSYS, "Function not implemented")
+
+    fcntl.flock = no_flock
+    real = convert.convert_to_shard
+
+    def marked(path, out, **kwargs):
+        open(os.path.join(marks, f"rank{d.rank}"), "w").close()
+        time.sleep(3)
+        return real(path, out, **kwargs)
+
+    convert.convert_to_shard = marked
+    try:
+        found = {"samples": len(open_dataset(source, progress=False)), "error": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        found = {"samples": 0, "error": f"{type(exc).__name__}: {exc}"}
+    result({"rank": d.rank, **found})
+    D.teardown()
+
+
+def resume_reads(root: str) -> None:
+    """Save a checkpoint with two replicated parts and a per-rank one, then load it on every
+    rank (load_latest, as a resume does); report which part files this rank read while
+    loading (the verification's hashing excluded: it is done first) and whether every part
+    came back equal."""
+    import safetensors.torch
+
+    from flashdraft.checkpoint import CheckpointManager
+
+    d = D.init_distributed("cpu", timeout_s=60)
+    gen = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(64, 32, generator=gen), "b": torch.arange(5)}
+    optim = {"state": {"0": {"exp_avg": torch.randn(64, 32, generator=gen), "step": torch.tensor(3.0)}}, "lr": 0.1}
+    rng = {"seed": torch.full((3,), d.rank)}
+    mgr = CheckpointManager(root)
+    path = mgr.save(5, {"model": model, "optimizer": optim}, per_rank_parts={"rng": rng})
+    verified = mgr.latest_complete() if d.rank == 0 else None
+    read: list[str] = []
+    reading = [True]
+
+    def audit(event, args):
+        if reading[0] and event == "open" and isinstance(args[0], str) and args[0].endswith(".safetensors"):
+            read.append(os.path.basename(args[0]))
+
+    sys.addaudithook(audit)
+    real = safetensors.torch.load_file
+
+    def load_file(filename, *args, **kwargs):  # opened by Rust: no audit event
+        read.append(os.path.basename(str(filename)))
+        return real(filename, *args, **kwargs)
+
+    safetensors.torch.load_file = load_file
+    import flashdraft.checkpoint as ckpt
+
+    ckpt.CheckpointManager.latest_complete = lambda self: verified  # hashing is not part of this count
+    loaded = mgr.load_latest()
+    reading[0] = False
+    same = (all(torch.equal(loaded.parts["model"][k], v) for k, v in model.items())
+            and torch.equal(loaded.parts["optimizer"]["state"]["0"]["exp_avg"], optim["state"]["0"]["exp_avg"])
+            and loaded.parts["optimizer"]["lr"] == 0.1 and torch.equal(loaded.parts["rng"]["seed"], rng["seed"]))
+    result({"rank": d.rank, "read": sorted(read), "same": same, "step": loaded.step, "path": str(path)})
     D.teardown()
 
 
@@ -363,7 +519,9 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
-                                     train_target_raises, train_recorded, sharded_features)}
+                                     train_target_raises, train_recorded, sharded_features,
+                                     train_collectives, train_slow_loader, convert_once,
+                                     resume_reads)}
 
 
 def serve(*preload: str) -> None:

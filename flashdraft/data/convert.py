@@ -212,17 +212,44 @@ def convert_to_shard(path: str | os.PathLike, out_dir: str | os.PathLike, *, pro
 def cached_shard(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *, progress: bool = True) -> Path:
     """The token shard for ``path``: from the cache if its content key matches, else converted now.
 
-    A lock file serialises concurrent converters (e.g. all ranks of a job starting together):
-    the first converts, the others wait and then open its result.
+    In a multi-rank job (torchrun) the job's global rank 0 converts while every other rank waits
+    at the start-up barrier (``distributed.startup_barrier``, under train.startup_timeout_s),
+    then all open its result: one writer per job, whatever the filesystem's locking (none on
+    Lustre without flock; per node on some NFS setups, where another node's ranks would replace
+    shards under this node's memory maps). Every rank passes the barrier, converted or not, so
+    the ranks never disagree about whether to wait. Rank 0 (or a lone process) also holds a
+    lock file against another job converting the same source into the same cache; where the
+    filesystem has no locks it converts unlocked (the shard is renamed into place whole).
     """
+    from flashdraft import distributed
+
     path = Path(path)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(path)
     out = cache_dir / f"{path.name}-{content_key(path)}"
-    if is_token_shard(out):
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    failed: BaseException | None = None
+    if distributed.get_dist().global_rank == 0 and not is_token_shard(out):
+        try:
+            _convert_locked(path, out, progress)
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the others were let go
+            failed = exc
+    distributed.startup_barrier(f"converting {path} into {out}")  # a failed rank 0 arrives too: none waits on
+    if failed is not None:
+        raise failed
+    if not is_token_shard(out):
+        raise ValueError(f"{out}: no token shard after rank 0 converted {path} (rank 0's log says why if it failed); "
+                         "the conversion cache (next to the source when that directory is writable, else "
+                         "~/.cache/flashdraft) must be on a filesystem every node shares: make the source's directory "
+                         "writable, or convert it once beforehand and point data.path at the token shard")
+    return out
+
+
+def _convert_locked(path: Path, out: Path, progress: bool) -> None:
+    """Convert ``path`` into ``out`` under the cache's lock file, unless another job just did."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # ENOSYS / ENOLCK: no locks here; this job's rank 0 is its only writer
+            pass
         if not is_token_shard(out):
             convert_to_shard(path, out, progress=progress)
-    return out

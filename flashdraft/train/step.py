@@ -2,9 +2,12 @@
 
 ``DrafterStep.__call__`` is the whole step (main thread, features already computed by the
 target stage): draw every micro-batch's anchored blocks, agree on the GLOBAL loss normaliser
-(one tiny all-reduce), forward + loss + backward per micro-batch (``forward_backward``; DDP
-syncs the gradients on the last backward of the step only), then clip, check for non-finite
-values (all ranks agree), step and schedule. ``forward_backward`` is also what
+(one tiny all-reduce, no host sync), forward + loss + backward per micro-batch
+(``forward_backward``; DDP syncs the gradients on the last backward of the step only), then
+clip, vote, step and schedule. The vote is the step's one host sync: a single all-reduce of
+two numbers over the ranks, whether any rank's step was non-finite (then every rank skips it)
+and the signal any rank has been asked to stop by (then every rank stops after it; a signal
+that comes after a step's vote is carried by the next one). ``forward_backward`` is also what
 ``flashdraft bench step`` times and what the equivalence tests check against the oracle.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -125,18 +129,30 @@ class NonFinite:
     checks: list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class StepResult(NamedTuple):
+    """What one optimizer step tells the loop: the grad norm (device), the evidence of a skipped
+    step (None when it was applied), and the signal any rank had been asked to stop by when
+    the ranks voted (0: none; every rank gets the same value)."""
+
+    grad_norm: torch.Tensor
+    nonfinite: NonFinite | None
+    stop: int
+
+
 class DrafterStep:
     """The optimizer step, built once per run from the trainer's parts (see module doc)."""
 
     def __init__(self, model, drafter, target, optimizer, scheduler, cfg: Config, gamma: float | None, timer,
-                 autocast, world_size: int, tensor: tuple[int, int] = (0, 1)):
+                 autocast, world_size: int, tensor: tuple[int, int] = (0, 1), stop=None):
         """``tensor``: (this rank's place in its target group, the group's size): the ranks of a
         tensor-parallel target group compute the same features and each trains on its share of
-        every micro-batch's anchored blocks (Blocks.shard)."""
+        every micro-batch's anchored blocks (Blocks.shard). ``stop``: the run's GracefulStop (its
+        ``signum`` is this rank's stop request, carried by the step's vote); None: never stops."""
         self.model, self.drafter, self.target = model, drafter, target
         self.optimizer, self.scheduler = optimizer, scheduler
         self.cfg, self.gamma, self.timer, self.autocast, self.world_size = cfg, gamma, timer, autocast, world_size
         self.tensor_rank, self.tensor_size = tensor
+        self.stop = stop
 
     def blocks(self, micro, step: int) -> list[Blocks]:
         """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only."""
@@ -152,9 +168,8 @@ class DrafterStep:
                             selector=selector).shard(self.tensor_rank, self.tensor_size)
                 for m in micro]
 
-    def __call__(self, micro, step: int, stats: StepStats) -> tuple[torch.Tensor, NonFinite | None]:
-        """One optimizer step over ``micro`` (their features computed); returns the grad norm
-        (device) and, when the step was skipped for non-finite values, their evidence."""
+    def __call__(self, micro, step: int, stats: StepStats) -> StepResult:
+        """One optimizer step over ``micro`` (their features computed); see StepResult."""
         obj = self.cfg.objective
         blocks = self.blocks(micro, step)
         with _stage(self.timer, "sync"):
@@ -176,15 +191,13 @@ class DrafterStep:
             m.features = None  # drop the references early: memory
         return self._apply([o for mo in outs for o in mo], checks, stats)
 
-    def _apply(self, outs: list[LossOutput], checks, stats: StepStats) -> tuple[torch.Tensor, NonFinite | None]:
+    def _apply(self, outs: list[LossOutput], checks, stats: StepStats) -> StepResult:
         with _stage(self.timer, "optim"):
             clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
-            bad = (~torch.isfinite(grad_norm) | ~torch.stack([loss_ok for _, loss_ok in checks]).all()).float()
-            # All ranks must agree to skip (a local NaN loss need not reach every rank's gradients).
-            # Deliberate sync: never let a non-finite loss or gradient into the weights.
+            bad, stop = self._vote(grad_norm, checks)
             skipped = None
-            if distributed.all_reduce(bad, "max").item() == 0:
+            if not bad:
                 self.optimizer.step()
                 for out in outs:  # a skipped step's NaNs stay out of the logged loss too
                     stats.add(out)
@@ -192,7 +205,21 @@ class DrafterStep:
                 skipped = NonFinite(grad_norm, checks)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        return grad_norm, skipped
+        return StepResult(grad_norm, skipped, stop)
+
+    def _vote(self, grad_norm: torch.Tensor, checks) -> tuple[bool, int]:
+        """(whether any rank's step was non-finite, the signal any rank was asked to stop by):
+        one all-reduce (max) of both, read once. The step's deliberate host sync: all ranks must
+        agree to skip (a local NaN loss need not reach every rank's gradients) and never let a
+        non-finite loss or gradient into the weights; and all must stop at the same step. Both
+        ride in one tensor, so a multi-node job pays one cross-node round trip per step, not two."""
+        bad = ~torch.isfinite(grad_norm) | ~torch.stack([loss_ok for _, loss_ok in checks]).all()
+        signum = float(self.stop.signum) if self.stop is not None else 0.0
+        # on the grad norm's device: an NCCL group takes no host tensors
+        votes = torch.stack([bad.to(grad_norm.device, torch.float32),
+                             torch.tensor(signum, device=grad_norm.device)])
+        bad_any, stop = distributed.all_reduce(votes, "max").tolist()
+        return bad_any != 0, int(stop)
 
 
 def describe_nonfinite(found: NonFinite, micro, dataset, step: int, rank: int, skipped_so_far: int) -> str:

@@ -59,7 +59,8 @@ class Trainer:
         disaggregated = cfg.pipeline.placement == "disaggregated"
         self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
                                                  num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
-                                                 tensor_parallel=cfg.model.tensor_parallel)
+                                                 tensor_parallel=cfg.model.tensor_parallel,
+                                                 startup_timeout_s=cfg.train.startup_timeout_s)
         self.device = self.dist.device
         if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
             log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
@@ -68,7 +69,7 @@ class Trainer:
         # before any weights load: a run that cannot fit its GPU is refused in seconds, not after them
         self.memory_plan = plan.check_fits(cfg, self.device)
         self.output = Path(cfg.train.output_dir)
-        model = self._build_models()
+        self._build_models()
         self._open_data()
         # a tensor-parallel target's group shares one batch plan: the data ranks are the groups
         self.sampler = batch_sampler(self.dataset, cfg, self.dist.data_rank, self.dist.data_world_size)
@@ -83,22 +84,28 @@ class Trainer:
             cfg, {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler,
                   "trainer": self.state}, {"rng": ProcessRNG()},
             export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
+        if self.dist.is_main:  # the slow part of a resume (hashing every file), before the ranks meet
+            self.checkpoints.verify_ahead()
+        # Each rank read the target (and maybe the data) from shared storage, at its own pace: meet
+        # host-side under train.startup_timeout_s before the first device collective (DDP's broadcast).
+        distributed.startup_barrier("loading the target and the data, and verifying the checkpoint to resume from")
+        model = self._wrap(self.drafter)
         self.timer = StageTimer(self.device, owner_only=True)  # main thread; the pipeline reports the rest
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else contextlib.nullcontext())
         self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
+        self.stop = GracefulStop()  # its handlers are installed while the loop runs (_fit)
         self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
                                    self.timer, self.autocast, self.dist.world_size,
-                                   (self.dist.tensor_rank, self.dist.tensor_size))
+                                   (self.dist.tensor_rank, self.dist.tensor_size), stop=self.stop)
         self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
                                    self.device, self.autocast, self.stages.target_lock, self.dist.is_main,
                                    runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.pipeline_report = None  # the whole run's PipelineReport (per-stage busy/starved/blocked)
         self.log: TrainLog | None = None
 
-    def _build_models(self) -> torch.nn.Module:
-        """The frozen target and the drafter (fp32 master weights); returns the module the step
-        trains: the drafter, DDP-wrapped over the drafter ranks in a multi-rank job."""
+    def _build_models(self) -> None:
+        """The frozen target and the drafter (fp32 master weights, on this rank's device)."""
         cfg, bs = self.config, self.config.model.block_size
         # A drafter rank of a disaggregated job gets its features from a target rank: the embedding
         # and the LM head are all the loss needs of the target (the rank that runs evals loads it all).
@@ -128,11 +135,15 @@ class Trainer:
         if self.drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
             self.drafter.candidate_selector.requires_grad_(False)  # frozen: no selector term, not optimised
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
+
+    def _wrap(self, drafter: DFlashDrafter) -> torch.nn.Module:
+        """The module the step trains: the drafter, DDP-wrapped over the drafter ranks in a
+        multi-rank job (DDP's constructor broadcasts the weights: a device collective)."""
         if self.dist.world_size == 1 or self.dist.role == "target":
-            return self.drafter
+            return drafter
         # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
         # them would add a collective to every forward. process_group: the drafter ranks only.
-        return DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+        return DDP(drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
 
     def _open_data(self) -> None:
@@ -203,7 +214,7 @@ class Trainer:
                             state.step)
         stopping, final = 0, {}
         self.drafter.train()
-        with GracefulStop() as stop:
+        with self.stop as stop:
             with self._feed(stop) as (pipe, pool):
                 for item in pipe:
                     stopping = self._train_one(item, pipe, pool, stop, on_step)
@@ -254,7 +265,7 @@ class Trainer:
         Returns the signal the run stops on here (agreed by every rank), else 0."""
         state = self.state
         tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
-        grad_norm, nonfinite = self.step_fn(item.micro, state.step, self.log.stats)
+        grad_norm, nonfinite, voted_stop = self.step_fn(item.micro, state.step, self.log.stats)
         if nonfinite is not None:
             self._skip(nonfinite, item.micro)
         pool.release(item.slot)  # after the step: its event orders the slot's reuse after it
@@ -266,7 +277,8 @@ class Trainer:
         done = state.step >= self.total_steps
         self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0], state.skipped_steps,
                             pipe, self.stages.cache)
-        stopping = self._stop_agreed(stop)  # before the periodic eval: a stop never waits for one
+        # before the periodic eval: a stop never waits for one
+        stopping = stop.signum if self.dist.world_size == 1 else voted_stop
         if self.validator.due(state.step, done, stopping):
             self._validate()
             stopping = self._stop_agreed(stop)  # a signal during the eval: save now, not after one more step
@@ -298,7 +310,9 @@ class Trainer:
                     self.pipeline_report.notes.append(self.stages.cache_stats.format())
 
     def _stop_agreed(self, stop: GracefulStop) -> int:
-        """The signal any rank was asked to stop by, else 0 (every rank stops at the same step)."""
+        """The signal any rank was asked to stop by, else 0 (every rank stops at the same step).
+        A collective of its own: asked only after an eval (each step's vote carries the stop
+        otherwise, DrafterStep._vote)."""
         if self.dist.world_size == 1:
             return stop.signum
         # on the device: an NCCL group takes no host tensors

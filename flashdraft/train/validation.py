@@ -60,11 +60,25 @@ class Validator:
         return result if self.is_main else {}
 
     def shipped_drafter(self) -> DFlashDrafter:
-        """The drafter as the serving export holds it (weights rounded to bf16), for tau: the
-        eval measures what users will serve, and equals `flashdraft eval` on the export."""
-        shipped = DFlashDrafter(self.drafter.config, attention=self.drafter.attention)
-        shipped.load_state_dict({k: v.to(torch.bfloat16) for k, v in self.drafter.state_dict().items()})
-        return shipped.to(self.device).eval()
+        """The drafter as the serving export holds it (weights rounded to bf16) in the dtype
+        `flashdraft eval` loads the export in (the target's), for tau: the eval measures what
+        users will serve, and equals `flashdraft eval` on the export.
+
+        Built on the eval device directly: the modules are made on the meta device (no memory,
+        no init), then take each training weight rounded on its own device (one tensor at a
+        time) and the training drafter's constant buffers (the fp32 RoPE tables). No host copy
+        and no fp32 initialisation of a second drafter (seconds and GBs per eval at 8B sizes)."""
+        dtype = self.target.dtype
+        with torch.device("meta"):
+            shipped = DFlashDrafter(self.drafter.config, attention=self.drafter.attention)
+        weights = {k: v.detach().to(self.device, torch.bfloat16).to(dtype)
+                   for k, v in self.drafter.state_dict().items()}
+        shipped.load_state_dict(weights, assign=True)
+        for name, buf in self.drafter.named_buffers():
+            if name not in weights:  # non-persistent (never saved, the same in every drafter)
+                module, _, leaf = name.rpartition(".")
+                shipped.get_submodule(module)._buffers[leaf] = buf.to(self.device)
+        return shipped.eval()
 
     def eval_loss(self, max_batches: int = 8) -> dict:
         """The training loss (objective.loss, weighted as in training) / accuracy / simulated tau on
