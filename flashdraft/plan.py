@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashdraft.config import Config
+from flashdraft.data.batching import DrafterRows, anchor_slots, batch_capacity
 
 log = logging.getLogger(__name__)
 
@@ -153,16 +154,17 @@ def longest(cfg: Config) -> int:
 
 
 def batch_size_at(cfg: Config, seq_len: int) -> int:
-    """Samples of padded length ``seq_len`` one micro-batch holds under the batch plan's budgets."""
-    rows = min(cfg.objective.num_anchors, max(seq_len - 1, 1)) * cfg.model.block_size
-    return max(1, min(cfg.data.max_batch_size, cfg.data.token_budget // seq_len, cfg.data.row_budget // rows))
+    """Samples of padded length ``seq_len`` one micro-batch holds under the batch plan's budgets
+    (the batch plan's own rule)."""
+    return max(1, batch_capacity(seq_len, cfg.data.token_budget, cfg.data.max_batch_size, DrafterRows.of(cfg)))
 
 
 def anchors_per_pass(cfg: Config, seq_len: int) -> int:
     """Anchored blocks per sample in one forward + backward on one rank: the anchor tensor's
-    width min(num_anchors, S), shared over a colocated tensor-parallel group (Blocks.shard; a
-    disaggregated drafter rank trains them all), then sliced by objective.anchors_per_microbatch."""
-    n = min(cfg.objective.num_anchors, seq_len)
+    width ``anchor_slots(S, num_anchors)`` (what the batch plan counts), shared over a colocated
+    tensor-parallel group (Blocks.shard; a disaggregated drafter rank trains them all), then
+    sliced by objective.anchors_per_microbatch."""
+    n = int(anchor_slots(seq_len, cfg.objective.num_anchors))
     if cfg.pipeline.placement == "colocated":
         n = -(-n // cfg.model.tensor_parallel)
     apm = cfg.objective.anchors_per_microbatch
@@ -601,18 +603,12 @@ def device_memory(device: torch.device) -> int | None:
 def check_fits(cfg: Config, device: torch.device) -> MemoryPlan | None:
     """The start-up check, before the trainer loads any weights. With a device memory limit (CUDA):
     the plan at the worst length, and a run that cannot fit refused (ValueError with the plan and
-    what to change) unless train.memory_check is off. Without one (CPU): the plan at the longest
-    length (one fake step, ~1 s), logged; a plan that cannot be made there is logged too, never fatal."""
+    what to change) unless train.memory_check is off. Without one (CPU) there is nothing to refuse:
+    no plan is made (its fake steps would cost every CPU start-up ~1 s); `flashdraft plan`
+    estimates a CPU or GPU run on request."""
     total = device_memory(device)
     if total is None:
-        try:
-            plan = plan_memory(cfg, seq_len=longest(cfg), device="cpu")
-        except Exception as exc:  # noqa: BLE001 -- informational on CPU: the run itself decides
-            log.warning("memory plan: not available (%s)", exc)
-            return None
-        log.info("memory plan: peak %.2f GiB per process at S=%d, B=%d (%s)", plan.peak_bytes / GiB, plan.seq_len,
-                 plan.batch_size, ", ".join(f"{n} {v / GiB:.2f}" for n, v in plan.consumers[:3]))
-        return plan
+        return None
     plan = plan_memory(cfg, device_bytes=total, device=device.type)
     if not plan.fits and cfg.train.memory_check:
         raise ValueError(f"the memory plan says this run cannot fit the device ({total / GiB:.1f} GiB): change what "

@@ -128,14 +128,20 @@ def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int,
     bounds = [0]
     i = 0
     while i < n:
-        longest_here = max(int(lengths[order[i]]), 1)
-        fit = min(max_batch_size, token_budget // longest_here)
-        if rows is not None:
-            fit = min(fit, rows.budget // int(rows.per_sequence(longest_here)))
-        i = min(n, i + fit)
+        i = min(n, i + batch_capacity(int(lengths[order[i]]), token_budget, max_batch_size, rows))
         bounds.append(i)
     batches = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # views; np.split is 3x slower
     return [batches[j] for j in rng.permutation(len(batches))]
+
+
+def batch_capacity(length: int, token_budget: int, max_batch_size: int, rows: DrafterRows | None = None) -> int:
+    """How many samples a micro-batch whose longest sample has ``length`` tokens holds: the rule
+    ``build_batches`` packs by (and the memory plan sizes its worst micro-batch by)."""
+    length = max(int(length), 1)
+    fit = min(max_batch_size, token_budget // length)
+    if rows is not None:
+        fit = min(fit, rows.budget // int(rows.per_sequence(length)))
+    return fit
 
 
 def check_row_budget(length: int, rows: DrafterRows, what: str) -> None:

@@ -67,7 +67,7 @@ class Trainer:
         checks.check_paths(cfg)
         checks.check_drafter_sizes(cfg)
         # before any weights load: a run that cannot fit its GPU is refused in seconds, not after them
-        self.memory_plan = plan.check_fits(cfg, self.device)
+        plan.check_fits(cfg, self.device)
         self.output = Path(cfg.train.output_dir)
         self._build_models()
         self._open_data()
