@@ -123,7 +123,7 @@ class DataConfig:
     max_length: int = 3072  # samples longer than this are truncated (tokens)
     token_budget: int = 16384  # max padded tokens per micro-batch (batch_size x padded length)
     max_batch_size: int = 64  # max samples per micro-batch
-    row_budget: int = 16384  # max drafter rows (anchors x block_size, summed over samples) per micro-batch
+    row_budget: int = 32768  # max drafter rows (anchors x block_size, summed over samples) per micro-batch
     min_supervised: int | None = None  # min supervised tokens per sample; None: 2 * block_size
     on_invalid: str = "raise"  # bad samples: raise (with index and fix) or drop (counted, reported)
 

@@ -144,5 +144,7 @@ def test_plan_of_each_public_target(name, tp, ep, billions):
     assert plan.peak_bytes == sum(parts.values()) and plan.consumers == sorted(plan.consumers, key=lambda c: -c[1])
     # exp_avg and exp_avg_sq, like the fp32 weights (+ a 4-byte step count per parameter)
     assert 0 <= parts["AdamW state (fp32)"] - 2 * parts["drafter weights (fp32 master)"] < 2**20
-    # the row budget (16384) holds 2 samples of 512 anchors; a tensor-parallel rank trains on 1/tp of them
-    assert plan.batch_size == 2 and plan.rows == 2 * 512 * cfg.model.block_size // tp
+    # the row budget holds row_budget // (512 x block) samples of 512 anchors (the default: 4); a
+    # tensor-parallel rank trains on 1/tp of them
+    per_sample = 512 * cfg.model.block_size
+    assert plan.batch_size == cfg.data.row_budget // per_sample == 4 and plan.rows == 4 * per_sample // tp
