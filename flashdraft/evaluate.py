@@ -105,8 +105,23 @@ def prompts_from_dataset(dataset, count: int) -> list[list[int]]:
     return prompts
 
 
+def tau_per_prompt(accepted: list[list[int]]) -> float:
+    """The papers' tau (docs/evaluation.md): each prompt's mean tokens per verification step
+    (accepted + 1), averaged over the prompts (a prompt with no step has no tau)."""
+    means = [np.mean(steps) + 1 for steps in accepted if len(steps)]
+    return float(np.mean(means)) if means else float("nan")
+
+
+def tau_pooled(accepted: list[list[int]]) -> float:
+    """The engines' tau (vLLM's and SGLang's mean acceptance length, docs/evaluation.md): every
+    step of every prompt pooled, 1 + accepted drafts / verification steps."""
+    steps = [a for prompt in accepted for a in prompt]
+    return float(1 + np.sum(steps) / len(steps)) if steps else float("nan")
+
+
 def _per_position_acceptance(accepted: list[int], block_size: int) -> list[float]:
-    """P(draft k accepted) for k = 1 .. bs-1, over all steps."""
+    """P(draft k accepted) for k = 1 .. bs-1, pooled over all steps of all prompts (as the engines
+    report it)."""
     steps = np.asarray(accepted)
     if steps.size == 0:
         return [float("nan")] * (block_size - 1)
@@ -127,7 +142,9 @@ def evaluate_tau(
     references: list[Generation] | None = None,
     sampling: Sampling = GREEDY,
 ) -> dict:
-    """Speculative decoding over ``prompts``; tau is the mean over sequences of per-step means.
+    """Speculative decoding over ``prompts``. Two taus (docs/evaluation.md): ``tau``, the mean
+    over prompts of each prompt's mean (the papers'), and ``tau_pooled``, every step pooled (what
+    vLLM and SGLang report); the per-position acceptance is pooled.
 
     ``baseline="ngram"`` drafts by prompt lookup instead of the drafter. ``sampling`` is the
     target's sampling (greedy by default; prompt i is decoded with seed ``sampling.seed + i``).
@@ -143,15 +160,14 @@ def evaluate_tau(
     if references is not None and not sampling.greedy:
         raise ValueError("greedy references cannot check sampled outputs")
     bs = block_size or drafter.block_size
-    taus, accepted_all, lossless, spec_s, plain_s, new_tokens = [], [], True, 0.0, 0.0, 0
+    per_prompt, lossless, spec_s, plain_s, new_tokens = [], True, 0.0, 0.0, 0
     for i, prompt in enumerate(prompts):
         each = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + i)
         if baseline == "ngram":
             gen = ngram_generate(target, prompt, max_new_tokens, bs, eos_ids, sampling=each)
         else:
             gen = speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids, sampling=each)
-        taus.append(gen.tau)
-        accepted_all.extend(gen.accepted)
+        per_prompt.append(gen.accepted)
         spec_s += gen.seconds
         new_tokens += len(gen.tokens)
         if check_lossless and sampling.greedy:
@@ -160,10 +176,11 @@ def evaluate_tau(
             lossless &= ref.tokens == gen.tokens
         elif check_lossless:
             plain_s += target_generate(target, prompt, max_new_tokens, eos_ids, each).seconds
-    taus = [t for t in taus if t == t]  # a prompt that ended at once ran no draft step: no tau
     report = {
-        "tau": float(np.mean(taus)) if taus else float("nan"),
-        "per_position_acceptance": _per_position_acceptance(accepted_all, bs),
+        "tau": tau_per_prompt(per_prompt),
+        "tau_pooled": tau_pooled(per_prompt),
+        "per_position_acceptance": _per_position_acceptance([a for steps in per_prompt for a in steps], bs),
+        "steps": sum(len(steps) for steps in per_prompt),
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,
         "speculative_seconds": spec_s,

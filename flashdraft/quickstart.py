@@ -166,8 +166,10 @@ def pretrain_target(tokenizer, pairs, budget: Budget, out_dir: Path, seed: int =
 
 
 def tap_layers(num_layers: int) -> list[int]:
-    """Two taps, early and last: DFlash's default spread degenerates on a 3-4 layer target."""
-    return [1, num_layers - 1]
+    """Two taps, early and late, both below the target's last layer (DFlash's default spread
+    degenerates on a 3-4 layer target). Never the last layer: the serving engines capture it
+    before the target's final norm, flashdraft after it (engine.last_layer_warning)."""
+    return [1, num_layers - 2] if num_layers > 3 else list(range(max(1, num_layers - 1)))
 
 
 # ---- 6. eval helpers ------------------------------------------------------------------------
@@ -544,8 +546,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds-level budgets (CI): same path, tiny sizes")
     parser.add_argument("--no-cache", action="store_true", help=f"retrain the target even if cached in {CACHE_ROOT}")
     parser.add_argument("--seed", type=int, default=0)
+    from flashdraft.config import DRAFTERS
+    from flashdraft.objective import WEIGHTINGS
+
+    choices = {"drafter": DRAFTERS, "weighting": WEIGHTINGS}
     for name, default in asdict(Budget()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None,
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None, choices=choices.get(name),
                             help=f"budget override (default {default})")
 
 
