@@ -89,8 +89,7 @@ def engine_python(create: bool = True, log=print) -> Path:
         steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
                  [str(python), "-m", "pip", "install", "--quiet", VLLM_PACKAGE],
                  [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *_BROKEN_WHEELS],
-                 [str(python), "-c", "import vllm, torch; assert torch.__version__ == %r, torch.__version__"
-                  % VLLM_TORCH]]
+                 [str(python), "-c", f"import vllm, torch; assert torch.__version__ == {VLLM_TORCH!r}"]]
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True)
             if done.returncode != 0:

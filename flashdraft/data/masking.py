@@ -507,9 +507,10 @@ def tokenize_conversation(tokenizer, messages: list[dict] | None = None, *, tool
     (must match serving; None: the template's default). When the generation prompt closes the
     think block (non-thinking mode), a reply whose reasoning the template renders is refused
     (``thinking_mismatch``); reasoning the template drops (Qwen3 / Qwen3.5 render none for the
-    replies before the last user turn) is not in the sample, which is kept. Sequences are truncated to ``max_length`` tokens. If the template
-    has ``{% generation %}`` markers and ``verify_markers``, the tokenizer's own assistant mask
-    must equal ours (``mask_mismatch``). ``info`` caches the template probe.
+    replies before the last user turn) is not in the sample, which is kept. Sequences are
+    truncated to ``max_length`` tokens. If the template has ``{% generation %}`` markers and
+    ``verify_markers``, the tokenizer's own assistant mask must equal ours (``mask_mismatch``).
+    ``info`` caches the template probe.
     """
     info = info or probe_template(tokenizer, enable_thinking)
     if (messages is None) == (text is None):
