@@ -233,6 +233,10 @@ def add_arguments(parser) -> None:
                         help="shard the target over this many ranks (launch that many with torchrun; rank 0 reports)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="with --tensor-parallel: split a MoE target's experts over the ranks instead")
+    parser.add_argument("--engine", choices=["vllm"],
+                        help="also decode the prompts with the drafter in this serving engine and report its counters "
+                             "next to flashdraft's own decode of the same prompts (docs/evaluation.md; CPU: vLLM's "
+                             "CPU build in an environment created and cached on first use)")
 
 
 def run(args) -> int:
@@ -254,6 +258,14 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     if args.output:  # found now, not after the whole evaluation
         _check_writable(Path(args.output))
+    if args.engine:  # found before minutes of decoding, not after
+        from flashdraft.engine import why_unavailable
+
+        reason = why_unavailable()
+        if args.drafter is None or args.tensor_parallel > 1:
+            raise ValueError("--engine: give --drafter DIR, with one process (no --baseline / --tensor-parallel)")
+        if reason:
+            raise ValueError(f"--engine {args.engine}: cannot run here: {reason}")
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
     main = True
@@ -279,9 +291,18 @@ def run(args) -> int:
         distributed.teardown()
     if not main:
         return 0 if report.get("lossless", True) else 1
+    agrees = True
+    if args.engine:
+        from flashdraft.engine import engine_check, format_check
+
+        del target, drafter  # the check loads both in fp32 (the engine decodes in fp32 too)
+        report["engine"] = engine_check(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                        eos_ids=eos, sampling=sampling, log=lambda m: print(m, file=sys.stderr))
+        print(format_check(report["engine"]), file=sys.stderr)
+        agrees = report["engine"].get("lossless", True) is not False and report["engine"].get("tau_agrees", False)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text + "\n")
-    return 0 if report.get("lossless", True) else 1
+    return 0 if report.get("lossless", True) and agrees else 1
