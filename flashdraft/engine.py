@@ -158,7 +158,7 @@ def compare(flashdraft_steps: list[list[int]], flashdraft_tokens: list[list[int]
             tolerance: float = TAU_TOLERANCE, greedy: bool = True) -> dict:
     """The engine check's verdict from flashdraft's per-prompt steps (counted as the engine
     counts them) and outputs, and the worker's result ``engine``."""
-    from flashdraft.evaluate import tau_per_prompt, tau_pooled
+    from flashdraft.speculative import tau_per_prompt, tau_pooled
 
     counters = engine["counters"]
     drafts = counters["num_drafts"]
@@ -197,8 +197,7 @@ def engine_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_new_t
     import torch
 
     from flashdraft.drafter import DFlashDrafter, serving
-    from flashdraft.evaluate import tau_per_prompt, tau_pooled
-    from flashdraft.speculative import GREEDY, speculative_generate
+    from flashdraft.speculative import GREEDY, speculative_generate, tau_per_prompt, tau_pooled
     from flashdraft.target import TargetModel
 
     sampling = sampling or GREEDY

@@ -22,6 +22,8 @@ from flashdraft.speculative import (
     ngram_generate,
     speculative_generate,
     target_generate,
+    tau_per_prompt,
+    tau_pooled,
 )
 from flashdraft.target import TargetModel
 
@@ -103,20 +105,6 @@ def prompts_from_dataset(dataset, count: int) -> list[list[int]]:
         if len(prompts) == count:
             break
     return prompts
-
-
-def tau_per_prompt(accepted: list[list[int]]) -> float:
-    """The papers' tau (docs/evaluation.md): each prompt's mean tokens per verification step
-    (accepted + 1), averaged over the prompts (a prompt with no step has no tau)."""
-    means = [np.mean(steps) + 1 for steps in accepted if len(steps)]
-    return float(np.mean(means)) if means else float("nan")
-
-
-def tau_pooled(accepted: list[list[int]]) -> float:
-    """The engines' tau (vLLM's and SGLang's mean acceptance length, docs/evaluation.md): every
-    step of every prompt pooled, 1 + accepted drafts / verification steps."""
-    steps = [a for prompt in accepted for a in prompt]
-    return float(1 + np.sum(steps) / len(steps)) if steps else float("nan")
 
 
 def _per_position_acceptance(accepted: list[int], block_size: int) -> list[float]:

@@ -57,6 +57,20 @@ class Generation:
         return self.accepted[:-1] + [self.accepted[-1] + self.trimmed] if self.accepted else []
 
 
+def tau_per_prompt(accepted: list[list[int]]) -> float:
+    """The papers' tau (docs/evaluation.md): each prompt's mean tokens per verification step
+    (accepted + 1), averaged over the prompts (a prompt with no step has no tau)."""
+    means = [np.mean(steps) + 1 for steps in accepted if len(steps)]
+    return float(np.mean(means)) if means else float("nan")
+
+
+def tau_pooled(accepted: list[list[int]]) -> float:
+    """The engines' tau (vLLM's and SGLang's mean acceptance length, docs/evaluation.md): every
+    step of every prompt pooled, 1 + accepted drafts / verification steps."""
+    steps = [a for prompt in accepted for a in prompt]
+    return float(1 + np.sum(steps) / len(steps)) if steps else float("nan")
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the target samples: temperature 0 is greedy; top_k 0 and top_p 1 are off."""
