@@ -126,3 +126,30 @@ def test_the_engine_environment_is_refused_beside_a_torch_it_would_replace(monke
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")
     with pytest.raises(EngineUnavailable, match="must not replace"):
         engine_python(create=False)
+
+
+def test_eval_engine_beside_a_cuda_torch_is_refused_with_the_reason_before_any_model_loads(tmp_path, monkeypatch):
+    from conftest import MASK_ID, tiny_qwen3
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.evaluate import write_prompts
+    from flashdraft.target import TargetModel
+
+    model = tiny_qwen3(num_layers=4)
+    model.save_pretrained(tmp_path / "target")
+    drafter = DFlashDrafter.for_target(TargetModel(model, [1, 2]), num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    drafter.save_pretrained(tmp_path / "drafter")
+    write_prompts(tmp_path / "p.jsonl", [[1, 2, 3]])
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded a model first"))
+    with pytest.raises(ValueError, match="--engine vllm: cannot run here: .*must not replace"):
+        main(["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
+              str(tmp_path / "p.jsonl"), "--engine", "vllm"])
+
+
+def test_export_verify_engine_without_prompts_is_refused_before_exporting(tmp_path):
+    step = tmp_path / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text(json.dumps({"data": {}}))
+    with pytest.raises(ValueError, match="--verify-engine: give --prompts FILE"):
+        main(["export", str(step), "--out", str(tmp_path / "out"), "--verify-engine", "vllm"])
+    assert not (tmp_path / "out").exists()
