@@ -67,19 +67,34 @@ def vllm_python():
         pytest.skip(f"vLLM's CPU build cannot be had here: {exc}")
 
 
+# The drafter families vLLM's CPU build serves (DFlash2 needs its V2 model runner: GPU only, docs/evaluation.md)
+FAMILIES = {
+    "dflash": {},
+    "swa": {"model__drafter_layer_types": '["sliding_attention"]', "model__drafter_sliding_window": 16,
+            "model__drafter_causal": "false"},
+    "sinks": {"model__drafter_attention_sink": "true"},
+}
+
+
 @pytest.fixture(scope="module")
-def trained_export(tmp_path_factory) -> Path:
-    """A tiny Qwen3 target (head_dim 32: vLLM's CPU attention takes it) and a drafter trained on its
-    own continuations for 150 steps (~40 s), tapping layers 1 and 2 of 4 (below the last)."""
+def trained_export(tmp_path_factory):
+    """A tiny Qwen3 target (head_dim 32: vLLM's CPU attention takes it); ``export(family)`` trains a
+    drafter of that family on the target's own continuations for 150 steps (~40 s), tapping
+    layers 1 and 2 of 4 (below the last), and returns the job's root (export in run-FAMILY/drafter)."""
     root = tmp_path_factory.mktemp("engine")
     model = tiny_causal_lm(300, arch="qwen3", num_layers=4, hidden=64, num_heads=2, num_kv_heads=1, seed=1,
                            max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     job = make_job(root, model)
-    out = root / "run"
-    assert main(["train", *overrides(job, out, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
-                                      data__token_budget=640, data__max_batch_size=16,
-                                      objective__num_anchors=16)]) == 0
-    return root
+
+    def export(family: str = "dflash") -> Path:
+        out = root / f"run-{family}"
+        if not (out / "drafter" / "config.json").is_file():
+            assert main(["train", *overrides(job, out, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
+                                              data__token_budget=640, data__max_batch_size=16,
+                                              objective__num_anchors=16, **FAMILIES[family])]) == 0
+        return out / "drafter"
+
+    return root, export
 
 
 def train_prompts() -> list[list[int]]:
@@ -89,12 +104,14 @@ def train_prompts() -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vllm_python, trained_export, tmp_path):
-    root = trained_export
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vllm_python, trained_export, tmp_path,
+                                                                               family):
+    root, export = trained_export
     prompts = train_prompts()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # taps below the last layer: no warning
-        report = engine_check(root / "target", root / "run" / "drafter", prompts, max_new_tokens=40, eos_ids=[])
+        report = engine_check(root / "target", export(family), prompts, max_new_tokens=40, eos_ids=[])
     assert "engine_error" not in report, report.get("engine_error")
     assert report["lossless"] and report["same_outputs"]
     # the same drafts at every step: each prompt's per-step acceptance, counted as vLLM counts it
@@ -109,13 +126,13 @@ def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vl
 def test_a_last_layer_tap_is_served_on_other_features_and_the_check_says_so(vllm_python, trained_export):
     """The same drafter's weights relabelled to tap layers [1, 3]: flashdraft feeds it the normed
     last layer, vLLM the pre-norm sum; the decodes stay lossless but propose other drafts."""
-    root = trained_export
-    relabelled = root / "last-layer"
+    root, export = trained_export
+    trained, relabelled = export("dflash"), root / "last-layer"
     relabelled.mkdir(exist_ok=True)
-    config = json.loads((root / "run" / "drafter" / "config.json").read_text())
+    config = json.loads((trained / "config.json").read_text())
     config["dflash_config"]["target_layer_ids"] = [1, 3]
     (relabelled / "config.json").write_text(json.dumps(config))
-    (relabelled / "model.safetensors").write_bytes((root / "run" / "drafter" / "model.safetensors").read_bytes())
+    (relabelled / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes())
     with pytest.warns(UserWarning, match="before the target's final norm"):
         report = engine_check(root / "target", relabelled, train_prompts(), max_new_tokens=40, eos_ids=[])
     assert report["lossless"] and report["same_outputs"]
