@@ -22,6 +22,8 @@ from flashdraft.speculative import (
     ngram_generate,
     speculative_generate,
     target_generate,
+    tau_per_prompt,
+    tau_pooled,
 )
 from flashdraft.target import TargetModel
 
@@ -106,7 +108,8 @@ def prompts_from_dataset(dataset, count: int) -> list[list[int]]:
 
 
 def _per_position_acceptance(accepted: list[int], block_size: int) -> list[float]:
-    """P(draft k accepted) for k = 1 .. bs-1, over all steps."""
+    """P(draft k accepted) for k = 1 .. bs-1, pooled over all steps of all prompts (as the engines
+    report it)."""
     steps = np.asarray(accepted)
     if steps.size == 0:
         return [float("nan")] * (block_size - 1)
@@ -127,7 +130,9 @@ def evaluate_tau(
     references: list[Generation] | None = None,
     sampling: Sampling = GREEDY,
 ) -> dict:
-    """Speculative decoding over ``prompts``; tau is the mean over sequences of per-step means.
+    """Speculative decoding over ``prompts``. Two taus (docs/evaluation.md): ``tau``, the mean
+    over prompts of each prompt's mean (the papers'), and ``tau_pooled``, every step pooled (what
+    vLLM and SGLang report); the per-position acceptance is pooled.
 
     ``baseline="ngram"`` drafts by prompt lookup instead of the drafter. ``sampling`` is the
     target's sampling (greedy by default; prompt i is decoded with seed ``sampling.seed + i``).
@@ -143,15 +148,14 @@ def evaluate_tau(
     if references is not None and not sampling.greedy:
         raise ValueError("greedy references cannot check sampled outputs")
     bs = block_size or drafter.block_size
-    taus, accepted_all, lossless, spec_s, plain_s, new_tokens = [], [], True, 0.0, 0.0, 0
+    per_prompt, lossless, spec_s, plain_s, new_tokens = [], True, 0.0, 0.0, 0
     for i, prompt in enumerate(prompts):
         each = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + i)
         if baseline == "ngram":
             gen = ngram_generate(target, prompt, max_new_tokens, bs, eos_ids, sampling=each)
         else:
             gen = speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids, sampling=each)
-        taus.append(gen.tau)
-        accepted_all.extend(gen.accepted)
+        per_prompt.append(gen.accepted)
         spec_s += gen.seconds
         new_tokens += len(gen.tokens)
         if check_lossless and sampling.greedy:
@@ -160,10 +164,11 @@ def evaluate_tau(
             lossless &= ref.tokens == gen.tokens
         elif check_lossless:
             plain_s += target_generate(target, prompt, max_new_tokens, eos_ids, each).seconds
-    taus = [t for t in taus if t == t]  # a prompt that ended at once ran no draft step: no tau
     report = {
-        "tau": float(np.mean(taus)) if taus else float("nan"),
-        "per_position_acceptance": _per_position_acceptance(accepted_all, bs),
+        "tau": tau_per_prompt(per_prompt),
+        "tau_pooled": tau_pooled(per_prompt),
+        "per_position_acceptance": _per_position_acceptance([a for steps in per_prompt for a in steps], bs),
+        "steps": sum(len(steps) for steps in per_prompt),
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,
         "speculative_seconds": spec_s,
@@ -216,6 +221,10 @@ def add_arguments(parser) -> None:
                         help="shard the target over this many ranks (launch that many with torchrun; rank 0 reports)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="with --tensor-parallel: split a MoE target's experts over the ranks instead")
+    parser.add_argument("--engine", choices=["vllm"],
+                        help="also decode the prompts with the drafter in this serving engine and report its counters "
+                             "next to flashdraft's own decode of the same prompts (docs/evaluation.md; CPU: vLLM's "
+                             "CPU build in an environment created and cached on first use)")
 
 
 def run(args) -> int:
@@ -237,6 +246,14 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     if args.output:  # found now, not after the whole evaluation
         _check_writable(Path(args.output))
+    if args.engine:  # found before minutes of decoding, not after
+        from flashdraft.engine import why_unavailable
+
+        reason = why_unavailable()
+        if args.drafter is None or args.tensor_parallel > 1:
+            raise ValueError("--engine: give --drafter DIR, with one process (no --baseline / --tensor-parallel)")
+        if reason:
+            raise ValueError(f"--engine {args.engine}: cannot run here: {reason}")
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
     main = True
@@ -262,9 +279,18 @@ def run(args) -> int:
         distributed.teardown()
     if not main:
         return 0 if report.get("lossless", True) else 1
+    agrees = True
+    if args.engine:
+        from flashdraft.engine import engine_check, format_check
+
+        del target, drafter  # the check loads both in fp32 (the engine decodes in fp32 too)
+        report["engine"] = engine_check(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                        eos_ids=eos, sampling=sampling, log=lambda m: print(m, file=sys.stderr))
+        print(format_check(report["engine"]), file=sys.stderr)
+        agrees = report["engine"].get("lossless", True) is not False and report["engine"].get("tau_agrees", False)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text + "\n")
-    return 0 if report.get("lossless", True) else 1
+    return 0 if report.get("lossless", True) and agrees else 1

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, step_dir_name
+from flashdraft.engine import ENGINES, warn_last_layer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -77,6 +78,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
         raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint (no drafter weights or serving "
                               "config in it)")
     config = json.loads((checkpoint / "export" / "config.json").read_text())
+    warn_last_layer(config["dflash_config"]["target_layer_ids"], int(config.get("num_target_layers") or 0))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(loaded.parts["drafter"])
     _check_out(out, checkpoint)
@@ -177,10 +179,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the serving-format drafter to")
     parser.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest complete one)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights' dtype (default bf16)")
+    parser.add_argument("--verify-engine", choices=ENGINES,
+                        help="then decode prompts with the export in this serving engine and compare with flashdraft's "
+                             "own decode (flashdraft eval --engine; CPU: vLLM's CPU build in a cached environment)")
+    parser.add_argument("--prompts", help="with --verify-engine: JSONL prompts (default: the run's data.eval_prompts)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="with --verify-engine: tokens per prompt")
 
 
 def run(args) -> int:
     checkpoint = find_checkpoint(args.source, args.step)
+    if args.verify_engine:  # a missing prompts file is found before the export, not after
+        from flashdraft.engine import why_unavailable
+
+        args.prompts = args.prompts or _run_eval_prompts(checkpoint)
+        if not args.prompts:
+            raise ValueError("--verify-engine: give --prompts FILE (JSONL of input_ids); the run has no "
+                             "data.eval_prompts to use")
+        reason = why_unavailable()
+        if reason:
+            raise ValueError(f"--verify-engine {args.verify_engine}: cannot run here: {reason}")
     done = export_checkpoint(checkpoint, args.out, args.dtype)
     print(f"exported step {done['step']} of {checkpoint} ({done['dtype']}) to {done['path']}: loaded back, its "
           "weights and outputs equal the checkpoint's")
@@ -189,4 +206,28 @@ def run(args) -> int:
     target = Path(done["target"]).resolve() if Path(done["target"]).exists() else done["target"]
     for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
+    if args.verify_engine:
+        return _verify_engine(target, done["path"], args.prompts, args.max_new_tokens)
     return 0
+
+
+def _run_eval_prompts(checkpoint: Path) -> str | None:
+    """The run's data.eval_prompts, from the run config the checkpoint holds (None if none)."""
+    try:
+        return json.loads((checkpoint / "config.json").read_text()).get("data", {}).get("eval_prompts")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _verify_engine(target, path, prompts_path, max_new_tokens: int) -> int:
+    """The engine check of the export just written (flashdraft.engine.engine_check), greedy."""
+    from transformers import AutoConfig
+
+    from flashdraft.engine import engine_check, format_check
+    from flashdraft.evaluate import eos_ids_of, read_prompts
+
+    prompts = read_prompts(prompts_path)
+    report = engine_check(target, path, prompts, max_new_tokens=max_new_tokens,
+                          eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)))
+    print(format_check(report))
+    return 0 if report.get("lossless") and report.get("tau_agrees") else 1

@@ -112,14 +112,21 @@ class SelectorLoss:
     stop_gradient: bool = False
 
 
-def selector_schedule(alpha: float, warmup_frac: float, ramp_frac: float, step: int, total_steps: int) -> float:
-    """The selector term's weight at optimizer step ``step`` (0-based) of ``total_steps``: 0 for
-    the first warmup_frac of the steps, then a linear rise over the next ramp_frac, then alpha
-    (SpecForge's alpha * clip((step - W T) / (R T), 0, 1); without a ramp, alpha from W T on)."""
-    start, ramp = warmup_frac * total_steps, ramp_frac * total_steps
+def selector_schedule(alpha: float, warmup_frac: float, ramp_frac: float, step: float, total_steps: float) -> float:
+    """The selector term's weight at optimizer step ``step`` (0-based) of ``total_steps``.
+
+    SpecForge's schedule, edges included: the horizons are whole steps, W = int(warmup_frac * T)
+    and R = int(ramp_frac * T); steps 0 .. W-1 weigh 0, ramp step j = 1 .. R (step W + j - 1)
+    weighs alpha * j / R, and every later step alpha (without a ramp: alpha from step W on):
+    alpha * clip((step - W + 1) / R, 0, 1). Why this edge: a warm-up of W steps then holds exactly
+    W steps at 0 (warmup_frac 0 trains the selector from the first step), the ramp's R steps end
+    on alpha, and a recipe ported from SpecForge gets the same weight at every step. (The
+    continuous form clip((step - W T) / (R T)) holds one more step at 0 and reaches alpha one
+    step later; with fractional horizons it differs by up to ~0.16 alpha.)"""
+    start, ramp = int(warmup_frac * total_steps), int(ramp_frac * total_steps)
     if ramp <= 0:
         return alpha if step >= start else 0.0
-    return alpha * min(1.0, max(0.0, (step - start) / ramp))
+    return alpha * min(1.0, max(0.0, (step - start + 1) / ramp))
 
 
 def _signed(value: int) -> int:

@@ -166,8 +166,10 @@ def pretrain_target(tokenizer, pairs, budget: Budget, out_dir: Path, seed: int =
 
 
 def tap_layers(num_layers: int) -> list[int]:
-    """Two taps, early and last: DFlash's default spread degenerates on a 3-4 layer target."""
-    return [1, num_layers - 1]
+    """Two taps, early and late, both below the target's last layer (DFlash's default spread
+    degenerates on a 3-4 layer target). Never the last layer: the serving engines capture it
+    before the target's final norm, flashdraft after it (engine.last_layer_warning)."""
+    return [1, num_layers - 2] if num_layers > 3 else list(range(max(1, num_layers - 1)))
 
 
 # ---- 6. eval helpers ------------------------------------------------------------------------
@@ -473,11 +475,15 @@ def _evaluate(out: Path, budget: Budget, target_dir: Path, run: _DrafterRun, tok
     outputs = [g.tokens for g in greedy]
     human = [tokenizer(a)["input_ids"][: budget.eval_max_new_tokens] for _, a in heldout_pairs[: len(eval_prompts)]]
     scores = {
-        "tau": trained["tau"],
+        "tau": trained["tau"],  # the per-prompt mean (the papers'); tau_pooled: every step pooled (the engines')
+        "tau_pooled": trained["tau_pooled"],
         "tau_temperature_1": sampled["tau"],
+        "tau_temperature_1_pooled": sampled["tau_pooled"],
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "tau_untrained": random_init["tau"],
+        "tau_untrained_pooled": random_init["tau_pooled"],
         "tau_ngram": baseline["tau"],
+        "tau_ngram_pooled": baseline["tau_pooled"],
         "per_position_acceptance": trained["per_position_acceptance"],
         "lossless": bool(trained["lossless"] and baseline["lossless"]),
         "speculative_seconds": trained["speculative_seconds"],
@@ -518,14 +524,18 @@ _FAMILY = {"dflash": "DFlash", "dflash2": "DFlash2"}
 
 def format_summary(report: dict, pipeline_table: str = "") -> str:
     family = _FAMILY[report.get("settings", {}).get("budget", {}).get("drafter", "dflash")]
+    nan = float("nan")
     rows = [
-        (f"trained {family} drafter", report["tau"], report["speedup"]),
-        ("n-gram prompt lookup", report["tau_ngram"], report["ngram_speedup"]),
-        ("untrained drafter", report["tau_untrained"], float("nan")),
+        (f"trained {family} drafter", report["tau"], report.get("tau_pooled", nan), report["speedup"]),
+        ("n-gram prompt lookup", report["tau_ngram"], report.get("tau_ngram_pooled", nan), report["ngram_speedup"]),
+        ("untrained drafter", report["tau_untrained"], report.get("tau_untrained_pooled", nan), nan),
     ]
-    lines = ["| drafter | tau | wall-clock speedup vs greedy |", "|---|---|---|"]
-    lines += [f"| {name} | {tau:.2f} | {'-' if math.isnan(sp) else f'{sp:.2f}x'} |" for name, tau, sp in rows]
-    lines += ["", f"trained drafter at temperature 1 (rejection-sampled verify): tau {report['tau_temperature_1']:.2f}",
+    lines = ["| drafter | tau (per-prompt mean) | tau (pooled, as vLLM / SGLang report) | speedup vs greedy |",
+             "|---|---|---|---|"]
+    lines += [f"| {name} | {tau:.2f} | {pooled:.2f} | {'-' if math.isnan(sp) else f'{sp:.2f}x'} |"
+              for name, tau, pooled, sp in rows]
+    lines += ["", f"trained drafter at temperature 1 (rejection-sampled verify): tau {report['tau_temperature_1']:.2f} "
+              f"(pooled {report.get('tau_temperature_1_pooled', nan):.2f})",
               f"lossless (speculative == greedy): {report['lossless']}",
               f"repeated 4-grams: target outputs {100 * report['repeated_4gram_share_target']:.0f}% vs held-out "
               f"human code {100 * report['repeated_4gram_share_human']:.0f}%",
@@ -544,8 +554,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds-level budgets (CI): same path, tiny sizes")
     parser.add_argument("--no-cache", action="store_true", help=f"retrain the target even if cached in {CACHE_ROOT}")
     parser.add_argument("--seed", type=int, default=0)
+    from flashdraft.config import DRAFTERS
+    from flashdraft.objective import WEIGHTINGS
+
+    choices = {"drafter": DRAFTERS, "weighting": WEIGHTINGS}
     for name, default in asdict(Budget()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None,
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None, choices=choices.get(name),
                             help=f"budget override (default {default})")
 
 

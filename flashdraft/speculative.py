@@ -41,11 +41,34 @@ class Generation:
     tokens: list[int]  # generated tokens (prompt excluded), eos included if produced
     accepted: list[int] = field(default_factory=list)  # per step: drafts accepted (0 .. bs-1)
     seconds: float = 0.0
+    # Drafts the last step accepted past eos / max_new_tokens, trimmed from accepted[-1] (tau is
+    # tokens output per verification); the serving engines count them (engine_accepted).
+    trimmed: int = 0
 
     @property
     def tau(self) -> float:
         """Mean tokens committed per target verification (accepted + 1)."""
         return float(np.mean(self.accepted) + 1) if self.accepted else float("nan")
+
+    @property
+    def engine_accepted(self) -> list[int]:
+        """The per-step acceptances as vLLM's scheduler counts them: the last step's drafts
+        accepted past eos / the token limit included."""
+        return self.accepted[:-1] + [self.accepted[-1] + self.trimmed] if self.accepted else []
+
+
+def tau_per_prompt(accepted: list[list[int]]) -> float:
+    """The papers' tau (docs/evaluation.md): each prompt's mean tokens per verification step
+    (accepted + 1), averaged over the prompts (a prompt with no step has no tau)."""
+    means = [np.mean(steps) + 1 for steps in accepted if len(steps)]
+    return float(np.mean(means)) if means else float("nan")
+
+
+def tau_pooled(accepted: list[list[int]]) -> float:
+    """The engines' tau (vLLM's and SGLang's mean acceptance length, docs/evaluation.md): every
+    step of every prompt pooled, 1 + accepted drafts / verification steps."""
+    steps = [a for prompt in accepted for a in prompt]
+    return float(1 + np.sum(steps) / len(steps)) if steps else float("nan")
 
 
 @dataclass(frozen=True)
@@ -211,12 +234,13 @@ def _draft_and_verify(target: TargetModel, prompt: list[int], max_new_tokens: in
         x = out[-1]
         if any(t in eos_ids for t in committed):
             break
-    stop = _stop_index(out, eos_ids, max_new_tokens)
+    stop, trimmed = _stop_index(out, eos_ids, max_new_tokens), 0
     if accepted_log and stop < len(out):
         # The last step crossed eos or max_new_tokens: count only the tokens it added that are
         # kept (at least the first), as tau is tokens output per verification.
+        trimmed = min(len(out) - stop, accepted_log[-1])
         accepted_log[-1] -= len(out) - stop
-    return Generation(out[:stop], accepted_log, time.perf_counter() - begin)
+    return Generation(out[:stop], accepted_log, time.perf_counter() - begin, trimmed)
 
 
 @torch.no_grad()

@@ -122,6 +122,10 @@ CONVERSATIONS = {
         {"role": "user", "content": "Again?"},
         {"role": "assistant", "content": "<think>\nfirst\n</think>\nsecond</think>\n\nDone."},
     ]},
+    # Only an earlier reply reasons: the templates render no reasoning before the last user turn.
+    "earlier_reasoning": {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]},
 }
 MODES = [(thinking, supervise) for thinking in (None, True, False) for supervise in (True, False)]
 
@@ -370,9 +374,9 @@ def test_the_supervised_text_is_what_the_target_generates(family, conversation, 
             continue
         got = prepared(tok, record, thinking, supervise)
         without = thinking is False or (thinking is None and FAMILIES[family].get("served_without_thinking"))
-        if without and any(m["role"] == "assistant" and
-                                     (m.get("reasoning_content") or "</think>" in m["content"])
-                                     for m in normal["messages"]):
+        last_user = max(i for i, m in enumerate(normal["messages"]) if m["role"] == "user")
+        if without and any(m["role"] == "assistant" and (m.get("reasoning_content") or "</think>" in m["content"])
+                           for m in normal["messages"][last_user:]):
             expected = "thinking_mismatch"  # served without thinking, the target never wrote it
         else:
             expected = EXPECTED[family](normal["messages"], thinking, supervise)

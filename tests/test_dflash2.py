@@ -306,12 +306,17 @@ def test_a_label_outside_the_candidates_gives_the_selector_no_gradient():
     assert all(p.grad is None or not p.grad.any() for p in selector.parameters())
 
 
-def test_the_selector_weight_schedule():
-    # warmup 10% then a 20% ramp over 100 steps: 0 until step 10, 0.5 * alpha at 20, alpha from 30 on
-    values = [selector_schedule(2.0, 0.1, 0.2, step, 100) for step in (0, 5, 10, 20, 29, 30, 99)]
-    assert values == pytest.approx([0.0, 0.0, 0.0, 1.0, 1.9, 2.0, 2.0])
+def test_the_selector_weight_schedule_has_specforges_edges():
+    # warmup 10% then a 20% ramp over 100 steps: steps 0..9 weigh 0, ramp step j (step 9 + j) weighs j/20 alpha
+    values = [selector_schedule(2.0, 0.1, 0.2, step, 100) for step in (0, 9, 10, 19, 28, 29, 30, 99)]
+    assert values == pytest.approx([0.0, 0.0, 0.1, 1.0, 1.9, 2.0, 2.0, 2.0])
     assert [selector_schedule(1.0, 0.0, 0.0, step, 10) for step in (0, 9)] == [1.0, 1.0]  # the default: always on
     assert [selector_schedule(1.0, 0.5, 0.0, step, 10) for step in (4, 5)] == [0.0, 1.0]  # no ramp: a step
+    # no warm-up: the ramp's first step already trains the selector (1/R of alpha), the R-th reaches alpha
+    assert [selector_schedule(1.0, 0.0, 0.4, step, 10) for step in (0, 3, 4)] == pytest.approx([0.25, 1.0, 1.0])
+    # fractional horizons are truncated to whole steps (T 25: W int(2.5) = 2, R int(7.5) = 7), as SpecForge does
+    values = [selector_schedule(1.0, 0.1, 0.3, step, 25) for step in (1, 2, 5, 8, 9)]
+    assert values == pytest.approx([0.0, 1 / 7, 4 / 7, 1.0, 1.0])
 
 
 def test_stop_gradient_leaves_the_backbone_exactly_as_the_unary_only_run():

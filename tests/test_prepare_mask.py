@@ -68,6 +68,18 @@ def test_qwen3_reasoning_in_data_served_without_thinking_is_rejected():
     assert err.value.reason == "thinking_mismatch"
 
 
+@pytest.mark.parametrize("earlier", [{"content": "<think>\ngreet\n</think>\n\nHello there!"},
+                                     {"content": "Hello there!", "reasoning_content": "greet"}])
+def test_qwen3_non_thinking_keeps_a_chat_whose_only_reasoning_is_in_an_earlier_reply(earlier):
+    # Qwen3's template renders no reasoning for replies before the last user turn: the rendered
+    # sample holds none, so it is valid in non-thinking mode; the final reply's reasoning still decides.
+    chat = CHAT[:2] + [{"role": "assistant", **earlier}] + PLAIN[3:]
+    assert spans("qwen3", chat, enable_thinking=False) == ["Hello there!<|im_end|>", "It is 4.<|im_end|>"]
+    with pytest.raises(SampleError) as err:
+        tokenize_conversation(TOK["qwen3"], chat[:4] + CHAT[4:], enable_thinking=False)
+    assert err.value.reason == "thinking_mismatch"
+
+
 def test_llama3_multi_turn_with_default_system_header_and_trimmed_content():
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello there!\n"},
             {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Sure: more."}]

@@ -68,8 +68,17 @@ def test_periodic_eval_tau_matches_flashdraft_eval_on_the_export(smoke_run, tmp_
     assert json.loads((tmp_path / "r.json").read_text())["tau"] == last_eval["eval_tau"]
 
 
-@pytest.mark.parametrize("flags,message", [(["--weighting", "foo"], "--weighting 'foo': use one of decay, dpace"),
-                                           (["--sliding-window", "-5"], "--sliding-window -5: use 0")])
+def test_help_shows_the_choices_of_drafter_and_weighting(capsys):
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--drafter {dflash,dflash2}" in text and "--weighting {decay,dpace}" in text
+    with pytest.raises(SystemExit):  # a wrong choice is refused by the parser, naming the choices
+        main(["quickstart", "--weighting", "foo"])
+    assert "--weighting: invalid choice: 'foo'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [(["--sliding-window", "-5"], "--sliding-window -5: use 0")])
 def test_bad_variant_flags_are_refused_before_any_stage_runs(tmp_path, flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         main(["quickstart", "--smoke", "--output", str(tmp_path / "qs"), *flags])

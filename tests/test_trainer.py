@@ -28,6 +28,7 @@ def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
     losses = [h["loss"] for h in trainer.history if "loss" in h]
     assert losses[-1] < 0.8 * losses[0]
     assert result["eval_tau"] >= 1.0 and "eval_loss" in result
+    assert result["eval_tau_pooled"] >= 1.0  # both taus, the engines' pooled one too (docs/evaluation.md)
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "config.yaml").is_file()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -83,6 +83,7 @@ class Reply:
     end: int
     thinking_end: int
     thinking_start: int = -1  # -1: ``start``
+    renders_reasoning: bool = False  # the message's reasoning is in the rendered reply (not dropped by the template)
 
     @property
     def thinking(self) -> tuple[int, int]:
@@ -444,7 +445,7 @@ def assistant_replies(tokenizer, messages: list[dict], info: TemplateInfo, *, to
         think = full.rfind(THINK_OPEN, start, min(opens)) if opens else -1
         header = think > start and full[start:think].strip()  # gpt-oss: an inline <think> in the final channel
         replies.append(Reply(start, end, _thinking_end(full, start, end, fields[i], info.stop_tokens),
-                             think if header else -1))
+                             think if header else -1, has_reasoning(m) and bool(opens)))
         lo = end
     return full, replies
 
@@ -504,20 +505,22 @@ def tokenize_conversation(tokenizer, messages: list[dict] | None = None, *, tool
     is 1 on what the target generates (module docstring); with ``supervise_thinking=False`` the
     reasoning and its markup are 0 too. ``enable_thinking`` selects the template's thinking mode
     (must match serving; None: the template's default). When the generation prompt closes the
-    think block (non-thinking mode), a reply that holds reasoning is refused
-    (``thinking_mismatch``). Sequences are truncated to ``max_length`` tokens. If the template
-    has ``{% generation %}`` markers and ``verify_markers``, the tokenizer's own assistant mask
-    must equal ours (``mask_mismatch``). ``info`` caches the template probe.
+    think block (non-thinking mode), a reply whose reasoning the template renders is refused
+    (``thinking_mismatch``); reasoning the template drops (Qwen3 / Qwen3.5 render none for the
+    replies before the last user turn) is not in the sample, which is kept. Sequences are
+    truncated to ``max_length`` tokens. If the template has ``{% generation %}`` markers and
+    ``verify_markers``, the tokenizer's own assistant mask must equal ours (``mask_mismatch``).
+    ``info`` caches the template probe.
     """
     info = info or probe_template(tokenizer, enable_thinking)
     if (messages is None) == (text is None):
         raise ValueError("give exactly one of messages or text")
     served_without_thinking = THINK_CLOSE in info.header  # the generation prompt closes the think block
     if messages is not None:
-        if served_without_thinking and any(m["role"] == "assistant" and has_reasoning(m) for m in messages):
+        full, replies = assistant_replies(tokenizer, messages, info, tools=tools, where=where)
+        if served_without_thinking and any(r.renders_reasoning for r in replies):
             raise SampleError("thinking_mismatch", f"{where}: a reply has reasoning but the target is served in "
                                                    "non-thinking mode; regenerate without thinking or enable it")
-        full, replies = assistant_replies(tokenizer, messages, info, tools=tools, where=where)
     else:
         full, replies = text, text_replies(text, info, where)
         if served_without_thinking and _text_has_reasoning(text, replies):

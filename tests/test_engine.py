@@ -1,0 +1,172 @@
+"""The two taus, the last-layer tap warning, and the engine check against vLLM itself (slow: it
+creates and caches vLLM's CPU build in its own environment the first time, engine.engine_python)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_job, overrides
+from flashdraft.cli import main
+from flashdraft.engine import EngineUnavailable, compare, engine_check, engine_python, last_layer_warning
+from flashdraft.speculative import Generation, tau_per_prompt, tau_pooled
+from flashdraft.toy import tiny_causal_lm
+
+# Per-step acceptances (drafts accepted at each verification) of three prompts, by hand.
+STEPS = [[3, 1], [0, 0, 0, 0], [7]]
+
+
+def test_the_two_taus_from_hand_made_steps():
+    # per prompt: 1 + mean -> 3.0, 1.0, 8.0; their mean 4.0 (the papers' tau)
+    assert tau_per_prompt(STEPS) == pytest.approx(4.0)
+    # pooled: 7 steps, 11 accepted drafts -> 1 + 11 / 7 (vLLM's "mean acceptance length")
+    assert tau_pooled(STEPS) == pytest.approx(1 + 11 / 7)
+    assert tau_per_prompt(STEPS + [[]]) == pytest.approx(4.0)  # a prompt with no step has no tau
+    assert math.isnan(tau_pooled([[]])) and math.isnan(tau_per_prompt([]))
+
+
+def test_the_engines_count_the_drafts_accepted_past_the_end_of_the_last_step():
+    gen = Generation([5, 6, 7], accepted=[2, 0], trimmed=3)
+    assert gen.engine_accepted == [2, 3] and gen.tau == 2.0
+
+
+def test_compare_pools_like_vllm_and_calls_out_a_disagreement():
+    engine = {"vllm_version": "x", "plain": [[1, 2]], "speculative": [[1, 2]],
+              "steps": [[(7, a) for a in steps] for steps in STEPS],
+              "counters": {"num_drafts": 7, "num_draft_tokens": 49, "num_accepted_tokens": 11,
+                           "accepted_per_position": [3, 2, 1, 1, 1, 1, 1]}}
+    same = compare(STEPS, [[1, 2]], engine)
+    assert same["vllm"]["tau_pooled"] == pytest.approx(tau_pooled(STEPS)) and same["tau_agrees"]
+    assert same["vllm"]["tau"] == pytest.approx(4.0) and same["same_steps"] and same["lossless"]
+    assert same["vllm"]["per_position_acceptance"][0] == pytest.approx(3 / 7)
+    other = compare([[3, 1], [0, 0, 0, 1], [7]], [[1, 3]], engine)
+    assert not other["same_steps"] and other["prompts_with_other_steps"] == [1] and not other["same_outputs"]
+    assert not other["tau_agrees"]  # 12 vs 11 accepted of 7 steps: 5.6% apart, beyond the 2% tolerance
+
+
+def test_a_last_layer_tap_is_warned_about_naming_the_engines_capture_and_the_fix():
+    assert last_layer_warning([1, 2], 4) is None
+    message = last_layer_warning([1, 3], 4)
+    assert "before the target's final norm" in message and "tap layers below 3" in message
+
+
+# ---- the engine check: vLLM's CPU build on a quickstart-sized export ------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    """The engine environment (created the first time: ~5-10 minutes on 2 cores), or a skip saying why."""
+    try:
+        return engine_python(log=print)
+    except EngineUnavailable as exc:
+        pytest.skip(f"vLLM's CPU build cannot be had here: {exc}")
+
+
+# The drafter families vLLM's CPU build serves (DFlash2 needs its V2 model runner: GPU only, docs/evaluation.md)
+FAMILIES = {
+    "dflash": {},
+    "swa": {"model__drafter_layer_types": '["sliding_attention"]', "model__drafter_sliding_window": 16,
+            "model__drafter_causal": "false"},
+    "sinks": {"model__drafter_attention_sink": "true"},
+}
+
+
+@pytest.fixture(scope="module")
+def trained_export(tmp_path_factory):
+    """A tiny Qwen3 target (head_dim 32: vLLM's CPU attention takes it); ``export(family)`` trains a
+    drafter of that family on the target's own continuations for 150 steps (~40 s), tapping
+    layers 1 and 2 of 4 (below the last), and returns the job's root (export in run-FAMILY/drafter)."""
+    root = tmp_path_factory.mktemp("engine")
+    model = tiny_causal_lm(300, arch="qwen3", num_layers=4, hidden=64, num_heads=2, num_kv_heads=1, seed=1,
+                           max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    job = make_job(root, model)
+
+    def export(family: str = "dflash") -> Path:
+        out = root / f"run-{family}"
+        if not (out / "drafter" / "config.json").is_file():
+            assert main(["train", *overrides(job, out, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
+                                              data__token_budget=640, data__max_batch_size=16,
+                                              objective__num_anchors=16, **FAMILIES[family])]) == 0
+        return out / "drafter"
+
+    return root, export
+
+
+def train_prompts() -> list[list[int]]:
+    """8 of the prompts whose continuations the drafter trained on (make_job): its drafts are
+    accepted often there, so the step-for-step comparison is of real drafts."""
+    return torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))[:8].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vllm_python, trained_export, tmp_path,
+                                                                               family):
+    root, export = trained_export
+    prompts = train_prompts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # taps below the last layer: no warning
+        report = engine_check(root / "target", export(family), prompts, max_new_tokens=40, eos_ids=[])
+    assert "engine_error" not in report, report.get("engine_error")
+    assert report["lossless"] and report["same_outputs"]
+    # the same drafts at every step: each prompt's per-step acceptance, counted as vLLM counts it
+    assert report["same_steps"], report["prompts_with_other_steps"]
+    assert report["vllm"]["accepted_tokens"] == report["flashdraft"]["accepted_tokens"]
+    assert report["vllm"]["tau_pooled"] == pytest.approx(report["flashdraft"]["tau_pooled"], rel=1e-9)
+    assert report["vllm"]["tau_pooled"] > 2  # a trained drafter: the comparison is not of empty drafts
+    json.dump(report, open(tmp_path / "report.json", "w"))
+
+
+@pytest.mark.slow
+def test_a_last_layer_tap_is_served_on_other_features_and_the_check_says_so(vllm_python, trained_export):
+    """The same drafter's weights relabelled to tap layers [1, 3]: flashdraft feeds it the normed
+    last layer, vLLM the pre-norm sum; the decodes stay lossless but propose other drafts."""
+    root, export = trained_export
+    trained, relabelled = export("dflash"), root / "last-layer"
+    relabelled.mkdir(exist_ok=True)
+    config = json.loads((trained / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 3]
+    (relabelled / "config.json").write_text(json.dumps(config))
+    (relabelled / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes())
+    with pytest.warns(UserWarning, match="before the target's final norm"):
+        report = engine_check(root / "target", relabelled, train_prompts(), max_new_tokens=40, eos_ids=[])
+    assert report["lossless"] and report["same_outputs"]
+    assert not report["same_steps"]
+
+
+def test_the_engine_environment_is_refused_beside_a_torch_it_would_replace(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")
+    with pytest.raises(EngineUnavailable, match="must not replace"):
+        engine_python(create=False)
+
+
+def test_eval_engine_beside_a_cuda_torch_is_refused_with_the_reason_before_any_model_loads(tmp_path, monkeypatch):
+    from conftest import MASK_ID, tiny_qwen3
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.evaluate import write_prompts
+    from flashdraft.target import TargetModel
+
+    model = tiny_qwen3(num_layers=4)
+    model.save_pretrained(tmp_path / "target")
+    drafter = DFlashDrafter.for_target(TargetModel(model, [1, 2]), num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    drafter.save_pretrained(tmp_path / "drafter")
+    write_prompts(tmp_path / "p.jsonl", [[1, 2, 3]])
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded a model first"))
+    with pytest.raises(ValueError, match="--engine vllm: cannot run here: .*must not replace"):
+        main(["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
+              str(tmp_path / "p.jsonl"), "--engine", "vllm"])
+
+
+def test_export_verify_engine_without_prompts_is_refused_before_exporting(tmp_path):
+    step = tmp_path / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text(json.dumps({"data": {}}))
+    with pytest.raises(ValueError, match="--verify-engine: give --prompts FILE"):
+        main(["export", str(step), "--out", str(tmp_path / "out"), "--verify-engine", "vllm"])
+    assert not (tmp_path / "out").exists()
