@@ -14,6 +14,7 @@ import torch
 from flashdraft import distributed
 from flashdraft.config import DTYPES
 from flashdraft.drafter import DFlashDrafter, serving
+from flashdraft.outputs import check_output
 from flashdraft.speculative import (
     GREEDY,
     Generation,
@@ -235,7 +236,8 @@ def run(args) -> int:
         layer_ids = cfg["dflash_config"]["target_layer_ids"]
         block_size = args.block_size or int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
-    if args.output:  # found now, not after the whole evaluation
+    if args.output:  # found now, not after the whole evaluation; never one of its own inputs (flashdraft.outputs)
+        check_output(args.output, flag="--output", inputs=[args.prompts], model_dirs=[args.target, args.drafter])
         _check_writable(Path(args.output))
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")

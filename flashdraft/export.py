@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, step_dir_name
+from flashdraft.outputs import check_output
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -120,17 +121,10 @@ def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
 
 
 def _check_out(out: Path, checkpoint: Path) -> None:
-    """``--out`` may be new, empty, or an earlier drafter export (replaced); nothing else, and never
-    inside the checkpoints (writing there would damage one, or plant a fake step directory)."""
-    checkpoint = checkpoint.resolve()
-    root = checkpoint.parent  # a run's checkpoints directory, or wherever a lone checkpoint was copied to
-    protected = root if (root / "latest").exists() or any(root.glob("step_*")) else checkpoint
-    if out.resolve().is_relative_to(protected):
-        raise ValueError(f"--out {out} lies inside {protected}, checkpoints it must not write into; choose a "
-                         "directory outside it")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
-        raise ValueError(f"--out {out} exists and is not a drafter export; give a new directory (an earlier export "
-                         "there would be replaced)")
+    """``--out`` may be new, empty, or an earlier drafter export (replaced); never inside any run's
+    checkpoints (writing there would damage one, or plant a fake step directory): the rule of
+    flashdraft.outputs, shared with ``prepare --out`` and ``eval --output``."""
+    check_output(out, flag="--out", inputs=[checkpoint], kind="a drafter export", is_kind=_is_export)
 
 
 def _is_export(path: Path) -> bool:

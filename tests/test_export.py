@@ -106,7 +106,7 @@ def test_a_corrupt_checkpoint_is_refused_with_the_reason(run_dir, tmp_path):
         main(["export", str(run_dir), "--out", str(tmp_path / "notes")])
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     inside = run_dir / "checkpoints" / "step_00000006" / "export"  # would damage the checkpoint it reads
-    with pytest.raises(ValueError, match=r"lies inside .*checkpoints, checkpoints it must not write into"):
+    with pytest.raises(ValueError, match=r"lies inside .*checkpoints, a training run's checkpoints"):
         main(["export", str(run_dir), "--out", str(inside)])
     with pytest.raises(ValueError, match=r"lies inside"):
         main(["export", str(run_dir), "--out", str(run_dir / "checkpoints" / "step_00000020")])
@@ -143,6 +143,20 @@ def test_the_readme_serving_lines_say_what_the_engines_read():
     # sliding-window and full layers mixed: vLLM serves those on its V2 model runner only (DFLASH2.md 3.2)
     mixed = serving_commands("/models/Qwen3-8B", spec["model"], bs, v2_runner=True)
     assert mixed[1].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve ") and mixed[0] == printed[0]
+
+
+def test_export_never_writes_into_any_runs_checkpoints(run_dir, tmp_path):
+    """Issue 31 #1: the guard protected only the source run; --out inside another run's newest
+    checkpoint damaged it (its manifest check failed, and that run resumed two steps back)."""
+    import shutil
+
+    other = tmp_path / "B"
+    shutil.copytree(run_dir / "checkpoints", other / "checkpoints", symlinks=True)
+    for out in (other / "checkpoints" / "step_00000006" / "export", other / "checkpoints" / "step_00000008"):
+        with pytest.raises(ValueError, match=r"lies inside .*B/checkpoints.*a training run's checkpoints"):
+            main(["export", str(run_dir), "--out", str(out)])
+    assert CheckpointManager(other / "checkpoints").latest_complete().name == "step_00000006"
+    assert not (other / "checkpoints" / "step_00000008").exists()
 
 
 def test_a_checkpoint_copied_elsewhere_exports_with_its_step(run_dir, tmp_path):

@@ -340,6 +340,11 @@ def run(args) -> int:
         return 0
     if args.out is None:
         raise ValueError("give --out DIR (where the token shard is written), or --explain N to look at one record")
+    from flashdraft.data.shards import is_token_shard
+    from flashdraft.outputs import check_output
+
+    check_output(args.out, flag="--out", inputs=[*args.inputs, args.tokenizer], kind="a token shard",
+                 is_kind=is_token_shard)  # the paths a command may write (flashdraft.outputs)
     summary = prepare(args.inputs, args.tokenizer, args.out, max_length=args.max_length, min_supervised=min_supervised,
                       num_workers=args.workers, supervise_thinking=args.supervise_thinking,
                       enable_thinking=thinking_flag(args.thinking), split=args.split, force=args.force,
