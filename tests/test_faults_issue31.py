@@ -4,8 +4,6 @@ rules they enforce are listed in docs/reliability.md."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conftest import make_drafter, tiny_qwen3
