@@ -32,6 +32,7 @@ from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
+from flashdraft.speculative import MIN_TEMPERATURE
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 DRAFTERS = ("dflash", "dflash2")  # model.drafter: the drafter family
@@ -246,8 +247,9 @@ class TrainConfig:
         _check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every}", "use 0 (only at the end) or more")
         _check(self.eval_prompts >= 0 and self.eval_max_new_tokens >= 1, "train.eval_prompts / eval_max_new_tokens",
                f"{self.eval_prompts} / {self.eval_max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
-        _check(self.eval_temperature >= 0, "train.eval_temperature", f"{self.eval_temperature}",
-               "use 0 (greedy) or a positive temperature, e.g. 1.0")
+        _check(self.eval_temperature == 0 or self.eval_temperature >= MIN_TEMPERATURE, "train.eval_temperature",
+               f"{self.eval_temperature}", f"use 0 (greedy) or a temperature of at least {MIN_TEMPERATURE:g} (smaller "
+               "ones overflow the logits), e.g. 1.0")
         _check(0 < self.eval_top_p <= 1, "train.eval_top_p", f"{self.eval_top_p}", "use a value in (0, 1] (1: off)")
         _check(self.eval_top_k >= 0, "train.eval_top_k", f"{self.eval_top_k}", "use 0 (off) or a positive count")
         _check(self.eval_temperature > 0 or (self.eval_top_p == 1 and self.eval_top_k == 0),

@@ -37,3 +37,17 @@ def test_eval_output_never_overwrites_its_own_inputs(eval_dir, victim):
     with pytest.raises(ValueError, match=rf"--output .*{victim} (is|lies inside|holds) .*an input of this command"):
         _eval(eval_dir, "--output", str(path), "--max-new-tokens", "4")
     assert sorted(p.read_bytes() for p in ([path] if path.is_file() else path.iterdir())) == before
+
+
+# ---- 3: a tiny positive temperature is refused where it is given, not mid-run ---------------
+
+def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_minimum_decodes(eval_dir):
+    from flashdraft.config import load_config
+    from flashdraft.speculative import MIN_TEMPERATURE
+
+    with pytest.raises(ValueError, match=r"train.eval_temperature=1e-40 is invalid: use 0 \(greedy\) or a "
+                                         r"temperature of at least 0.0001"):
+        load_config(overrides=["train.eval_temperature=1e-40"])
+    with pytest.raises(ValueError, match=r"--temperature 1e-40: use 0 \(greedy\) or a finite temperature of at least"):
+        _eval(eval_dir, "--temperature", "1e-40", "--max-new-tokens", "4")
+    assert _eval(eval_dir, "--temperature", str(MIN_TEMPERATURE), "--max-new-tokens", "6") == 0
