@@ -4,6 +4,8 @@ rules they enforce are listed in docs/reliability.md."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import make_drafter, tiny_qwen3
@@ -51,3 +53,55 @@ def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_mi
     with pytest.raises(ValueError, match=r"--temperature 1e-40: use 0 \(greedy\) or a finite temperature of at least"):
         _eval(eval_dir, "--temperature", "1e-40", "--max-new-tokens", "4")
     assert _eval(eval_dir, "--temperature", str(MIN_TEMPERATURE), "--max-new-tokens", "6") == 0
+
+
+# ---- 5, 6, 16: eval's block size, token count and report -----------------------------------
+
+def test_eval_refuses_a_block_size_the_drafter_does_not_decode_with_and_bad_counts_at_parse(eval_dir, capsys):
+    with pytest.raises(ValueError, match=r"--block-size 8: .*drafter drafts blocks of 4, the size it decodes"):
+        _eval(eval_dir, "--block-size", "8", "--max-new-tokens", "4")
+    for flag, value in [("--block-size", "-3"), ("--block-size", "0"), ("--block-size", "1"),
+                        ("--max-new-tokens", "0"), ("--max-new-tokens", "-5")]:
+        with pytest.raises(SystemExit) as exc:
+            _eval(eval_dir, flag, value, drafter=False)
+        assert exc.value.code == 2 and f"argument {flag}: {value}: use" in capsys.readouterr().err
+    assert _eval(eval_dir, "--block-size", "4", "--max-new-tokens", "6") == 0  # the drafter's own: accepted
+    report = json.loads(capsys.readouterr().out)
+    assert report["settings"]["block_size"] == 4 and report["settings"]["drafter"] == "dflash"
+
+
+def test_the_eval_report_is_strict_json_when_no_tau_was_measured(eval_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    eos = tmp_path / "target"  # the same target, but every token it can emit ends the sequence
+    import shutil
+    shutil.copytree(eval_dir / "target", eos)
+    config = AutoConfig.from_pretrained(eos)
+    config.eos_token_id = list(range(config.vocab_size))
+    config.save_pretrained(eos)
+    (eos / "generation_config.json").unlink(missing_ok=True)
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", str(eos), "--drafter", str(eval_dir / "drafter"), "--prompts",
+                 str(eval_dir / "prompts.jsonl"), "--device", "cpu", "--max-new-tokens", "4",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in the report"))
+    assert report["tau"] is None and report["lossless"] is True
+
+
+# ---- 4: a bf16 / fp16 target trains on CPU ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype, family", [("bfloat16", "dflash"), ("float16", "dflash2")])
+def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family):
+    """The fp32 drafter met the target's bf16 / fp16 features in its fc at step 1 (autocast was
+    used on CUDA only): CPU autocasts to the target's dtype now."""
+    import math
+
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    extra = {"model.conv_group_size": 8, "model.selector_rank": 8, "model.selector_top_k": 4} if family == "dflash2" else {}
+    result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
+                                                   model__drafter=family, **{k.replace(".", "__"): v
+                                                                             for k, v in extra.items()})))
+    assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()

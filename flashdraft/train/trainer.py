@@ -42,6 +42,17 @@ log = logging.getLogger(__name__)
 StepHook = Callable[["Trainer"], None]
 
 
+def autocast_for(device: torch.device, target_dtype: torch.dtype):
+    """The drafter's mixed precision: bf16 autocast on CUDA; on CPU, autocast to a bf16 / fp16
+    target's dtype (its features reach the fp32 drafter in that dtype, and a matmul of the two
+    fails at step 1 without it), none for an fp32 target."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if target_dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast("cpu", dtype=target_dtype)
+    return contextlib.nullcontext()
+
+
 class Trainer:
     """Builds everything from a Config; ``fit()`` runs the loop and returns the final metrics."""
 
@@ -75,8 +86,7 @@ class Trainer:
                   "trainer": self.state}, {"rng": ProcessRNG()},
             export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
         self.timer = StageTimer(self.device, owner_only=True)  # main thread; the pipeline reports the rest
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else contextlib.nullcontext())
+        self.autocast = autocast_for(self.device, self.target.dtype)
         self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
         self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
                                    self.timer, self.autocast, self.dist.world_size,
