@@ -100,8 +100,8 @@ def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
-    extra = {"model.conv_group_size": 8, "model.selector_rank": 8, "model.selector_top_k": 4} if family == "dflash2" else {}
+    sizes = dict(model__conv_group_size=8, model__selector_rank=8, model__selector_top_k=4)
+    extra = sizes if family == "dflash2" else {}
     result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
-                                                   model__drafter=family, **{k.replace(".", "__"): v
-                                                                             for k, v in extra.items()})))
+                                                   model__drafter=family, **extra)))
     assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
