@@ -172,6 +172,16 @@ class ObjectiveConfig:
                "objective.selector_warmup_frac / selector_ramp_frac",
                f"{self.selector_warmup_frac} / {self.selector_ramp_frac}",
                "use shares of the run that add up to at most 1 (else selector_alpha is never reached)")
+        _refuse_unselected([(self, "objective", ("dpace_alpha",))], self.weighting == "dpace", "D-PACE's slot weights",
+                           "set objective.weighting=dpace too")
+        _refuse_unselected([(self, "objective", ("gamma",))], self.weighting == "decay", "the decay slot weights",
+                           "set objective.weighting=decay too")
+        _refuse_unselected([(self, "objective", ("lk_kl_scale", "lk_kl_decay"))], self.loss == "lk_lambda",
+                           "the LK lambda mix", "set objective.loss=lk_lambda too")
+        _refuse_unselected([(self, "objective", ("selector_warmup_frac", "selector_ramp_frac",
+                                                 "selector_stop_gradient"))], self.selector_alpha > 0,
+                           "the selector term's schedule",
+                           "set objective.selector_alpha above 0 too (0 freezes the selector)")
 
     @property
     def dpace(self) -> float | None:
@@ -310,15 +320,12 @@ class Config:
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
-        if self.model.drafter == "dflash":  # DFlash2's knobs on a DFlash drafter would be ignored
-            fields = [("model", "conv_kernel_size"), ("model", "conv_group_size"), ("model", "selector_rank"),
-                      ("model", "selector_top_k"), ("objective", "selector_alpha"),
-                      ("objective", "selector_warmup_frac"), ("objective", "selector_ramp_frac"),
-                      ("objective", "selector_stop_gradient")]
-            changed = [f"{sec}.{key}" for sec, key in fields
-                       if getattr(getattr(self, sec), key) != getattr(type(getattr(self, sec))(), key)]
-            _check(not changed, ", ".join(changed), "set", "they configure DFlash2's conv and selector: set "
-                   "model.drafter=dflash2 too, or drop them")
+        _refuse_unselected([(self.model, "model", ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                   "selector_top_k")),
+                            (self.objective, "objective", ("selector_alpha", "selector_warmup_frac",
+                                                           "selector_ramp_frac", "selector_stop_gradient"))],
+                           self.model.drafter == "dflash2", "DFlash2's conv and selector",
+                           "set model.drafter=dflash2 too")
         if self.model.tensor_parallel > 1:
             _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
                    "data.eval_path / data.eval_prompts", self.data.eval_path or self.data.eval_prompts,
@@ -349,6 +356,29 @@ def _check_finite(section, name: str) -> None:
         values = value if isinstance(value, tuple) else (value,)
         _check(all(math.isfinite(v) for v in values if isinstance(v, float)), f"{name}.{f.name}", f"{value}",
                "give a finite number")
+
+
+def _refuse_unselected(sections, selected: bool, option: str, select: str) -> None:
+    """Knobs of an option that is not selected would be ignored without a word, so they are refused
+    (the rule for every such knob: DFlash2's sizes on a DFlash drafter, D-PACE's alpha with decay
+    weights, gamma with D-PACE, the LK mix's scale with ce / tv, the selector's schedule with the
+    selector frozen). ``sections``: (section, its name, the option's knobs); a knob counts as set
+    when its value differs from the declared default (a saved config, which writes every field,
+    loads back). ``select``: how to select ``option`` ("set model.drafter=dflash2 too")."""
+    if selected:
+        return
+    given = [f"{name}.{key}={_yaml_value(getattr(section, key))}" for section, name, keys in sections for key in keys
+             if getattr(section, key) != _default(type(section), key)]
+    if given:
+        many = len(given) > 1
+        raise ValueError(f"config {', '.join(given)} {'are' if many else 'is'} ignored: "
+                         f"{'they configure' if many else 'it configures'} {option}, which this config does not "
+                         f"select; {select}, or drop {'them' if many else 'it'}")
+
+
+def _default(cls, key: str) -> Any:
+    f = cls.__dataclass_fields__[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _check(ok: bool, name: str, value: str, fix: str) -> None:

@@ -5,6 +5,7 @@ rules they enforce are listed in docs/reliability.md."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -105,3 +106,33 @@ def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family
     result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
                                                    model__drafter=family, **extra)))
     assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
+
+
+# ---- 8, 16: knobs of an option that is not selected are refused, naming their values --------
+
+@pytest.mark.parametrize("given, refused, fix", [
+    (["objective.dpace_alpha=0.7"], "objective.dpace_alpha=0.7 is", "set objective.weighting=dpace too"),
+    (["objective.weighting=dpace", "objective.gamma=7"], "objective.gamma=7.0 is", "set objective.weighting=decay"),
+    (["objective.weighting=dpace", "objective.gamma=null"], "objective.gamma=null is", "weighting=decay"),
+    (["objective.lk_kl_scale=2"], "objective.lk_kl_scale=2.0 is", "set objective.loss=lk_lambda too"),
+    (["objective.loss=tv", "objective.lk_kl_decay=0.5"], "objective.lk_kl_decay=0.5 is", "loss=lk_lambda"),
+    (["model.drafter=dflash2", "objective.selector_alpha=0", "objective.selector_warmup_frac=0.2",
+      "objective.selector_ramp_frac=0.1"], "objective.selector_warmup_frac=0.2, objective.selector_ramp_frac=0.1 are",
+     "set objective.selector_alpha above 0 too"),
+    (["model.selector_rank=64"], "model.selector_rank=64 is", "set model.drafter=dflash2 too"),  # no "=set"
+])
+def test_knobs_of_an_unselected_option_are_refused_at_load(given, refused, fix):
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=rf"config {re.escape(refused)} ignored: .*{re.escape(fix)}"):
+        load_config(overrides=given)
+
+
+def test_the_selected_options_knobs_and_a_saved_config_load():
+    from flashdraft.config import load_config, to_yaml
+
+    for given in (["objective.weighting=dpace", "objective.dpace_alpha=0.7"], ["objective.gamma=5"],
+                  ["objective.loss=lk_lambda", "objective.lk_kl_scale=2"], ["model.drafter=dflash2",
+                   "objective.selector_warmup_frac=0.2"]):
+        config = load_config(overrides=given)
+        assert load_config(base=__import__("yaml").safe_load(to_yaml(config))) == config
