@@ -136,3 +136,22 @@ def test_the_selected_options_knobs_and_a_saved_config_load():
                    "objective.selector_warmup_frac=0.2"]):
         config = load_config(overrides=given)
         assert load_config(base=__import__("yaml").safe_load(to_yaml(config))) == config
+
+
+# ---- 9: a run whose every step was skipped logs no loss, not a perfect one --------------------
+
+def test_a_run_whose_every_step_was_skipped_logs_no_loss_or_accuracy(tiny_job, tmp_path, capsys):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    out = tmp_path / "run"  # lambda = 1e300 * exp(...): an infinite loss at every step, each one skipped
+    result = train(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, objective__loss="lk_lambda",
+                                                   objective__lk_kl_scale="1e300")))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "skipped_steps" in r]
+    assert [r["skipped_steps"] for r in steps] == [1, 2]
+    assert not any(key in r for r in steps for key in ("loss", "acc", "acc_first", "tau_sim"))
+    assert "loss" not in result and result["skipped_steps"] == 2
+    err = capsys.readouterr().err
+    assert "step 2/2 skipped 2 lr" in err and "loss 0" not in err
