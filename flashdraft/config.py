@@ -16,6 +16,7 @@ import inspect
 import io
 import math
 import os
+import reprlib
 import textwrap
 import tokenize
 import types
@@ -405,6 +406,14 @@ class _Override:
     error: str = ""
 
 
+def _shown(value: Any) -> str:
+    """``value`` for an error message, bounded: a YAML alias bomb or a deeply nested value is
+    shown abridged (``[[[...], ...], ...]``), never expanded (that took minutes and all memory)."""
+    shown = reprlib.Repr()  # its limits as attributes: Python 3.10's takes no arguments
+    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict, shown.maxstring, shown.maxother = 2, 4, 4, 4, 60, 60
+    return shown.repr(value)
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Convert a YAML-parsed value to the declared field type, or raise naming the field."""
     if isinstance(value, _Override):
@@ -414,7 +423,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             quoted = text[:1] in ("'", '"') and isinstance(value.parsed, str)
             return value.parsed if quoted else text  # a quoted YAML string loses its quotes, as in a file
         if value.error:
-            raise ValueError(f"config {name}={value.text!r} is invalid: {value.error}")
+            raise ValueError(f"config {name}={_shown(value.text)} is invalid: {value.error}")
         value = value.parsed
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -432,17 +441,19 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         raise ValueError(errors[0] if errors else f"config {name}: cannot be null")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"config {name}={value!r} is invalid: give a list, e.g. [1, 2]")
+            args = typing.get_args(tp)
+            example = "of names, e.g. [a, b]" if args[0] is str else "e.g. [1, 2]"
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a list {example}")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], name) for v in value)
         if len(args) != len(value):
-            raise ValueError(f"config {name}={value!r} is invalid: give exactly {len(args)} values")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give exactly {len(args)} values")
         return tuple(_coerce(v, a, name) for v, a in zip(value, args))
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ValueError(f"config {name}={value!r} is invalid: use true or false")
+        raise ValueError(f"config {name}={_shown(value)} is invalid: use true or false")
     if tp is int:
         if isinstance(value, str):  # YAML 1.1 reads 64e9 (no dot) as a string: byte budgets are written so
             try:
@@ -452,7 +463,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ValueError(f"config {name}={value!r} is invalid: give an integer")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
@@ -461,13 +472,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config {name}={value!r} is invalid: give a number")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a number")
         if not math.isfinite(value):  # inf / nan pass every range check below, then break the run
-            raise ValueError(f"config {name}={value!r} is invalid: give a finite number")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a finite number")
         return float(value)
     if tp is str:
         if value is None or isinstance(value, (dict, list)):
-            raise ValueError(f"config {name}={value!r} is invalid: give a string")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a string")
         return str(value)
     raise TypeError(f"config {name}: unsupported field type {tp}")
 
@@ -513,6 +524,8 @@ def parse_overrides(overrides: list[str]) -> dict:
             parsed, error = (yaml.safe_load(raw) if raw.strip() else ""), ""
         except yaml.YAMLError as exc:
             parsed, error = None, f"not valid YAML ({getattr(exc, 'problem', None) or exc})"
+        except RecursionError:
+            parsed, error = None, "nested too deeply (a few levels are all any field takes)"
         node[parts[-1]] = _Override(raw, parsed, error)
     return tree
 
@@ -541,6 +554,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                              "e.g. one written by `flashdraft config > run.yaml`") from None
         try:
             loaded = yaml.safe_load(text) or {}
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply for a config file (a few levels are all any field takes); "
+                             "fix the file (`flashdraft config` prints a valid one)") from None
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

@@ -155,3 +155,53 @@ def test_a_run_whose_every_step_was_skipped_logs_no_loss_or_accuracy(tiny_job, t
     assert "loss" not in result and result["skipped_steps"] == 2
     err = capsys.readouterr().err
     assert "step 2/2 skipped 2 lr" in err and "loss 0" not in err
+
+
+# ---- 10: one-line errors where tracebacks were ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from flashdraft.toy import train_toy_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tok"
+    train_toy_tokenizer(template="qwen3").save_pretrained(path)
+    return path
+
+
+def test_a_yaml_alias_bomb_or_deep_nesting_in_a_config_is_one_short_line(tmp_path):
+    layers = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for name, prev in zip("bcdefghi", "abcdefgh"):  # 9^9 strings if expanded
+        layers.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    (tmp_path / "bomb.yaml").write_text("model:\n  target: [" + ", ".join(layers) + "]\n")
+    (tmp_path / "deep.yaml").write_text("model:\n  target_layer_ids: " + "[" * 5000 + "]" * 5000 + "\n")
+    deep = "[" * 5000 + "]" * 5000
+    for args, wanted in [(["--config", str(tmp_path / "bomb.yaml")], "config model.target=[['lol'"),
+                         (["--config", str(tmp_path / "deep.yaml")], f"{tmp_path / 'deep.yaml'}: nested too deeply"),
+                         ([f"model.target_layer_ids={deep}"], "config model.target_layer_ids='[[[[")]:
+        with pytest.raises(ValueError) as exc:  # the command line prints it as one `error:` line
+            main(["config", *args])
+        assert str(exc.value).startswith(wanted) and len(str(exc.value)) < 300 and "\n" not in str(exc.value)
+
+
+def test_a_selector_too_large_for_the_device_is_refused_at_start_up_with_its_size(tiny_job, tmp_path):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.checks import check_drafter_sizes
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", model__drafter="dflash2",
+                                          model__conv_group_size=8, model__selector_rank=1_000_000_000))
+    with pytest.raises(ValueError, match=r"model.selector_rank=1000000000: .* need 10,112.0 GB with their gradients "
+                                         r"and AdamW state, more than the .* GB of this device: use e.g. 256"):
+        check_drafter_sizes(cfg, "cpu")
+
+
+def test_prepare_explain_of_a_deep_record_or_a_huge_index_is_one_line(qwen3_tokenizer, tmp_path):
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps({**chat, "x": None}).replace("null", "[" * 5000 + "]" * 5000) + "\n")
+    from flashdraft.data.prepare import explain
+
+    said = explain([tmp_path / "in.jsonl"], qwen3_tokenizer, 0, min_supervised=1)
+    assert said.startswith(f"{tmp_path / 'in.jsonl'}:1 (record 0) is dropped: bad_json: ")
+    assert "nested too deeply" in said
+    with pytest.raises(ValueError, match=r"--explain 10{30}: the inputs hold 1 records, numbered from 0"):
+        explain([tmp_path / "in.jsonl"], qwen3_tokenizer, 10**30)

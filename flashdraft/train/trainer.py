@@ -68,7 +68,7 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         checks.check_paths(cfg)
-        checks.check_drafter_sizes(cfg)
+        checks.check_drafter_sizes(cfg, self.device)
         self.output = Path(cfg.train.output_dir)
         model = self._build_models()
         self._open_data()
