@@ -34,11 +34,10 @@ def _is_checkpoints_dir(path: Path) -> bool:
 
 
 def checkpoints_around(path: Path) -> Path | None:
-    """The checkpoint or checkpoints directory that ``path`` lies in (or is), if any."""
-    for parent in [path, *path.parents]:
-        if parent.is_dir() and _is_checkpoints_dir(parent):
-            return parent
-    return None
+    """The checkpoints directory (or lone checkpoint) that ``path`` lies in or is, if any: the
+    outermost one, so that a message names a run's whole checkpoints directory."""
+    found = [parent for parent in [path, *path.parents] if parent.is_dir() and _is_checkpoints_dir(parent)]
+    return found[-1] if found else None
 
 
 def check_output(path: str | os.PathLike, *, flag: str, inputs: Iterable[str | os.PathLike] = (),

@@ -159,6 +159,30 @@ def test_export_never_writes_into_any_runs_checkpoints(run_dir, tmp_path):
     assert not (other / "checkpoints" / "step_00000008").exists()
 
 
+def test_a_checkpoint_pruned_by_its_training_run_mid_export_still_exports(run_dir, tmp_path, monkeypatch):
+    """Issue 31 #11: export read the checkpoint in place, and a run still training pruned it
+    mid-read ("no manifest.json"). It reads a hard-linked snapshot now: here the run's real
+    pruning removes step 4 after the snapshot, just before the files are read."""
+    import shutil
+
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(run_dir / "checkpoints", root, symlinks=True)
+    real_load = CheckpointManager.load
+
+    def load_after_a_prune(self, path, *args, **kwargs):
+        CheckpointManager(root, keep_last=1)._prune(6, "step_00000006")  # what the trainer's next save does
+        return real_load(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "load", load_after_a_prune)
+    assert main(["export", str(tmp_path / "run"), "--step", "4", "--out", str(tmp_path / "e")]) == 0
+    assert not (root / "step_00000004").exists()
+    step4 = CheckpointManager(run_dir / "checkpoints").load(run_dir / "checkpoints" / "step_00000004")
+    exported = DFlashDrafter.from_pretrained(tmp_path / "e")
+    for name, value in step4.parts["drafter"].items():
+        assert torch.equal(exported.state_dict()[name], value.to(torch.bfloat16).float())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "run"]  # the snapshot is gone
+
+
 def test_a_checkpoint_copied_elsewhere_exports_with_its_step(run_dir, tmp_path):
     import shutil
 

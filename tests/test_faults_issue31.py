@@ -205,3 +205,21 @@ def test_prepare_explain_of_a_deep_record_or_a_huge_index_is_one_line(qwen3_toke
     assert "nested too deeply" in said
     with pytest.raises(ValueError, match=r"--explain 10{30}: the inputs hold 1 records, numbered from 0"):
         explain([tmp_path / "in.jsonl"], qwen3_tokenizer, 10**30)
+
+
+# ---- 12: export prints the target's absolute path -------------------------------------------
+
+def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(tiny_job, tmp_path, monkeypatch,
+                                                                                 capsys):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    monkeypatch.chdir(tiny_job)  # trained with model.target=target, train.output_dir=rel/run
+    given = overrides(tiny_job, tmp_path, train__max_steps=1, model__target="target", train__output_dir="rel/run")
+    train(load_config(overrides=given))
+    monkeypatch.chdir(tmp_path)  # exported from elsewhere
+    assert main(["export", str(tiny_job / "rel" / "run"), "--out", "exp"]) == 0
+    out = capsys.readouterr().out
+    assert f"--model-path {tiny_job / 'target'} " in out and f"vllm serve {tiny_job / 'target'} " in out
+    assert f"--speculative-draft-model-path {tmp_path / 'exp'} " in out
