@@ -223,3 +223,20 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     out = capsys.readouterr().out
     assert f"--model-path {tiny_job / 'target'} " in out and f"vllm serve {tiny_job / 'target'} " in out
     assert f"--speculative-draft-model-path {tmp_path / 'exp'} " in out
+
+
+# ---- 13: quickstart budget mistakes are refused before any stage runs ------------------------
+
+@pytest.mark.parametrize("change, wanted", [
+    ({"drafter_lr": -1.0}, "optim.lr=-1.0"), ({"num_anchors": 0}, "objective.num_anchors=0"),
+    ({"block_size": 1}, "model.block_size=1"), ({"regen_temperature": -1.0}, "--regen-temperature -1.0"),
+    ({"regen_temperature": 1e-40}, "--regen-temperature 1e-40"),
+])
+def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
+    import dataclasses
+
+    from flashdraft.quickstart import SMOKE, quickstart
+
+    with pytest.raises(ValueError, match=re.escape(wanted)):
+        quickstart(tmp_path / "qs", dataclasses.replace(SMOKE, **change))
+    assert not (tmp_path / "qs").exists()  # no stage ran
