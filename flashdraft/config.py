@@ -442,8 +442,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             args = typing.get_args(tp)
-            example = "of names, e.g. [a, b]" if args[0] is str else "e.g. [1, 2]"
-            raise ValueError(f"config {name}={_shown(value)} is invalid: give a list {example}")
+            example = " of names, e.g. [a, b]" if args[0] is str else ", e.g. [1, 2]"
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a list{example}")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], name) for v in value)

@@ -272,6 +272,10 @@ def run(args) -> int:
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
     main = True
+    if args.tensor_parallel > 1 and os.environ.get("WORLD_SIZE", "1") != str(args.tensor_parallel):
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel} on WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}"
+                         f": launch exactly that many ranks (torchrun --nproc-per-node={args.tensor_parallel} -m "
+                         "flashdraft.cli eval ...), or drop --tensor-parallel")
     if args.tensor_parallel > 1:  # every rank runs the same decoding in lockstep; rank 0 reports
         dist = distributed.init_distributed(args.device, tensor_parallel=args.tensor_parallel)
         if dist.world_size != args.tensor_parallel:

@@ -240,3 +240,37 @@ def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, chang
     with pytest.raises(ValueError, match=re.escape(wanted)):
         quickstart(tmp_path / "qs", dataclasses.replace(SMOKE, **change))
     assert not (tmp_path / "qs").exists()  # no stage ran
+
+
+# ---- 15: the OpenAI developer role is the system turn ---------------------------------------
+
+def test_the_openai_developer_role_is_rendered_as_the_system_turn():
+    from flashdraft.data.chat import normalize_record
+    from flashdraft.data.masking import tokenize_conversation
+    from flashdraft.toy import train_toy_tokenizer
+
+    tok = train_toy_tokenizer(template="qwen3")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}]
+    as_developer = normalize_record({"messages": [{"role": "developer", "content": "Be brief."}, *turns]}, "r")
+    as_system = normalize_record({"messages": [{"role": "system", "content": "Be brief."}, *turns]}, "r")
+    assert as_developer == as_system
+    ids, _ = tokenize_conversation(tok, as_developer["messages"])
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in tok.decode(ids.tolist())
+
+
+# ---- 16: messages name the flag, the file and the list's kind --------------------------------
+
+def test_eval_tensor_parallel_without_torchrun_names_the_flag(eval_dir, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"--tensor-parallel 2 on WORLD_SIZE=1: launch exactly that many ranks "
+                                         r"\(torchrun --nproc-per-node=2"):
+        _eval(eval_dir, "--tensor-parallel", "2", "--max-new-tokens", "4")
+
+
+def test_a_list_of_strings_is_asked_for_as_names_not_numbers():
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=r"config train.metrics=3 is invalid: give a list of names, e.g. \[a, b\]"):
+        load_config(overrides=["train.metrics=3"])
+    with pytest.raises(ValueError, match=r"config model.target_layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
+        load_config(overrides=["model.target_layer_ids=x"])

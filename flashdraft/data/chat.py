@@ -32,7 +32,7 @@ import json
 from typing import Any
 
 ROLE_ALIASES = {
-    "system": "system",
+    "system": "system", "developer": "system",  # OpenAI's current name for the system turn: rendered as system
     "user": "user", "human": "user",
     "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bot": "assistant",
     "tool": "tool", "observation": "tool", "function": "tool", "ipython": "tool",
