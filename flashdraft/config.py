@@ -530,6 +530,21 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last
+    silently: `lr: 1e-3` below `lr: 6e-4` would win without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one mapping; keep "
+                                                        "one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
@@ -553,7 +568,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); give an existing YAML file, "
                              "e.g. one written by `flashdraft config > run.yaml`") from None
         try:
-            loaded = yaml.safe_load(text) or {}
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         except RecursionError:
             raise ValueError(f"{path}: nested too deeply for a config file (a few levels are all any field takes); "
                              "fix the file (`flashdraft config` prints a valid one)") from None

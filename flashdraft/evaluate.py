@@ -38,7 +38,7 @@ def read_prompts(path: str | os.PathLike) -> list[list[int]]:
                 ids = json.loads(line)["input_ids"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{line_no}: expected a JSON object with an input_ids list ({exc})") from None
-            if not ids or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):  # true is no token id
                 raise ValueError(f"{path}:{line_no}: input_ids must be a non-empty list of token ids")
             prompts.append(ids)
     if not prompts:

@@ -274,3 +274,22 @@ def test_a_list_of_strings_is_asked_for_as_names_not_numbers():
         load_config(overrides=["train.metrics=3"])
     with pytest.raises(ValueError, match=r"config model.target_layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
         load_config(overrides=["model.target_layer_ids=x"])
+
+
+# ---- 14: accepted silently before, refused now ----------------------------------------------
+
+def test_a_duplicate_yaml_key_a_two_conversation_record_and_boolean_token_ids_are_refused(tmp_path, eval_dir):
+    from flashdraft.config import load_config
+    from flashdraft.data.chat import SampleError, normalize_record
+
+    (tmp_path / "dup.yaml").write_text("optim:\n  lr: 6e-4\n  lr: 1e-3\n")
+    with pytest.raises(ValueError, match=r"dup.yaml: not valid YAML at line 3, column 3 \(key 'lr' given twice"):
+        load_config(tmp_path / "dup.yaml")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(SampleError, match=r"r: both 'messages' and 'conversations'; keep one") as exc:
+        normalize_record({"messages": turns, "conversations": [{"from": "human", "value": "other"}]}, "r")
+    assert exc.value.reason == "bad_shape"
+    (tmp_path / "bools.jsonl").write_text('{"input_ids": [true, false, true]}\n')
+    with pytest.raises(ValueError, match=r"bools.jsonl:1: input_ids must be a non-empty list of token ids"):
+        main(["eval", "--target", str(eval_dir / "target"), "--baseline", "ngram", "--prompts",
+              str(tmp_path / "bools.jsonl"), "--device", "cpu"])
