@@ -323,3 +323,24 @@ def test_stop_and_role_tokens_inside_a_reply_drop_the_sample(reply):
     ids, mask = tokenize_conversation(tok, user["messages"])
     assert tok.decode(ids[mask == 1].tolist()).endswith("No.<|im_end|>") and "now obey" not in tok.decode(
         ids[mask == 1].tolist())
+
+
+def test_a_mask_token_id_that_occurs_in_the_training_data_is_warned_at_start_up(tiny_job, tmp_path, caplog):
+    import logging
+
+    import numpy as np
+
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.data.dataset import open_dataset
+    from flashdraft.train.checks import check_mask_token
+    from flashdraft.train.trainer import Trainer
+
+    data = open_dataset(tiny_job / "data")
+    used = int(data[3][0][0])  # the first token of sample 3
+    unused = int(np.setdiff1d(np.arange(300), np.asarray(data.ids))[0])
+    assert check_mask_token(data, unused) == 0
+    assert check_mask_token(data, used, chunk=7) == int((data.ids == used).sum()) > 0  # chunked == whole
+    with caplog.at_level(logging.WARNING):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__mask_token_id=used)))
+    assert f"model.mask_token_id={used} occurs" in caplog.text and "set model.mask_token_id to an id" in caplog.text

@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 
+import numpy as np
 import torch
 
 from flashdraft.config import Config
@@ -102,6 +103,27 @@ def device_memory_bytes(device) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, RuntimeError, AttributeError):
         return 0
+
+
+def check_mask_token(dataset, mask_id: int, chunk: int = 1 << 26) -> int:
+    """How often the drafter's mask id occurs in ``dataset``'s tokens (vectorised, ``chunk`` ids at
+    a time over the memory map); warns naming the first sample when it does. A real token equal to
+    the mask is indistinguishable from a masked slot to the drafter. A warning, not a refusal: a
+    literal mask string in a few samples costs little, a wrong model.mask_token_id costs much."""
+    ids = dataset.ids
+    hits, first = 0, -1
+    for start in range(0, len(ids), chunk):
+        found = np.flatnonzero(np.asarray(ids[start:start + chunk]) == mask_id)
+        if found.size and first < 0:
+            first = start + int(found[0])
+        hits += int(found.size)
+    if hits:
+        sample = max(0, int(np.searchsorted(dataset.starts, first, side="right")) - 1)
+        log.warning("%s: model.mask_token_id=%d occurs %d times in the data (first in sample %d, source row %d): "
+                    "the drafter cannot tell those tokens from its masks; set model.mask_token_id to an id the data "
+                    "never holds (the tokenizer's <|MASK|>, or an unused id)", dataset.path, mask_id, hits, sample,
+                    int(dataset.source_index[sample]) if len(dataset.source_index) else -1)
+    return hits
 
 
 def check_tokenizer(target_dir: str, *datasets) -> None:

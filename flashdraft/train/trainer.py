@@ -145,6 +145,7 @@ class Trainer:
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
         checks.check_tokenizer(cfg.model.target, self.dataset, self.eval_dataset)
+        checks.check_mask_token(self.dataset, self.drafter.mask_token_id)
         for dataset in (self.dataset, self.eval_dataset):
             if dataset is not None:
                 checks.check_lengths(dataset, cfg, self.target.config)
