@@ -344,3 +344,28 @@ def test_a_mask_token_id_that_occurs_in_the_training_data_is_warned_at_start_up(
     with caplog.at_level(logging.WARNING):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__mask_token_id=used)))
     assert f"model.mask_token_id={used} occurs" in caplog.text and "set model.mask_token_id to an id" in caplog.text
+
+
+def test_a_tampered_export_is_named_in_whole_sentences(eval_dir, tmp_path):
+    import shutil
+
+    from flashdraft.drafter import DFlashDrafter
+
+    bad = tmp_path / "drafter"
+    shutil.copytree(eval_dir / "drafter", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["DFlash2DraftModel"],
+                                                 "final_logit_softcapping": 30.0}))
+    with pytest.raises(ValueError) as exc:
+        DFlashDrafter.from_pretrained(bad)
+    said = str(exc.value)
+    assert said.startswith(f"{bad / 'config.json'}: this DFlash drafter uses what flashdraft does not implement")
+    assert "(vLLM requires all four); got" in said and said.endswith("final_logit_softcapping=30.0.")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad / 'config.json'))}: cannot read the drafter's config"):
+        DFlashDrafter.from_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").write_bytes(b"\x00" * 8)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad / 'model.safetensors'))}: cannot read the drafter's "
+                                         "weights"):
+        DFlashDrafter.from_pretrained(bad)
