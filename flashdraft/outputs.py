@@ -16,19 +16,28 @@ Each refusal is one ``ValueError`` naming the flag, the path and what it would h
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from flashdraft.checkpoint import LATEST, MANIFEST
+from flashdraft.checkpoint import MANIFEST
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A checkpoint, wherever it was copied to: a manifest.json that names its step (exports have none)."""
+    try:
+        return "step" in json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _is_checkpoints_dir(path: Path) -> bool:
-    """A run's checkpoints directory (``latest`` or ``step_*`` directories in it), or one checkpoint."""
-    if (path / MANIFEST).is_file():  # a checkpoint, wherever it was copied to (exports have no manifest)
+    """A run's checkpoints directory (a ``step_*`` checkpoint in it), or one checkpoint."""
+    if _is_checkpoint(path):
         return True
     try:
-        return (path / LATEST).is_file() or any(p.is_dir() and p.name.startswith("step_") for p in path.iterdir())
+        return any(p.name.startswith("step_") and _is_checkpoint(p) for p in path.iterdir())
     except OSError:
         return False
 
