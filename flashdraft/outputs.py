@@ -71,6 +71,6 @@ def check_output(path: str | os.PathLike, *, flag: str, inputs: Iterable[str | o
             raise ValueError(f"{flag} {path} {what} {given}, an input of this command, which writing there would "
                              "overwrite; choose another path")
     if kind and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (is_kind and is_kind(out)))):
-        raise ValueError(f"{flag} {path} exists and is not {kind}; give a new or empty directory (an earlier "
-                         f"{kind} there would be replaced)")
+        raise ValueError(f"{flag} {path} exists and is not {kind}; give a new or empty directory, or {kind} "
+                         "(which is replaced)")
     return out
