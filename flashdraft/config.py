@@ -16,6 +16,7 @@ import inspect
 import io
 import math
 import os
+import reprlib
 import textwrap
 import tokenize
 import types
@@ -32,6 +33,7 @@ from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES, SINK_IMPL
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
+from flashdraft.speculative import MIN_TEMPERATURE
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 DRAFTERS = ("dflash", "dflash2")  # model.drafter: the drafter family
@@ -174,6 +176,16 @@ class ObjectiveConfig:
                "objective.selector_warmup_frac / selector_ramp_frac",
                f"{self.selector_warmup_frac} / {self.selector_ramp_frac}",
                "use shares of the run that add up to at most 1 (else selector_alpha is never reached)")
+        _refuse_unselected([(self, "objective", ("dpace_alpha",))], self.weighting == "dpace", "D-PACE's slot weights",
+                           "set objective.weighting=dpace too")
+        _refuse_unselected([(self, "objective", ("gamma",))], self.weighting == "decay", "the decay slot weights",
+                           "set objective.weighting=decay too")
+        _refuse_unselected([(self, "objective", ("lk_kl_scale", "lk_kl_decay"))], self.loss == "lk_lambda",
+                           "the LK lambda mix", "set objective.loss=lk_lambda too")
+        _refuse_unselected([(self, "objective", ("selector_warmup_frac", "selector_ramp_frac",
+                                                 "selector_stop_gradient"))], self.selector_alpha > 0,
+                           "the selector term's schedule",
+                           "set objective.selector_alpha above 0 too (0 freezes the selector)")
 
     @property
     def dpace(self) -> float | None:
@@ -251,8 +263,9 @@ class TrainConfig:
         _check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every}", "use 0 (only at the end) or more")
         _check(self.eval_prompts >= 0 and self.eval_max_new_tokens >= 1, "train.eval_prompts / eval_max_new_tokens",
                f"{self.eval_prompts} / {self.eval_max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
-        _check(self.eval_temperature >= 0, "train.eval_temperature", f"{self.eval_temperature}",
-               "use 0 (greedy) or a positive temperature, e.g. 1.0")
+        _check(self.eval_temperature == 0 or self.eval_temperature >= MIN_TEMPERATURE, "train.eval_temperature",
+               f"{self.eval_temperature}", f"use 0 (greedy) or a temperature of at least {MIN_TEMPERATURE:g} (smaller "
+               "ones overflow the logits), e.g. 1.0")
         _check(0 < self.eval_top_p <= 1, "train.eval_top_p", f"{self.eval_top_p}", "use a value in (0, 1] (1: off)")
         _check(self.eval_top_k >= 0, "train.eval_top_k", f"{self.eval_top_k}", "use 0 (off) or a positive count")
         _check(self.eval_temperature > 0 or (self.eval_top_p == 1 and self.eval_top_k == 0),
@@ -315,15 +328,12 @@ class Config:
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
-        if self.model.drafter == "dflash":  # DFlash2's knobs on a DFlash drafter would be ignored
-            fields = [("model", "conv_kernel_size"), ("model", "conv_group_size"), ("model", "selector_rank"),
-                      ("model", "selector_top_k"), ("objective", "selector_alpha"),
-                      ("objective", "selector_warmup_frac"), ("objective", "selector_ramp_frac"),
-                      ("objective", "selector_stop_gradient")]
-            changed = [f"{sec}.{key}" for sec, key in fields
-                       if getattr(getattr(self, sec), key) != getattr(type(getattr(self, sec))(), key)]
-            _check(not changed, ", ".join(changed), "set", "they configure DFlash2's conv and selector: set "
-                   "model.drafter=dflash2 too, or drop them")
+        _refuse_unselected([(self.model, "model", ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                   "selector_top_k")),
+                            (self.objective, "objective", ("selector_alpha", "selector_warmup_frac",
+                                                           "selector_ramp_frac", "selector_stop_gradient"))],
+                           self.model.drafter == "dflash2", "DFlash2's conv and selector",
+                           "set model.drafter=dflash2 too")
         if self.model.tensor_parallel > 1:
             _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
                    "data.eval_path / data.eval_prompts", self.data.eval_path or self.data.eval_prompts,
@@ -356,6 +366,29 @@ def _check_finite(section, name: str) -> None:
                "give a finite number")
 
 
+def _refuse_unselected(sections, selected: bool, option: str, select: str) -> None:
+    """Knobs of an option that is not selected would be ignored without a word, so they are refused
+    (the rule for every such knob: DFlash2's sizes on a DFlash drafter, D-PACE's alpha with decay
+    weights, gamma with D-PACE, the LK mix's scale with ce / tv, the selector's schedule with the
+    selector frozen). ``sections``: (section, its name, the option's knobs); a knob counts as set
+    when its value differs from the declared default (a saved config, which writes every field,
+    loads back). ``select``: how to select ``option`` ("set model.drafter=dflash2 too")."""
+    if selected:
+        return
+    given = [f"{name}.{key}={_yaml_value(getattr(section, key))}" for section, name, keys in sections for key in keys
+             if getattr(section, key) != _default(type(section), key)]
+    if given:
+        many = len(given) > 1
+        raise ValueError(f"config {', '.join(given)} {'are' if many else 'is'} ignored: "
+                         f"{'they configure' if many else 'it configures'} {option}, which this config does not "
+                         f"select; {select}, or drop {'them' if many else 'it'}")
+
+
+def _default(cls, key: str) -> Any:
+    f = cls.__dataclass_fields__[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _check(ok: bool, name: str, value: str, fix: str) -> None:
     if not ok:
         raise ValueError(f"config {name}={value} is invalid: {fix}")
@@ -380,6 +413,14 @@ class _Override:
     error: str = ""
 
 
+def _shown(value: Any) -> str:
+    """``value`` for an error message, bounded: a YAML alias bomb or a deeply nested value is
+    shown abridged (``[[[...], ...], ...]``), never expanded (that took minutes and all memory)."""
+    shown = reprlib.Repr()  # its limits as attributes: Python 3.10's takes no arguments
+    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict, shown.maxstring, shown.maxother = 2, 4, 4, 4, 60, 60
+    return shown.repr(value)
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Convert a YAML-parsed value to the declared field type, or raise naming the field."""
     if isinstance(value, _Override):
@@ -389,7 +430,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             quoted = text[:1] in ("'", '"') and isinstance(value.parsed, str)
             return value.parsed if quoted else text  # a quoted YAML string loses its quotes, as in a file
         if value.error:
-            raise ValueError(f"config {name}={value.text!r} is invalid: {value.error}")
+            raise ValueError(f"config {name}={_shown(value.text)} is invalid: {value.error}")
         value = value.parsed
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -407,17 +448,19 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         raise ValueError(errors[0] if errors else f"config {name}: cannot be null")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"config {name}={value!r} is invalid: give a list, e.g. [1, 2]")
+            args = typing.get_args(tp)
+            example = " of names, e.g. [a, b]" if args[0] is str else ", e.g. [1, 2]"
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a list{example}")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], name) for v in value)
         if len(args) != len(value):
-            raise ValueError(f"config {name}={value!r} is invalid: give exactly {len(args)} values")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give exactly {len(args)} values")
         return tuple(_coerce(v, a, name) for v, a in zip(value, args))
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ValueError(f"config {name}={value!r} is invalid: use true or false")
+        raise ValueError(f"config {name}={_shown(value)} is invalid: use true or false")
     if tp is int:
         if isinstance(value, str):  # YAML 1.1 reads 64e9 (no dot) as a string: byte budgets are written so
             try:
@@ -427,7 +470,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ValueError(f"config {name}={value!r} is invalid: give an integer")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
@@ -436,13 +479,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config {name}={value!r} is invalid: give a number")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a number")
         if not math.isfinite(value):  # inf / nan pass every range check below, then break the run
-            raise ValueError(f"config {name}={value!r} is invalid: give a finite number")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a finite number")
         return float(value)
     if tp is str:
         if value is None or isinstance(value, (dict, list)):
-            raise ValueError(f"config {name}={value!r} is invalid: give a string")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give a string")
         return str(value)
     raise TypeError(f"config {name}: unsupported field type {tp}")
 
@@ -488,8 +531,25 @@ def parse_overrides(overrides: list[str]) -> dict:
             parsed, error = (yaml.safe_load(raw) if raw.strip() else ""), ""
         except yaml.YAMLError as exc:
             parsed, error = None, f"not valid YAML ({getattr(exc, 'problem', None) or exc})"
+        except RecursionError:
+            parsed, error = None, "nested too deeply (a few levels are all any field takes)"
         node[parts[-1]] = _Override(raw, parsed, error)
     return tree
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last
+    silently: `lr: 1e-3` below `lr: 6e-4` would win without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one mapping; keep "
+                                                        "one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -515,7 +575,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); give an existing YAML file, "
                              "e.g. one written by `flashdraft config > run.yaml`") from None
         try:
-            loaded = yaml.safe_load(text) or {}
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply for a config file (a few levels are all any field takes); "
+                             "fix the file (`flashdraft config` prints a valid one)") from None
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

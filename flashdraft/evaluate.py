@@ -14,6 +14,7 @@ import torch
 from flashdraft import distributed
 from flashdraft.config import DTYPES
 from flashdraft.drafter import DFlashDrafter, serving
+from flashdraft.outputs import check_output
 from flashdraft.speculative import (
     GREEDY,
     Generation,
@@ -39,7 +40,7 @@ def read_prompts(path: str | os.PathLike) -> list[list[int]]:
                 ids = json.loads(line)["input_ids"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{line_no}: expected a JSON object with an input_ids list ({exc})") from None
-            if not ids or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):  # true is no token id
                 raise ValueError(f"{path}:{line_no}: input_ids must be a non-empty list of token ids")
             prompts.append(ids)
     if not prompts:
@@ -173,7 +174,7 @@ def evaluate_tau(
         "new_tokens": new_tokens,
         "speculative_seconds": spec_s,
         "settings": {"max_new_tokens": max_new_tokens, "block_size": bs, "greedy": sampling.greedy,
-                     "drafter": "ngram" if baseline == "ngram" else "dflash",
+                     "drafter": "ngram" if baseline == "ngram" else "dflash2" if drafter.convolved else "dflash",
                      **({} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                                     "top_k": sampling.top_k, "seed": sampling.seed})},
     }
@@ -184,6 +185,16 @@ def evaluate_tau(
         else:
             report.update(sampled_seconds=plain_s, speedup=speedup)
     return report
+
+
+def _strict(value):
+    """``value`` with every non-finite float as None (null): a tau or acceptance that was never
+    measured (every prompt ended at once) is unknown, and JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
 def eos_ids_of(target_dir: str | os.PathLike, config) -> list[int]:
@@ -200,13 +211,30 @@ def eos_ids_of(target_dir: str | os.PathLike, config) -> list[int]:
 # ---- `flashdraft eval` -------------------------------------------------------------------
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (a bad value is a one-line usage error at parse)."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: use {minimum} or more")
+        return value
+    return parse
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--target", required=True, help="Hugging Face target model directory")
     parser.add_argument("--drafter", help="DFlash drafter directory (serving format); not needed with --baseline")
     parser.add_argument("--prompts", required=True, help='JSONL, one {"input_ids": [...]} per line')
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=_at_least(1), default=128, help="tokens generated per prompt")
     parser.add_argument("--baseline", choices=["ngram"], help="evaluate a no-model baseline instead of the drafter")
-    parser.add_argument("--block-size", type=int, help="block size for --baseline (default: the drafter's, else 16)")
+    parser.add_argument("--block-size", type=_at_least(2),
+                        help="block size for --baseline (default 16); with --drafter only the drafter's own (the one "
+                             "it decodes with) is accepted")
     parser.add_argument("--no-eos", action="store_true", help="ignore end-of-sequence tokens (fixed-length outputs)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="the target's sampling temperature (0: greedy, checked token for token against plain "
@@ -242,9 +270,13 @@ def run(args) -> int:
     if args.drafter:  # a directory that is no drafter export (e.g. the target's) is refused here
         cfg = serving.read_config(args.drafter)
         layer_ids = cfg["dflash_config"]["target_layer_ids"]
-        block_size = args.block_size or int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
+        block_size = int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
+        if args.block_size not in (None, block_size):  # the drafter decodes with its own: the report would lie
+            raise ValueError(f"--block-size {args.block_size}: {args.drafter} drafts blocks of {block_size}, the "
+                             "size it decodes and is reported with; drop --block-size (it sets --baseline's)")
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
-    if args.output:  # found now, not after the whole evaluation
+    if args.output:  # found now, not after the whole evaluation; never one of its own inputs (flashdraft.outputs)
+        check_output(args.output, flag="--output", inputs=[args.prompts], model_dirs=[args.target, args.drafter])
         _check_writable(Path(args.output))
     if args.engine:  # found before minutes of decoding, not after
         from flashdraft.engine import why_unavailable
@@ -257,6 +289,10 @@ def run(args) -> int:
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
     main = True
+    if args.tensor_parallel > 1 and os.environ.get("WORLD_SIZE", "1") != str(args.tensor_parallel):
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel} on WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}"
+                         f": launch exactly that many ranks (torchrun --nproc-per-node={args.tensor_parallel} -m "
+                         "flashdraft.cli eval ...), or drop --tensor-parallel")
     if args.tensor_parallel > 1:  # every rank runs the same decoding in lockstep; rank 0 reports
         dist = distributed.init_distributed(args.device, tensor_parallel=args.tensor_parallel)
         if dist.world_size != args.tensor_parallel:
@@ -288,7 +324,7 @@ def run(args) -> int:
                                         eos_ids=eos, sampling=sampling, log=lambda m: print(m, file=sys.stderr))
         print(format_check(report["engine"]), file=sys.stderr)
         agrees = report["engine"].get("lossless", True) is not False and report["engine"].get("tau_agrees", False)
-    text = json.dumps(report, indent=2)
+    text = json.dumps(_strict(report), indent=2, allow_nan=False)  # strict JSON: a bare NaN is no JSON
     print(text)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

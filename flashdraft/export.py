@@ -13,16 +13,19 @@ way), then renamed onto ``--out``: a crash leaves any earlier export there whole
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, step_dir_name
 from flashdraft.engine import ENGINES, warn_last_layer
+from flashdraft.outputs import check_output
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -73,15 +76,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     checkpoint, out = Path(checkpoint), Path(out)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}")
-    loaded = CheckpointManager(checkpoint.parent).load(checkpoint)  # verified first: raises naming a damaged file
-    if "drafter" not in loaded.parts or not (checkpoint / "export" / "config.json").is_file():
-        raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint (no drafter weights or serving "
-                              "config in it)")
-    config = json.loads((checkpoint / "export" / "config.json").read_text())
+    _check_out(out, checkpoint)
+    with _snapshot(checkpoint, out) as snap:  # a training run may prune the checkpoint meanwhile
+        loaded = CheckpointManager(snap.parent).load(snap)  # verified first: raises naming a damaged file
+        if "drafter" not in loaded.parts or not (snap / "export" / "config.json").is_file():
+            raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint (no drafter weights or "
+                                  "serving config in it)")
+        config = json.loads((snap / "export" / "config.json").read_text())
     warn_last_layer(config["dflash_config"]["target_layer_ids"], int(config.get("num_target_layers") or 0))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(loaded.parts["drafter"])
-    _check_out(out, checkpoint)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -93,9 +97,59 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
                          "directory with room for it") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    target = (loaded.config or {}).get("model", {}).get("target", "TARGET")
+    target = _target_dir(loaded.config or {}, checkpoint)
     return {"step": loaded.step, "target": target, "block_size": drafter.block_size, "dtype": dtype, "path": out,
             "v2_runner": len({m.window is None for m in drafter.layer_masks}) > 1 or drafter.convolved}
+
+
+class CheckpointGone(CheckpointError):
+    """The checkpoint was removed (pruned by its training run) before it could be snapshotted."""
+
+
+@contextlib.contextmanager
+def _snapshot(checkpoint: Path, out: Path):
+    """A private copy of ``checkpoint`` to read, so that a training run pruning it meanwhile (it
+    renames the directory away, then deletes it) cannot pull files from under the reader: every
+    file hard-linked (copied across file systems) into a temporary directory beside ``out``, which
+    is removed afterwards. Raises CheckpointGone when the checkpoint vanished first."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        snap = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}.snapshot-", dir=out.parent)) / checkpoint.name
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write the export there ({exc.strerror or exc}); choose a writable "
+                         "directory with room for it") from None
+    try:
+        try:
+            shutil.copytree(checkpoint, snap, copy_function=_link_or_copy)
+        except (FileNotFoundError, shutil.Error) as exc:
+            if not checkpoint.is_dir():
+                raise CheckpointGone(f"{checkpoint}: removed while it was read (pruned by its training run)") from None
+            raise CheckpointError(f"{checkpoint}: cannot read it ({exc})") from None
+        yield snap
+    finally:
+        shutil.rmtree(snap.parent, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed: a copy
+        shutil.copy2(src, dst)
+
+
+def _target_dir(config: dict, checkpoint: Path) -> str:
+    """The run's model.target as an absolute path (an engine reads a relative one as a hub model id).
+    A relative one is relative to where training ran: the run directory (train.output_dir, the
+    checkpoint's grandparent) with its own relative path taken off; else to here."""
+    target = config.get("model", {}).get("target") or "TARGET"
+    if Path(target).is_absolute():
+        return target
+    run, output = checkpoint.resolve().parent.parent, Path(config.get("train", {}).get("output_dir") or "")
+    if not output.is_absolute() and output.parts and run.parts[-len(output.parts):] == output.parts:
+        started_in = Path(*run.parts[:-len(output.parts)])
+        if (started_in / target).is_dir():
+            return str(started_in / target)
+    return str(Path(target).resolve())
 
 
 def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
@@ -122,17 +176,10 @@ def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
 
 
 def _check_out(out: Path, checkpoint: Path) -> None:
-    """``--out`` may be new, empty, or an earlier drafter export (replaced); nothing else, and never
-    inside the checkpoints (writing there would damage one, or plant a fake step directory)."""
-    checkpoint = checkpoint.resolve()
-    root = checkpoint.parent  # a run's checkpoints directory, or wherever a lone checkpoint was copied to
-    protected = root if (root / "latest").exists() or any(root.glob("step_*")) else checkpoint
-    if out.resolve().is_relative_to(protected):
-        raise ValueError(f"--out {out} lies inside {protected}, checkpoints it must not write into; choose a "
-                         "directory outside it")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
-        raise ValueError(f"--out {out} exists and is not a drafter export; give a new directory (an earlier export "
-                         "there would be replaced)")
+    """``--out`` may be new, empty, or an earlier drafter export (replaced); never inside any run's
+    checkpoints (writing there would damage one, or plant a fake step directory): the rule of
+    flashdraft.outputs, shared with ``prepare --out`` and ``eval --output``."""
+    check_output(out, flag="--out", inputs=[checkpoint], kind="a drafter export", is_kind=_is_export)
 
 
 def _is_export(path: Path) -> bool:
@@ -198,12 +245,23 @@ def run(args) -> int:
         reason = why_unavailable()
         if reason:
             raise ValueError(f"--verify-engine {args.verify_engine}: cannot run here: {reason}")
-    done = export_checkpoint(checkpoint, args.out, args.dtype)
+    for attempt in range(3):  # a checkpoint pruned by a run still training: the next newest one
+        try:
+            done = export_checkpoint(checkpoint, args.out, args.dtype)
+            break
+        except CheckpointGone:
+            if args.step is not None or attempt == 2:
+                raise
+            print(f"{checkpoint} was pruned by its training run while it was read; exporting the newest one now")
+            checkpoint = find_checkpoint(args.source, args.step)
     print(f"exported step {done['step']} of {checkpoint} ({done['dtype']}) to {done['path']}: loaded back, its "
           "weights and outputs equal the checkpoint's")
     print("serve it with the target it was trained on:")
-    # absolute paths: an engine started elsewhere would take a relative one for a hub model id
-    target = Path(done["target"]).resolve() if Path(done["target"]).exists() else done["target"]
+    # absolute paths, always: an engine reads a relative one (qs/target) as a hub model id
+    target = Path(done["target"])
+    if not target.is_dir():
+        print(f"note: the run's model.target {done['target']} is not a directory here ({target}); give the "
+              "engines the target's absolute path")
     for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
     if args.verify_engine:

@@ -230,7 +230,17 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
         raise ValueError(f"--drafter {budget.drafter!r}: use one of {', '.join(DRAFTERS)}")
     if budget.sliding_window < 0:
         raise ValueError(f"--sliding-window {budget.sliding_window}: use 0 (full layers) or a positive window")
+    from flashdraft.speculative import MIN_TEMPERATURE
+
+    if not (budget.regen_temperature == 0 or budget.regen_temperature >= MIN_TEMPERATURE):
+        raise ValueError(f"--regen-temperature {budget.regen_temperature}: use 0 (greedy) or a temperature of at "
+                         f"least {MIN_TEMPERATURE:g}")
     out = Path(output)
+    try:  # the drafter's training config, validated before the target and data stages spend minutes
+        _drafter_config(out.absolute(), budget, seed, out.absolute() / "target", 0, 0)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the quickstart's drafter settings: --block-size sets model.block_size, "
+                         "--num-anchors objective.num_anchors, --drafter-lr optim.lr)") from None
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -71,6 +71,13 @@ def tau_pooled(accepted: list[list[int]]) -> float:
     return float(1 + np.sum(steps) / len(steps)) if steps else float("nan")
 
 
+# The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
+# far below it sampling is greedy anyway. Smaller positive values are refused where they are given
+# (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
+# greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the target samples: temperature 0 is greedy; top_k 0 and top_p 1 are off."""
@@ -81,8 +88,9 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and self.temperature != float("inf")):
-            raise ValueError(f"--temperature {self.temperature}: use 0 (greedy) or a positive finite temperature")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise ValueError(f"--temperature {self.temperature}: use 0 (greedy) or a finite temperature of at least "
+                             f"{MIN_TEMPERATURE:g} (below it logits / T overflow; 0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p {self.top_p}: use a value in (0, 1] (1: off)")
         if self.top_k < 0:

@@ -106,7 +106,7 @@ def test_a_corrupt_checkpoint_is_refused_with_the_reason(run_dir, tmp_path):
         main(["export", str(run_dir), "--out", str(tmp_path / "notes")])
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     inside = run_dir / "checkpoints" / "step_00000006" / "export"  # would damage the checkpoint it reads
-    with pytest.raises(ValueError, match=r"lies inside .*checkpoints, checkpoints it must not write into"):
+    with pytest.raises(ValueError, match=r"lies inside .*checkpoints, a training run's checkpoints"):
         main(["export", str(run_dir), "--out", str(inside)])
     with pytest.raises(ValueError, match=r"lies inside"):
         main(["export", str(run_dir), "--out", str(run_dir / "checkpoints" / "step_00000020")])
@@ -143,6 +143,44 @@ def test_the_readme_serving_lines_say_what_the_engines_read():
     # sliding-window and full layers mixed: vLLM serves those on its V2 model runner only (DFLASH2.md 3.2)
     mixed = serving_commands("/models/Qwen3-8B", spec["model"], bs, v2_runner=True)
     assert mixed[1].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve ") and mixed[0] == printed[0]
+
+
+def test_export_never_writes_into_any_runs_checkpoints(run_dir, tmp_path):
+    """Issue 31 #1: the guard protected only the source run; --out inside another run's newest
+    checkpoint damaged it (its manifest check failed, and that run resumed two steps back)."""
+    import shutil
+
+    other = tmp_path / "B"
+    shutil.copytree(run_dir / "checkpoints", other / "checkpoints", symlinks=True)
+    for out in (other / "checkpoints" / "step_00000006" / "export", other / "checkpoints" / "step_00000008"):
+        with pytest.raises(ValueError, match=r"lies inside .*B/checkpoints.*a training run's checkpoints"):
+            main(["export", str(run_dir), "--out", str(out)])
+    assert CheckpointManager(other / "checkpoints").latest_complete().name == "step_00000006"
+    assert not (other / "checkpoints" / "step_00000008").exists()
+
+
+def test_a_checkpoint_pruned_by_its_training_run_mid_export_still_exports(run_dir, tmp_path, monkeypatch):
+    """Issue 31 #11: export read the checkpoint in place, and a run still training pruned it
+    mid-read ("no manifest.json"). It reads a hard-linked snapshot now: here the run's real
+    pruning removes step 4 after the snapshot, just before the files are read."""
+    import shutil
+
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(run_dir / "checkpoints", root, symlinks=True)
+    real_load = CheckpointManager.load
+
+    def load_after_a_prune(self, path, *args, **kwargs):
+        CheckpointManager(root, keep_last=1)._prune(6, "step_00000006")  # what the trainer's next save does
+        return real_load(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "load", load_after_a_prune)
+    assert main(["export", str(tmp_path / "run"), "--step", "4", "--out", str(tmp_path / "e")]) == 0
+    assert not (root / "step_00000004").exists()
+    step4 = CheckpointManager(run_dir / "checkpoints").load(run_dir / "checkpoints" / "step_00000004")
+    exported = DFlashDrafter.from_pretrained(tmp_path / "e")
+    for name, value in step4.parts["drafter"].items():
+        assert torch.equal(exported.state_dict()[name], value.to(torch.bfloat16).float())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "run"]  # the snapshot is gone
 
 
 def test_a_checkpoint_copied_elsewhere_exports_with_its_step(run_dir, tmp_path):

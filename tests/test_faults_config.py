@@ -336,7 +336,7 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
     (["objective.lk_kl_scale=-1"], "objective.lk_kl_scale / lk_kl_decay"),
     (["train.eval_top_k=20"], "train.eval_top_p / eval_top_k"),  # top-k without a temperature
     (["objective.selector_alpha=0.5"], "objective.selector_alpha"),  # a DFlash2 knob on a DFlash drafter
-    (["model.selector_rank=64", "model.conv_group_size=8"], "model.conv_group_size, model.selector_rank"),
+    (["model.selector_rank=64", "model.conv_group_size=8"], "model.conv_group_size=8, model.selector_rank"),
     (["model.drafter=dflash2", "objective.selector_warmup_frac=0.7", "objective.selector_ramp_frac=0.5"],
      "objective.selector_warmup_frac / selector_ramp_frac"),  # alpha never reached
     (["model.drafter=dflash2", "model.conv_kernel_size=17"], "model.conv_kernel_size"),  # more taps than slots

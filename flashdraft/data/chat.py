@@ -32,7 +32,7 @@ import json
 from typing import Any
 
 ROLE_ALIASES = {
-    "system": "system",
+    "system": "system", "developer": "system",  # OpenAI's current name for the system turn: rendered as system
     "user": "user", "human": "user",
     "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant", "bot": "assistant",
     "tool": "tool", "observation": "tool", "function": "tool", "ipython": "tool",
@@ -213,7 +213,11 @@ def normalize_record(record: Any, where: str = "sample", *, require_final_assist
     some) or ``{"text": str}``. Raises ``SampleError``."""
     if not isinstance(record, dict):
         raise SampleError("bad_shape", f"{where}: expected a JSON object, got {type(record).__name__}")
-    for key in ("messages", "conversations", "conversation"):
+    given = [key for key in ("messages", "conversations", "conversation") if record.get(key) is not None]
+    if len(given) > 1:  # which one is the conversation? Training on either silently drops the other
+        raise SampleError("bad_shape", f"{where}: both {' and '.join(repr(k) for k in given)}; keep one "
+                                       "conversation per record")
+    for key in given:
         if record.get(key) is not None:
             out = {"messages": normalize_messages(record[key], where, require_final_assistant=require_final_assistant)}
             if tools := normalize_tools(record.get("tools"), where):

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashdraft.data.chat import THINK_CLOSE, THINK_OPEN, SampleError, has_reasoning
+from flashdraft.data.chat import REASONING_KEYS, THINK_CLOSE, THINK_OPEN, SampleError, has_reasoning
 
 _PRIVATE = re.compile("[\U000f0000-\U0010fffd]")  # Supplementary Private Use Areas A and B
 _GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -495,6 +495,29 @@ def _encode(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
 
 
+def _refuse_markers_in_replies(tokenizer, messages: list[dict], info: TemplateInfo, where: str) -> None:
+    """The rule for stop and role tokens inside a reply: an assistant turn whose text (content,
+    reasoning, tool-call arguments) holds the template's end-of-turn / EOS tokens or the special
+    tokens of its role header (``<|im_end|>``, ``<|im_start|>``) is dropped (``marker_in_reply``).
+    Rendered, they become real end-of-turn and role tokens supervised as the reply, a fake user
+    turn included; a served target stops at its first end-of-turn, so it never generates that.
+    (In user, system or tool-result turns they are never supervised and stay.)"""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    markers = {t for t in info.stop_tokens if t} | {t for t in special if t and t in info.header}
+    markers -= {THINK_OPEN, THINK_CLOSE}  # inline reasoning markup is the reply's own
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        texts = [message.get("content"), *(message.get(key) for key in REASONING_KEYS),
+                 *(json.dumps(call, ensure_ascii=False) for call in message.get("tool_calls") or ())]
+        for text in texts:
+            found = next((m for m in sorted(markers) if isinstance(text, str) and m in text), None)
+            if found is not None:
+                raise SampleError("marker_in_reply", f"{where}: assistant turn {k} holds {found!r}, the chat "
+                                                     "template's own end-of-turn or role token, which would be "
+                                                     "trained as generated; remove it from the data")
+
+
 def tokenize_conversation(tokenizer, messages: list[dict] | None = None, *, tools: list | None = None,
                           text: str | None = None, max_length: int | None = None, supervise_thinking: bool = True,
                           enable_thinking: bool | None = None, info: TemplateInfo | None = None,
@@ -521,6 +544,7 @@ def tokenize_conversation(tokenizer, messages: list[dict] | None = None, *, tool
         if served_without_thinking and any(r.renders_reasoning for r in replies):
             raise SampleError("thinking_mismatch", f"{where}: a reply has reasoning but the target is served in "
                                                    "non-thinking mode; regenerate without thinking or enable it")
+        _refuse_markers_in_replies(tokenizer, messages, info, where)
     else:
         full, replies = text, text_replies(text, info, where)
         if served_without_thinking and _text_has_reasoning(text, replies):

@@ -277,15 +277,17 @@ def explain(inputs, tokenizer_dir, index: int, *, max_length: int = 3072, min_su
                "supervise_thinking": bool(supervise_thinking), "enable_thinking": enable_thinking, "split": split}
     _load_state(tokenizer_dir, options)
     tokenizer = _STATE["tokenizer"]
-    found = next(itertools.islice(iter_records(inputs, split), index, None), None) if index >= 0 else None
+    # an index beyond sys.maxsize (islice's limit) is beyond every input too
+    found = next(itertools.islice(iter_records(inputs, split), index, None), None) \
+        if 0 <= index <= sys.maxsize else None
     if found is None:
         raise ValueError(f"--explain {index}: the inputs hold {sum(1 for _ in iter_records(inputs, split))} "
                          "records, numbered from 0")
     where, payload = found
-    try:
-        ids, mask = _tokens(where, payload)
-    except SampleError as exc:
-        return f"{where} (record {index}) is dropped: {exc.reason}: {exc}"
+    dropped = process_record(where, payload)  # what a full prepare does with it, error included
+    if dropped[0] == "drop" and dropped[1] != "too_few_supervised":
+        return f"{where} (record {index}) is dropped: {dropped[1]}: {dropped[2]}"
+    ids, mask = _tokens(where, payload)
     pieces, k = [], 0
     while k < len(ids):  # runs of equal mask, decoded as the target reads them
         j = k
@@ -340,6 +342,11 @@ def run(args) -> int:
         return 0
     if args.out is None:
         raise ValueError("give --out DIR (where the token shard is written), or --explain N to look at one record")
+    from flashdraft.data.shards import is_token_shard
+    from flashdraft.outputs import check_output
+
+    check_output(args.out, flag="--out", inputs=[*args.inputs, args.tokenizer], kind="a token shard",
+                 is_kind=is_token_shard)  # the paths a command may write (flashdraft.outputs)
     summary = prepare(args.inputs, args.tokenizer, args.out, max_length=args.max_length, min_supervised=min_supervised,
                       num_workers=args.workers, supervise_thinking=args.supervise_thinking,
                       enable_thinking=thinking_flag(args.thinking), split=args.split, force=args.force,

@@ -150,3 +150,5 @@ def decode_record(where: str, payload: Any) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise SampleError("bad_json", f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:  # no conversation nests hundreds of levels deep
+        raise SampleError("bad_json", f"{where}: JSON nested too deeply to read") from None

@@ -207,8 +207,10 @@ def check_supported(config: dict, where) -> None:
         if value not in (None, 1, 1.0):
             problems.append(f"{key}={value!r}")
     if problems:
-        raise ValueError(f"{where}: this DFlash drafter uses {'; '.join(problems)}, which flashdraft does not "
-                         "implement; evaluating or fine-tuning it here would give a different drafter")
+        # each problem a whole sentence of its own, after the verdict (not spliced into one clause)
+        raise ValueError(f"{where}: this DFlash drafter uses what flashdraft does not implement, so evaluating or "
+                         "fine-tuning it here would give a different drafter. "
+                         + " ".join(p.rstrip(".") + "." for p in problems))
 
 
 
@@ -236,7 +238,13 @@ def read_config(path: str | os.PathLike) -> dict:
     """The config.json of the export in the directory ``path``; ValueError unless it is a DFlash
     drafter whose layers this package implements (check_supported)."""
     path = Path(path)
-    config = json.loads((path / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path / CONFIG_FILE}: cannot read the drafter's config ({exc}); give a drafter export "
+                         "directory (flashdraft export writes one)") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / CONFIG_FILE}: not a JSON object; give a drafter export directory")
     architectures = config.get("architectures") or []
     if not {"DFlashDraftModel", DFLASH2_ARCHITECTURE} & set(architectures):
         raise ValueError(f"{path}/config.json: not a DFlash or DFlash2 drafter (architectures={architectures})")
@@ -247,4 +255,8 @@ def read_config(path: str | os.PathLike) -> dict:
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The weights of the export in the directory ``path`` (model.safetensors), on CPU in the
     dtype they were saved in."""
-    return load_file(Path(path) / WEIGHTS_FILE)
+    try:
+        return load_file(Path(path) / WEIGHTS_FILE)
+    except Exception as exc:  # safetensors' own errors name no file
+        raise ValueError(f"{Path(path) / WEIGHTS_FILE}: cannot read the drafter's weights ({exc}); the export is "
+                         "damaged: export it again (flashdraft export)") from None

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+
+import numpy as np
+import torch
 
 from flashdraft.config import Config
 from flashdraft.data.batching import DrafterRows, check_row_budget
@@ -61,10 +65,12 @@ def check_paths(cfg: Config) -> None:
         raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
 
 
-def check_drafter_sizes(cfg: Config) -> None:
+def check_drafter_sizes(cfg: Config, device=None) -> None:
     """DFlash2's sizes against the target's config.json, before the target loads (a sharded one
     takes minutes): the conv's groups must split the hidden size, the selector's candidates fit
-    in the vocabulary."""
+    in the vocabulary, and the selector's training state (fp32 codebooks and projection, their
+    gradients and AdamW's two moments: 16 bytes a parameter) fits in ``device``'s memory (a
+    rank of 1e9 was an allocator traceback for terabytes)."""
     if cfg.model.drafter != "dflash2":
         return
     from transformers import AutoConfig
@@ -81,6 +87,44 @@ def check_drafter_sizes(cfg: Config) -> None:
     if cfg.model.selector_top_k > vocab:
         raise ValueError(f"model.selector_top_k={cfg.model.selector_top_k} exceeds the target's vocabulary ({vocab}): "
                          "use e.g. 16")
+    rank = cfg.model.selector_rank
+    need, have = 16 * rank * (2 * vocab + hidden), device_memory_bytes(device)
+    if have and need > have:
+        raise ValueError(f"model.selector_rank={rank}: the selector's codebooks and projection ({rank} x (2 x {vocab} "
+                         f"+ {hidden}) fp32 parameters) need {need / 1e9:,.1f} GB with their gradients and AdamW "
+                         f"state, more than the {have / 1e9:,.1f} GB of this device: use e.g. 256 (the released "
+                         "drafters')")
+
+
+def device_memory_bytes(device) -> int:
+    """The memory of ``device`` (a CUDA device's, else the machine's RAM); 0 when unknown."""
+    try:
+        if device is not None and torch.device(device).type == "cuda":
+            return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return 0
+
+
+def check_mask_token(dataset, mask_id: int, chunk: int = 1 << 26) -> int:
+    """How often the drafter's mask id occurs in ``dataset``'s tokens (vectorised, ``chunk`` ids at
+    a time over the memory map); warns naming the first sample when it does. A real token equal to
+    the mask is indistinguishable from a masked slot to the drafter. A warning, not a refusal: a
+    literal mask string in a few samples costs little, a wrong model.mask_token_id costs much."""
+    ids = dataset.ids
+    hits, first = 0, -1
+    for start in range(0, len(ids), chunk):
+        found = np.flatnonzero(np.asarray(ids[start:start + chunk]) == mask_id)
+        if found.size and first < 0:
+            first = start + int(found[0])
+        hits += int(found.size)
+    if hits:
+        sample = max(0, int(np.searchsorted(dataset.starts, first, side="right")) - 1)
+        log.warning("%s: model.mask_token_id=%d occurs %d times in the data (first in sample %d, source row %d): "
+                    "the drafter cannot tell those tokens from its masks; set model.mask_token_id to an id the data "
+                    "never holds (the tokenizer's <|MASK|>, or an unused id)", dataset.path, mask_id, hits, sample,
+                    int(dataset.source_index[sample]) if len(dataset.source_index) else -1)
+    return hits
 
 
 def check_tokenizer(target_dir: str, *datasets) -> None:

@@ -74,15 +74,17 @@ class StepStats:
     counts: torch.Tensor  # [bs - 1]
     selector_total: torch.Tensor  # DFlash2: the selector term's sum (before its alpha)
     recalled: torch.Tensor  # DFlash2: scored slots whose label was among the candidates
+    trained: torch.Tensor  # outputs added: 0 when every step since the last log was skipped
     selector: bool = False  # a DFlash2 LossOutput was added (its two values are logged)
 
     @classmethod
     def zeros(cls, block_size: int, device) -> StepStats:
         z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
-        return cls(z(()), z(()), z(block_size - 1), z(block_size - 1), z(()), z(()))
+        return cls(z(()), z(()), z(block_size - 1), z(block_size - 1), z(()), z(()), z(()))
 
     def add(self, out: LossOutput) -> None:
         self.loss_total += out.total.double()
+        self.trained += 1
         self.weight_total += out.weight_sum.double()
         self.hits += (out.correct & out.scored).flatten(0, 1).sum(0)[1:].double()
         self.counts += out.scored.flatten(0, 1).sum(0)[1:].double()
@@ -101,10 +103,15 @@ class StepStats:
 
     def _packed(self) -> torch.Tensor:
         return torch.cat([self.loss_total.view(1), self.weight_total.view(1), self.hits, self.counts,
-                          self.selector_total.view(1), self.recalled.view(1)])
+                          self.selector_total.view(1), self.recalled.view(1), self.trained.view(1)])
 
     def _values(self, packed: torch.Tensor) -> dict:
+        """The loss statistics; none at all (no loss, acc or tau) when no step since the last log
+        was trained, every one skipped: a 0 there would plot as a perfect loss."""
         packed = packed.cpu()
+        if packed[-1] == 0:
+            return {}
+        packed = packed[:-1]
         n = self.hits.numel()
         counts = packed[2 + n : 2 + 2 * n]
         acc = packed[2 : 2 + n] / counts.clamp(min=1)

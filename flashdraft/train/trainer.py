@@ -50,6 +50,17 @@ log = logging.getLogger(__name__)
 StepHook = Callable[["Trainer"], None]
 
 
+def autocast_for(device: torch.device, target_dtype: torch.dtype):
+    """The drafter's mixed precision: bf16 autocast on CUDA; on CPU, autocast to a bf16 / fp16
+    target's dtype (its features reach the fp32 drafter in that dtype, and a matmul of the two
+    fails at step 1 without it), none for an fp32 target."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if target_dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast("cpu", dtype=target_dtype)
+    return contextlib.nullcontext()
+
+
 class Trainer:
     """Builds everything from a Config; ``fit()`` runs the loop and returns the final metrics."""
 
@@ -66,7 +77,7 @@ class Trainer:
         if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
             log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
         checks.check_paths(cfg)
-        checks.check_drafter_sizes(cfg)
+        checks.check_drafter_sizes(cfg, self.device)
         # before any weights load: a run that cannot fit its GPU is refused in seconds, not after them
         plan.check_fits(cfg, self.device)
         self.output = Path(cfg.train.output_dir)
@@ -92,8 +103,7 @@ class Trainer:
         distributed.startup_barrier("loading the target and the data, and verifying the checkpoint to resume from")
         model = self._wrap(self.drafter)
         self.timer = StageTimer(self.device, owner_only=True)  # main thread; the pipeline reports the rest
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else contextlib.nullcontext())
+        self.autocast = autocast_for(self.device, self.target.dtype)
         self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
         self.stop = GracefulStop()  # its handlers are installed while the loop runs (_fit)
         self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
@@ -160,6 +170,7 @@ class Trainer:
         self.dataset = open_dataset(cfg.data.path, **open_kw)
         self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
         checks.check_tokenizer(cfg.model.target, self.dataset, self.eval_dataset)
+        checks.check_mask_token(self.dataset, self.drafter.mask_token_id)
         for dataset in (self.dataset, self.eval_dataset):
             if dataset is not None:
                 checks.check_lengths(dataset, cfg, self.target.config)
