@@ -204,7 +204,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     ``tensor_parallel`` > 1 groups the ranks into target groups of that many (module doc).
     ``startup_timeout_s`` bounds each ``startup_barrier`` (module doc).
     """
-    global _STATE, _GROUP, _CONTROL, _STARTUP, _STARTUP_TIMEOUT_S, _HOST
+    global _STATE, _GROUP, _CONTROL, _HOST
     if _STATE is not None:
         return _STATE
     if timeout_s <= 0 or startup_timeout_s <= 0:
@@ -227,22 +227,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     device = _pick_device(device_type, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = None
-    if world_size > 1:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-        if missing:
-            raise ValueError(f"WORLD_SIZE={world_size} but {', '.join(missing)} unset; launch with torchrun "
-                             "(docs/distributed.md)")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs: dict[str, Any] = {}
-        if device.type == "cuda":
-            kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
-        tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-        # first, in the same order on every rank (new_group is collective over the world)
-        _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
-        _STARTUP_TIMEOUT_S = float(startup_timeout_s)
-        _HOST = _STARTUP
+    backend = _join(device, rank, world_size, timeout_s, startup_timeout_s) if world_size > 1 else None
     if num_target_ranks == 0:
         if tensor_parallel > 1:
             _make_target_mesh(device, backend, list(range(world_size)), tensor_parallel, timeout_s)
@@ -273,6 +258,27 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
                   peers=_peers(rank, drafters, targets, tensor_parallel),
                   tensor_size=tensor_parallel if role == "target" else 1)
     return _STATE
+
+
+def _join(device: torch.device, rank: int, world_size: int, timeout_s: float, startup_timeout_s: float) -> str:
+    """Join the job's process group (NCCL on CUDA, else gloo), then create the gloo start-up group
+    (first, in the same order on every rank: new_group is collective over the world). Returns the
+    backend."""
+    global _STARTUP, _STARTUP_TIMEOUT_S, _HOST
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world_size} but {', '.join(missing)} unset; launch with torchrun "
+                         "(docs/distributed.md)")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
+    tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
+                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
+    _STARTUP_TIMEOUT_S = float(startup_timeout_s)
+    _HOST = _STARTUP
+    return backend
 
 
 def _make_target_mesh(device: torch.device, backend: str, ranks: list[int], tensor_parallel: int,
