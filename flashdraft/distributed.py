@@ -559,6 +559,20 @@ class Transfer:
             raise _fail(self.op, exc) from exc
         self._finished = True
 
+    def wait_unbounded(self) -> None:
+        """Block until completed, however long: for a receive that stays posted for a whole run,
+        waited on by a watcher thread (``pipeline.Watcher``) while its owner polls the watcher.
+        gloo reports a point-to-point op's completion only to a wait (``done()`` stays False
+        until then), and a wait whose timeout expires closes the connection; a dead peer still
+        fails this one (its connection closes). Only the watcher may wait on this transfer."""
+        if self._finished:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise _fail(self.op, exc) from exc
+        self._finished = True
+
 
 def control_group() -> Any:
     """The gloo group carrying the feature links' control messages (disaggregated placement);

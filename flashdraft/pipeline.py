@@ -106,6 +106,42 @@ class HostWorkers:
         self._pool.shutdown()
 
 
+class Watcher:
+    """One blocking call on a daemon thread of its own, so that its owner can poll for its end
+    without blocking: a receive that stays posted for a whole run (a feature link's control
+    message). A gloo point-to-point op reports its completion only to a ``wait()`` (its
+    ``is_completed()`` stays False until then), and a ``wait`` whose timeout expires closes the
+    connection, so the only way to learn of it early is a thread that waits. Daemon: a call
+    still blocked at exit never holds the process (a dead peer fails it anyway)."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 -- handed to the owner by result()
+                self._error = exc
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def done(self) -> bool:
+        """Whether the call has returned or raised; never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for the call; True once it has ended (then see ``result``)."""
+        return self._done.wait(timeout_s)
+
+    def result(self) -> None:
+        """After the call ended: re-raise its exception, if any."""
+        if self._error is not None:
+            raise self._error
+
+
 class ChannelClosed(Exception):
     """``get`` on a closed and drained channel (normal end of stream), or ``put`` after close."""
 

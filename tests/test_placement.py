@@ -115,6 +115,33 @@ def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_jo
         assert torch.equal(weights[name], value), name
 
 
+def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job, tmp_path, trainer_forkserver):
+    """SIGTERM to the drafter ranks only: their STOP must reach the target rank while it serves
+    (on gloo a posted receive's completion shows only to a wait: a watcher thread waits for it),
+    so it stops computing features within a few steps instead of serving all 40 for the drafter
+    ranks to drain."""
+    server, out = trainer_forkserver, tmp_path / "run"
+    (tmp_path / "p2p").mkdir()
+    workers = run_ranks(server, "cli", "train", *disaggregated(tiny_job, out, train__max_steps=40), world_size=3,
+                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3", P2P_LOG: str(tmp_path / "p2p")})
+    deadline = time.monotonic() + 120
+    while _logged_steps(out) < 2:
+        if time.monotonic() > deadline:
+            pytest.fail("no step 2:\n" + "\n".join(read_log(o) for _, o in workers))
+        time.sleep(0.05)
+    for pid, _ in workers[:2]:  # the drafter ranks; the target rank (2) gets no signal
+        os.kill(pid, signal.SIGTERM)
+    codes = [server.wait(pid, 60) for pid, _ in workers]
+    logs = "\n".join(read_log(o) for _, o in workers)
+    assert codes[:2] == [128 + signal.SIGTERM] * 2 and codes[2] in (0, 128 + signal.SIGTERM), logs
+    stopped = CheckpointManager(out / "checkpoints").load_latest().step
+    assert 2 <= stopped < 40, logs
+    ops = assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2})
+    served = sum(op.kind == "send" and op.group == "device" and op.peer == 0 for op in ops[2]) // 4
+    # the steps trained, plus what the link and the stages hold ahead (3 x capacity): far from 40
+    assert served <= stopped + 3 * 2 + 2, (served, stopped)
+
+
 def _logged_steps(out) -> int:
     path = out / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []

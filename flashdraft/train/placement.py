@@ -60,7 +60,7 @@ from flashdraft import distributed
 from flashdraft.config import Config
 from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import Batch
-from flashdraft.pipeline import BufferPool, Pipeline, Stage
+from flashdraft.pipeline import BufferPool, Pipeline, Stage, Watcher
 from flashdraft.train.stages import FeatureStages, Micro, StepInput, batch_sampler
 
 if TYPE_CHECKING:
@@ -389,7 +389,7 @@ class _TargetLink:
         self.header = Header(config.train.grad_accum, config.data.max_batch_size)
         self.pending: deque = deque()  # (transfers, item, header) sent but not yet received, oldest first
         self.control = torch.zeros(1, dtype=torch.int64)  # on the control channel: host memory
-        self.control_transfer = None
+        self.control_watch: Watcher | None = None  # the wait for the drafter rank's control message
         self.stopped_early = False  # the drafter rank sent STOP before its last step (a stop request)
 
     def receive_hello(self) -> torch.Tensor:
@@ -409,13 +409,16 @@ class _TargetLink:
         self.batches = iter(self.sampler)
         self.num_steps = total - start
         if self.peer is not None:
-            self.control_transfer = distributed.control_irecv(self.control, self.peer)
+            transfer = distributed.control_irecv(self.control, self.peer)
+            # gloo tells a receive's completion only to a wait: a thread waits, stopped() polls it
+            self.control_watch = Watcher(transfer.wait_unbounded, f"flashdraft-control-{self.peer}")
 
     def stopped(self) -> bool:
-        """Whether the drafter rank has sent its control message early (STOP, or ABORT: raises)."""
-        if not self.control_transfer.done():
+        """Whether the drafter rank has sent its control message early (STOP, or ABORT: raises);
+        never blocks."""
+        if not self.control_watch.done():
             return False
-        self.control_transfer.wait()
+        self.control_watch.result()  # a dead drafter rank: its CollectiveError
         kind = int(self.control)
         if kind == ABORT:
             raise RuntimeError(f"drafter rank {self.peer} failed (it sent ABORT); see its log for the error")
@@ -441,7 +444,11 @@ class _TargetLink:
         message; answer STOP with END (the drafter rank drains up to it)."""
         while self.pending:
             self._complete_oldest(pool)
-        self.control_transfer.wait()
+        timeout_s = self.config.train.collective_timeout_s
+        if not self.control_watch.wait(timeout_s):
+            raise distributed.CollectiveError(
+                f"drafter rank {self.peer} sent no DONE / STOP within train.collective_timeout_s={timeout_s:g} s "
+                "after its last step (hung or dead: see its log)")
         if self.stopped():
             self.stopped_early = True
             self._send_control(END)
