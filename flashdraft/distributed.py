@@ -382,6 +382,11 @@ def barrier() -> None:
         raise _fail("barrier", exc) from exc
 
 
+def startup_timeout_s() -> float:
+    """train.startup_timeout_s as the job was started with: how long start-up waits may take."""
+    return _STARTUP_TIMEOUT_S
+
+
 def startup_barrier(what: str) -> None:
     """Block until every rank of the job (both roles) has finished ``what`` (e.g. "loading the
     target and the data"), waiting up to the start-up timeout instead of the collective one:
@@ -548,13 +553,14 @@ class Transfer:
     def done(self) -> bool:
         return self._finished or self._work.is_completed()
 
-    def wait(self) -> None:
-        """Idempotent (a second wait on a gloo receive would wait for another message)."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Idempotent (a second wait on a gloo receive would wait for another message). Waits at
+        most ``timeout_s`` (default: the job's collective timeout)."""
         if self._finished:
             return
         try:
             # gloo's point-to-point ops ignore the group's timeout unless wait() is given one
-            self._work.wait(datetime.timedelta(seconds=get_dist().timeout_s))
+            self._work.wait(datetime.timedelta(seconds=timeout_s or get_dist().timeout_s))
         except RuntimeError as exc:
             raise _fail(self.op, exc) from exc
         self._finished = True

@@ -138,18 +138,22 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _target_dir(config: dict, checkpoint: Path) -> str:
-    """The run's model.target as an absolute path (an engine reads a relative one as a hub model id).
-    A relative one is relative to where training ran: the run directory (train.output_dir, the
-    checkpoint's grandparent) with its own relative path taken off; else to here."""
-    target = config.get("model", {}).get("target") or "TARGET"
-    if Path(target).is_absolute():
-        return target
+    """The run's model.target as an absolute path (an engine reads a relative one as a hub model id)."""
+    return _run_path(config.get("model", {}).get("target") or "TARGET", config, checkpoint)
+
+
+def _run_path(value: str, config: dict, checkpoint: Path) -> str:
+    """A path of the run's config as an absolute path. A relative one is relative to where
+    training ran: the run directory (train.output_dir, the checkpoint's grandparent) with its own
+    relative path taken off; else to here."""
+    if Path(value).is_absolute():
+        return value
     run, output = checkpoint.resolve().parent.parent, Path(config.get("train", {}).get("output_dir") or "")
     if not output.is_absolute() and output.parts and run.parts[-len(output.parts):] == output.parts:
         started_in = Path(*run.parts[:-len(output.parts)])
-        if (started_in / target).is_dir():
-            return str(started_in / target)
-    return str(Path(target).resolve())
+        if (started_in / value).exists():
+            return str(started_in / value)
+    return str(Path(value).resolve())
 
 
 def verify_export(path: Path, drafter, dtype: torch.dtype) -> None:
@@ -270,22 +274,28 @@ def run(args) -> int:
 
 
 def _run_eval_prompts(checkpoint: Path) -> str | None:
-    """The run's data.eval_prompts, from the run config the checkpoint holds (None if none)."""
+    """The run's data.eval_prompts (absolute: a relative one is the run's), from the run config
+    the checkpoint holds (None if none)."""
     try:
-        return json.loads((checkpoint / "config.json").read_text()).get("data", {}).get("eval_prompts")
+        config = json.loads((checkpoint / "config.json").read_text())
+        prompts = config.get("data", {}).get("eval_prompts")
     except (OSError, ValueError, AttributeError):
         return None
+    return _run_path(prompts, config, checkpoint) if prompts else None
 
 
 def _verify_engine(target, path, prompts_path, max_new_tokens: int) -> int:
     """The engine check of the export just written (flashdraft.engine.engine_check), greedy."""
     from transformers import AutoConfig
 
-    from flashdraft.engine import engine_check, format_check
+    from flashdraft.engine import EngineUnavailable, engine_check, format_check
     from flashdraft.evaluate import eos_ids_of, read_prompts
 
     prompts = read_prompts(prompts_path)
-    report = engine_check(target, path, prompts, max_new_tokens=max_new_tokens,
-                          eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)))
+    try:
+        report = engine_check(target, path, prompts, max_new_tokens=max_new_tokens,
+                              eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)))
+    except EngineUnavailable as exc:  # the export stands; the check says why it could not run
+        report = {"engine_error": str(exc)}
     print(format_check(report))
     return 0 if report.get("lossless") and report.get("tau_agrees") else 1

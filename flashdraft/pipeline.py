@@ -373,9 +373,12 @@ class _Meter:
             self.items += 1
             self.busy_s += start.elapsed_time(end) / 1e3
 
-    def totals(self) -> tuple[int, float]:
-        """(items, busy seconds) since the start, over the items whose events have completed."""
+    def totals(self, drain: bool = False) -> tuple[int, float]:
+        """(items, busy seconds) since the start, over the items whose events have completed;
+        ``drain``: first wait for the newest (the whole run's report, when nothing follows it)."""
         with self.lock:
+            if drain and self.events:
+                self.events[-1][1].synchronize()  # deliberate: the run's last report, no step waits on it
             self._resolve()
             return self.items, self.busy_s
 
@@ -644,10 +647,11 @@ class Pipeline:
         for periodic logs) or since the start (window=False, the whole run).
 
         Starved = waiting on the input channel; blocked = waiting on the full output channel.
-        Call from the consumer's thread. Never waits for the GPU: a device stage counts the
-        items its stream has finished (the others count in a later report)."""
+        Call from the consumer's thread. A windowed report never waits for the GPU: a device
+        stage counts the items its stream has finished (the others count in a later report); the
+        whole run's report waits for its last items, since no report follows it."""
+        meters = [m.totals(drain=not window) for m in self._meters]
         now = time.perf_counter()
-        meters = [m.totals() for m in self._meters]
         waits = [(ch.put_wait_s, ch.get_wait_s) for ch in self._channels]
         if window:
             base_meters, base_waits = self._snapshot

@@ -20,7 +20,7 @@ the run config, and estimates the per-device peak memory of training at the real
 
 The worst micro-batch follows the batch plan: a padded length S holds
 B = min(max_batch_size, token_budget // S, row_budget // (min(num_anchors, S - 1) * block_size))
-samples (at least 1), each with min(num_anchors, S) anchored blocks, sliced by
+samples (at least 1), each with max(1, min(num_anchors, S - 1)) anchored blocks, sliced by
 ``objective.anchors_per_microbatch`` and shared over a tensor-parallel group. The worst S up to
 ``data.max_length`` is found with a linear model of the step's measured peak in
 (B, S, anchors), fitted from four small fake steps, and then measured at its real shapes.

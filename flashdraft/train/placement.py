@@ -395,7 +395,8 @@ class _TargetLink:
     def receive_hello(self) -> torch.Tensor:
         """The drafter rank's start: int64 [start step, total steps, its rank, its world, *cursor]."""
         msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64)
-        distributed.control_irecv(msg, self.peer).wait()
+        # sent once the drafter rank has resumed (reading a checkpoint): a start-up wait
+        distributed.control_irecv(msg, self.peer).wait(distributed.startup_timeout_s())
         return msg
 
     def start(self, msg: torch.Tensor) -> None:
