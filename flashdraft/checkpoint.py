@@ -618,6 +618,27 @@ class CheckpointManager:
             return None
         return self._load_verified(Path(choice), rank, shared=True)
 
+    def load_shared(self, path: str | os.PathLike, rank: int | None = None, verdict: str | None = None) -> Loaded:
+        """``load`` by every rank of the job at once (collective): rank 0 verifies ``path`` (or
+        gives ``verdict``, its earlier verification: "" complete, else why not) and shares the
+        verdict, so the others do not hash every file again; the replicated parts are then read
+        once and broadcast (``_load_verified``)."""
+        if distributed.get_rank() == 0 and verdict is None:
+            verdict = self.verdict(path)
+        verdict = distributed.broadcast_object(verdict, src=0)
+        if verdict:
+            raise CheckpointError(verdict)
+        return self._load_verified(Path(path), rank, shared=True)
+
+    @staticmethod
+    def verdict(path: str | os.PathLike) -> str:
+        """"" when the checkpoint in ``path`` is complete (sizes and sha256), else why not."""
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            return str(exc)
+        return ""
+
     def load(self, path: str | os.PathLike, rank: int | None = None) -> Loaded:
         """Load the checkpoint in ``path`` after verifying it; CheckpointError if incomplete.
 

@@ -90,14 +90,18 @@ class RunCheckpoints:
         self.manager = CheckpointManager(Path(config.train.output_dir) / "checkpoints", config.train.keep_last)
         self.components, self.per_rank, self.export_fn = dict(components), dict(per_rank), export_fn
         self.last_saved: int | None = None
-        self._verified: Path | None = None  # verify_ahead's choice (rank 0)
+        self._verified: Path | None = None  # verify_ahead's choice (rank 0, resume=auto)
+        self._verdict: str | None = None  # verify_ahead's verdict on resume=DIR (rank 0; "": complete)
 
     def verify_ahead(self) -> None:
         """Rank 0, before the ranks meet at start-up: find (and verify, hashing every file) the
         checkpoint ``resume`` will load, so that the others wait for it under the start-up
-        timeout, not in the collective that shares the choice (train.resume=auto only)."""
-        if self.config.train.resume == "auto":
+        timeout, not in the collective that shares the choice (train.resume=auto or DIR)."""
+        mode = self.config.train.resume
+        if mode == "auto":
             self._verified = self.manager.latest_complete()
+        elif mode != "never":
+            self._verdict = self.manager.verdict(mode)
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
         """Whether to save right after ``step``: on a stop request and every ``train.save_every``
@@ -134,7 +138,8 @@ class RunCheckpoints:
                     f"train.output_dir, or delete {self.config.train.output_dir} yourself to start over"
                 )
             return False
-        loaded = self.manager.load_latest(verified=self._verified) if mode == "auto" else self.manager.load(mode)
+        loaded = (self.manager.load_latest(verified=self._verified) if mode == "auto"
+                  else self.manager.load_shared(mode, verdict=self._verdict))
         if loaded is None:
             if existing := self.manager.checkpoints():  # a fresh start would train over them, then prune them
                 raise CheckpointError(
