@@ -66,7 +66,8 @@ def test_every_bench_entry_parses_its_options(capsys):
 
     from flashdraft.bench import SUBBENCHES
 
-    assert set(SUBBENCHES) == {"data", "prepare", "step", "train", "pipeline", "soak", "gpu-pipeline"}
+    assert set(SUBBENCHES) == {"data", "prepare", "step", "train", "pipeline", "soak", "gpu-pipeline", "gpu-check",
+                               "plan"}
     for name in SUBBENCHES:
         with pytest.raises(SystemExit) as exit_:
             main(["bench", name, "--help"])
