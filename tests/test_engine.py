@@ -14,7 +14,7 @@ import torch
 from conftest import make_job, overrides
 from flashdraft.cli import main
 from flashdraft.engine import EngineUnavailable, compare, engine_check, engine_python, last_layer_warning
-from flashdraft.reference import reference_check, reference_python
+from flashdraft.reference import compare_reference, full_block_steps, reference_check, reference_python
 from flashdraft.speculative import Generation, tau_per_prompt, tau_pooled
 from flashdraft.toy import tiny_causal_lm
 
@@ -140,6 +140,24 @@ def test_a_last_layer_tap_is_served_on_other_features_and_the_check_says_so(vllm
         report = engine_check(root / "target", relabelled, train_prompts(), max_new_tokens=40, eos_ids=[])
     assert report["lossless"] and report["same_outputs"]
     assert not report["same_steps"]
+
+
+def test_the_reference_is_compared_step_for_step_where_it_drafts_a_whole_block():
+    # block 8, 40 new tokens: dflash_generate's block is min(8, 41 - tokens so far) wide
+    assert full_block_steps([7, 7, 7, 5, 6, 0], 8, 40) == 5  # 31 tokens before step 5: whole; 38 before step 6
+    assert full_block_steps([0] * 40, 8, 40) == 33  # 34 tokens before step 34: a 7-wide block
+    assert full_block_steps([7, 7], 8, 40) == 2
+    reference = {"steps": [[7, 7, 7, 7, 0, 1, 1, 2], [1]], "outputs": [[5] * 40, [6] * 3],
+                 "plain": [[5] * 40, [6] * 3], "loading": {"unexpected_keys": [], "missing_keys": []}}
+    flashdraft = [[7, 7, 7, 7, 0, 2, 3], [1]]  # other drafts from step 6 on, where the reference's block is shorter
+    last_block = compare_reference(flashdraft, [[5] * 40, [6] * 3], reference, 8, 40)
+    assert not last_block["same_steps"] and last_block["same_full_block_steps"] and last_block["lossless"]
+    assert last_block["prompts_with_other_steps"] == [0] and last_block["other_steps"][0]["full_block_steps"] == 5
+    reference["steps"][0][1] = 6  # a whole-block step differs: other drafts were proposed
+    reference["loading"]["unexpected_keys"] = ["layers.0.self_attn.attention_sink_bias"]
+    other = compare_reference(flashdraft, [[5] * 40, [6] * 3], reference, 8, 40)
+    assert not other["same_full_block_steps"] and other["prompts_with_other_full_block_steps"] == [0]
+    assert other["unused_weights"] == ["layers.0.self_attn.attention_sink_bias"]
 
 
 @pytest.fixture(scope="module")
