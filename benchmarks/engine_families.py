@@ -1,12 +1,15 @@
-"""Each drafter family through vLLM's CPU build: the figures of docs/benchmarks.md, "Served by vLLM".
+"""Each drafter family through vLLM's CPU build and the DFlash reference decoder: the figures of
+docs/benchmarks.md, "Served by vLLM".
 
-    python benchmarks/engine_families.py OUT_DIR [dflash swa sinks dflash2]
+    python benchmarks/engine_families.py OUT_DIR [--only vllm|reference] [dflash swa sinks dflash2]
 
 Builds tests/test_engine.py's job in OUT_DIR (a tiny Qwen3 target, head_dim 32, and its greedy
 continuations), trains a 150-step drafter of each family on it, and runs flashdraft.engine's
 engine check of each export on 8 training prompts (40 new tokens, no eos, greedy, fp32). Writes
-OUT_DIR/engine-FAMILY.json and prints each verdict. Needs the engine environment (created on first
-use, engine.engine_python).
+OUT_DIR/engine-FAMILY.json and prints each verdict; then flashdraft.reference's check of the same
+export on the same prompts with the DFlash authors' reference decoder (OUT_DIR/reference-FAMILY.json).
+Needs the engine environment (created on first use, engine.engine_python; dflash installed there
+by reference.reference_python).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ FAMILIES = {
 }
 
 
-def main(out: Path, names: list[str]) -> None:
+def main(out: Path, names: list[str], only: str | None = None) -> None:
     from conftest import make_job, overrides
     from flashdraft.config import load_config
     from flashdraft.engine import engine_check, format_check
+    from flashdraft.reference import format_reference, reference_check
     from flashdraft.toy import tiny_causal_lm
     from flashdraft.train.trainer import train
 
@@ -48,12 +52,25 @@ def main(out: Path, names: list[str]) -> None:
             train(load_config(None, overrides(out, run, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
                                               data__token_budget=640, data__max_batch_size=16,
                                               objective__num_anchors=16, **FAMILIES[name])))
-        begin = time.perf_counter()
-        report = engine_check(out / "target", run / "drafter", prompts, max_new_tokens=40, eos_ids=[])
-        report["seconds"] = round(time.perf_counter() - begin, 1)
-        (out / f"engine-{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        print(f"== {name}\n{format_check(report)}", flush=True)
+        if only != "reference":
+            begin = time.perf_counter()
+            report = engine_check(out / "target", run / "drafter", prompts, max_new_tokens=40, eos_ids=[])
+            report["seconds"] = round(time.perf_counter() - begin, 1)
+            (out / f"engine-{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+            print(f"== {name}: vLLM\n{format_check(report)}", flush=True)
+        if only != "vllm":
+            begin = time.perf_counter()
+            report = reference_check(out / "target", run / "drafter", prompts, max_new_tokens=40, eos_ids=[])
+            report["seconds"] = round(time.perf_counter() - begin, 1)
+            (out / f"reference-{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+            print(f"== {name}: DFlash reference decoder\n{format_reference(report)}", flush=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or list(FAMILIES))
+    args = sys.argv[2:]
+    only = None
+    if args[:1] == ["--only"]:
+        only, args = args[1], args[2:]
+        if only not in ("vllm", "reference"):
+            sys.exit(f"--only takes vllm or reference, not {only!r}")
+    main(Path(sys.argv[1]), args or list(FAMILIES), only)

@@ -14,6 +14,7 @@ import torch
 from conftest import make_job, overrides
 from flashdraft.cli import main
 from flashdraft.engine import EngineUnavailable, compare, engine_check, engine_python, last_layer_warning
+from flashdraft.reference import compare_reference, full_block_steps, reference_check, reference_python
 from flashdraft.speculative import Generation, tau_per_prompt, tau_pooled
 from flashdraft.toy import tiny_causal_lm
 
@@ -74,6 +75,8 @@ FAMILIES = {
             "model__drafter_causal": "false"},
     "sinks": {"model__drafter_attention_sink": "true"},
 }
+# Trained here too, for the reference decoder only (vLLM's CPU build cannot serve it)
+EXPORT_FAMILIES = {**FAMILIES, "dflash2": {"model__drafter": "dflash2"}}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def trained_export(tmp_path_factory):
         if not (out / "drafter" / "config.json").is_file():
             assert main(["train", *overrides(job, out, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
                                               data__token_budget=640, data__max_batch_size=16,
-                                              objective__num_anchors=16, **FAMILIES[family])]) == 0
+                                              objective__num_anchors=16, **EXPORT_FAMILIES[family])]) == 0
         return out / "drafter"
 
     return root, export
@@ -137,6 +140,50 @@ def test_a_last_layer_tap_is_served_on_other_features_and_the_check_says_so(vllm
         report = engine_check(root / "target", relabelled, train_prompts(), max_new_tokens=40, eos_ids=[])
     assert report["lossless"] and report["same_outputs"]
     assert not report["same_steps"]
+
+
+def test_the_reference_is_compared_step_for_step_where_it_drafts_a_whole_block():
+    # block 8, 40 new tokens: dflash_generate's block is min(8, 41 - tokens so far) wide
+    assert full_block_steps([7, 7, 7, 5, 6, 0], 8, 40) == 5  # 31 tokens before step 5: whole; 38 before step 6
+    assert full_block_steps([0] * 40, 8, 40) == 33  # 34 tokens before step 34: a 7-wide block
+    assert full_block_steps([7, 7], 8, 40) == 2
+    reference = {"steps": [[7, 7, 7, 7, 0, 1, 1, 2], [1]], "outputs": [[5] * 40, [6] * 3],
+                 "plain": [[5] * 40, [6] * 3], "loading": {"unexpected_keys": [], "missing_keys": []}}
+    flashdraft = [[7, 7, 7, 7, 0, 2, 3], [1]]  # other drafts from step 6 on, where the reference's block is shorter
+    last_block = compare_reference(flashdraft, [[5] * 40, [6] * 3], reference, 8, 40)
+    assert not last_block["same_steps"] and last_block["same_full_block_steps"] and last_block["lossless"]
+    assert last_block["prompts_with_other_steps"] == [0] and last_block["other_steps"][0]["full_block_steps"] == 5
+    reference["steps"][0][1] = 6  # a whole-block step differs: other drafts were proposed
+    reference["loading"]["unexpected_keys"] = ["layers.0.self_attn.attention_sink_bias"]
+    other = compare_reference(flashdraft, [[5] * 40, [6] * 3], reference, 8, 40)
+    assert not other["same_full_block_steps"] and other["prompts_with_other_full_block_steps"] == [0]
+    assert other["unused_weights"] == ["layers.0.self_attn.attention_sink_bias"]
+
+
+@pytest.fixture(scope="module")
+def dflash_python():
+    """The engine environment with the DFlash authors' package installed, or a skip saying why."""
+    try:
+        return reference_python(log=print)
+    except EngineUnavailable as exc:
+        pytest.skip(f"the DFlash reference decoder (dflash) cannot be had here: {exc}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+def test_the_authors_reference_decoder_reproduces_flashdrafts_drafts_and_outputs(dflash_python, trained_export,
+                                                                                 family):
+    """The export decoded by the DFlash authors' own code (PyPI dflash, its model class and
+    dflash_generate): lossless, flashdraft's outputs, and the same accepted drafts at every step."""
+    root, export = trained_export
+    report = reference_check(root / "target", export(family), train_prompts(), max_new_tokens=40, eos_ids=[])
+    assert "reference_error" not in report, report.get("reference_error")
+    assert report["unused_weights"] == [] and report["missing_weights"] == []  # the whole export is decoded
+    assert report["lossless"] and report["same_outputs"]
+    # the same drafts at every step where the reference drafts a whole block (it shortens the
+    # block to the tokens left near the limit, flashdraft trims a whole one: reference.full_block_steps)
+    assert report["same_full_block_steps"], report["other_steps"]
+    assert report["reference"]["tau_pooled"] > 2  # a trained drafter: the comparison is not of empty drafts
 
 
 def test_the_engine_environment_is_refused_beside_a_torch_it_would_replace(monkeypatch):

@@ -1,0 +1,167 @@
+"""The DFlash authors' reference decoder as a judge: an export decoded by their own code, next to flashdraft's decode.
+
+The reference is the PyPI package ``dflash`` (its ``DFlashDraftModel`` / ``DFlash2DraftModel`` and
+``dflash_generate``). flashdraft never imports it: it is installed without its pinned extras
+(``pip install --no-deps``: torch and transformers come from the environment) into the engine
+environment (engine.engine_python, which shares this environment's torch), and
+``reference_worker.py`` runs there, a request and a result file as JSON in between.
+
+``reference_check`` decodes the same prompts both ways, greedy, fp32 on CPU, and compares
+(docs/evaluation.md): the reference's output against the target's plain greedy (lossless) and
+against flashdraft's, and each prompt's per-step accepted drafts (both trim the last step at eos /
+the token limit) step for step: equal at every step means the same drafts were proposed. Where the
+package's class leaves some of the export's weights unused (its loading report), the report says
+so: the reference then decodes a different drafter (e.g. without attention sinks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from flashdraft.engine import EngineUnavailable, engine_python
+
+DFLASH_VERSION = "0.1.0"
+DFLASH_PACKAGE = f"dflash=={DFLASH_VERSION}"
+_WORKER = Path(__file__).with_name("reference_worker.py")
+
+
+def reference_python(log=print) -> Path:
+    """The engine environment's interpreter with ``dflash`` installed (once, without its pinned
+    extras). Raises ``EngineUnavailable`` with the reason where it cannot be had."""
+    python = engine_python(log=log)
+    ready = python.parent.parent / f".dflash-{DFLASH_VERSION}-ready"
+    if ready.is_file():
+        return python
+    log(f"installing the DFlash reference decoder ({DFLASH_PACKAGE}, --no-deps) into {python.parent.parent}")
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", DFLASH_PACKAGE],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+        raise EngineUnavailable(f"installing {DFLASH_PACKAGE} failed:\n{tail}")
+    ready.write_text(DFLASH_VERSION + "\n")
+    return python
+
+
+def run_reference(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
+                  timeout: float = 1800, log=print) -> dict:
+    """Decode ``prompts`` greedily with the reference decoder and the export ``drafter``; the
+    worker's result (reference_worker.py). The package's error comes back as ``result["error"]``."""
+    python = reference_python(log=log)
+    request = {"target": str(Path(target).resolve()), "drafter": str(Path(drafter).resolve()),
+               "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
+               "eos_ids": [int(t) for t in eos_ids]}
+    with tempfile.TemporaryDirectory(prefix="flashdraft-reference-") as tmp:
+        req, res, out = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "reference.log"
+        req.write_text(json.dumps(request))
+        with open(out, "w") as worker_log:
+            try:
+                # PYTHONPATH cleared: the worker sees the environment's packages, not a checkout's flashdraft
+                done = subprocess.run([str(python), str(_WORKER), str(req), str(res)], cwd=tmp, timeout=timeout,
+                                      env={**os.environ, "PYTHONPATH": ""}, stdout=worker_log,
+                                      stderr=subprocess.STDOUT)
+            except subprocess.TimeoutExpired:
+                raise EngineUnavailable(f"the reference decoder did not finish in {timeout:.0f} s") from None
+        if done.returncode != 0 or not res.is_file():
+            tail = "\n".join(out.read_text(errors="replace").strip().splitlines()[-10:])
+            raise EngineUnavailable(f"the reference worker exited with status {done.returncode}:\n{tail}")
+        return json.loads(res.read_text())
+
+
+def full_block_steps(steps: list[int], block_size: int, max_new_tokens: int) -> int:
+    """How many of a prompt's reference steps drafted a whole block: ``dflash_generate`` drafts
+    only as many positions as tokens are left (``verify_size = min(block_size, max_length -
+    start)``), flashdraft (like vLLM, and like training) always a whole block and trims. With
+    in-block bidirectional attention a shortened block proposes other drafts, so the two sides
+    are compared step for step up to there."""
+    generated = 1  # the prefill's token
+    for k, accepted in enumerate(steps):
+        if max_new_tokens - generated + 1 < block_size:
+            return k
+        generated += accepted + 1
+    return len(steps)
+
+
+def compare_reference(flashdraft_steps: list[list[int]], flashdraft_tokens: list[list[int]], reference: dict,
+                      block_size: int, max_new_tokens: int) -> dict:
+    """The verdict from flashdraft's per-prompt steps (trimmed at eos / the limit, as the
+    reference trims) and outputs, and the worker's result ``reference``."""
+    from flashdraft.speculative import tau_per_prompt, tau_pooled
+
+    steps = reference["steps"]
+    differ = [i for i, (x, y) in enumerate(zip(steps, flashdraft_steps)) if x != y]
+    full = [full_block_steps(s, block_size, max_new_tokens) for s in steps]
+    differ_in_full = [i for i in differ if steps[i][:full[i]] != flashdraft_steps[i][:full[i]]]
+    unused = reference.get("loading", {}).get("unexpected_keys", [])
+    missing = reference.get("loading", {}).get("missing_keys", [])
+    return {
+        "dflash_version": reference.get("dflash_version"), "drafter_class": reference.get("drafter_class"),
+        "reference": {"tau": tau_per_prompt(steps), "tau_pooled": tau_pooled(steps),
+                      "steps": sum(len(s) for s in steps), "accepted_tokens": sum(sum(s) for s in steps)},
+        "flashdraft": {"tau": tau_per_prompt(flashdraft_steps), "tau_pooled": tau_pooled(flashdraft_steps),
+                       "steps": sum(len(s) for s in flashdraft_steps),
+                       "accepted_tokens": sum(sum(s) for s in flashdraft_steps)},
+        "lossless": reference["outputs"] == reference["plain"],
+        "same_outputs": reference["outputs"] == flashdraft_tokens,
+        "same_steps": not differ and len(steps) == len(flashdraft_steps),
+        "prompts_with_other_steps": differ,
+        # the same drafts at every step where the reference drafted a whole block (full_block_steps)
+        "same_full_block_steps": not differ_in_full and len(steps) == len(flashdraft_steps),
+        "prompts_with_other_full_block_steps": differ_in_full,
+        "other_steps": {i: {"reference": steps[i], "flashdraft": flashdraft_steps[i], "full_block_steps": full[i]}
+                        for i in differ},
+        # weights of the export the package's class does not have (it decodes without them) / lacks
+        "unused_weights": unused, "missing_weights": missing,
+    }
+
+
+def reference_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
+                    log=print) -> dict:
+    """flashdraft's greedy decode and the reference decoder's of ``prompts`` with the export in
+    ``drafter_dir`` (module doc); fp32 on CPU. Raises ``EngineUnavailable`` where the reference
+    cannot be installed or run; the package's own error is ``report["reference_error"]``."""
+    import torch
+
+    from flashdraft.drafter import DFlashDrafter, serving
+    from flashdraft.speculative import speculative_generate
+    from flashdraft.target import TargetModel
+
+    cfg = serving.read_config(drafter_dir)
+    layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    block_size = int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
+    target = TargetModel.from_pretrained(target_dir, target_layer_ids=layer_ids, device="cpu", dtype="float32")
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, dtype=torch.float32, device="cpu").eval()
+    gens = [speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids) for prompt in prompts]
+    del target, drafter
+    log(f"dflash {DFLASH_VERSION}: decoding {len(prompts)} prompts with the authors' reference decoder")
+    reference = run_reference(target_dir, drafter_dir, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              log=log)
+    if "error" in reference:
+        return {"reference_error": reference["error"], "dflash_version": reference.get("dflash_version")}
+    report = compare_reference([g.accepted for g in gens], [g.tokens for g in gens], reference, block_size,
+                               max_new_tokens)
+    report["settings"] = {"greedy": True, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                          "dtype": "float32"}
+    return report
+
+
+def format_reference(report: dict) -> str:
+    """One paragraph for a person: both sides' taus, losslessness, step agreement, unused weights."""
+    if "reference_error" in report:
+        return f"the DFlash reference decoder could not decode the drafter: {report['reference_error']}"
+    r, f = report["reference"], report["flashdraft"]
+    lines = [f"reference (dflash {report['dflash_version']}, {report['drafter_class']}): tau per prompt "
+             f"{r['tau']:.3f}, pooled {r['tau_pooled']:.3f} ({r['steps']} steps, {r['accepted_tokens']} accepted)",
+             f"flashdraft: tau per prompt {f['tau']:.3f}, pooled {f['tau_pooled']:.3f} ({f['steps']} steps, "
+             f"{f['accepted_tokens']} accepted)",
+             f"lossless (reference == target greedy): {report['lossless']}; reference == flashdraft outputs: "
+             f"{report['same_outputs']}; same acceptance at every step: {report['same_steps']}"
+             + (f" (prompts {report['prompts_with_other_steps']} differ; in whole-block steps: "
+                f"{report['prompts_with_other_full_block_steps'] or 'none'})" if not report["same_steps"] else "")]
+    if report["unused_weights"] or report["missing_weights"]:
+        lines.append(f"WARNING: the reference's class left export weights unused {report['unused_weights']} / "
+                     f"uninitialised {report['missing_weights']}: it decodes another drafter than flashdraft's")
+    return "\n".join(lines)
