@@ -170,11 +170,12 @@ def dflash_python():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", ["dflash2"])  # DFlash: vLLM checks it above (the reference: engine_families.py)
 def test_the_authors_reference_decoder_reproduces_flashdrafts_drafts_and_outputs(dflash_python, trained_export,
                                                                                  family):
     """The export decoded by the DFlash authors' own code (PyPI dflash, its model class and
-    dflash_generate): lossless, flashdraft's outputs, and the same accepted drafts at every step."""
+    dflash_generate): lossless, flashdraft's outputs, and the same accepted drafts at every step.
+    DFlash2 is the family vLLM's CPU build cannot serve: this is its independent check here."""
     root, export = trained_export
     report = reference_check(root / "target", export(family), train_prompts(), max_new_tokens=40, eos_ids=[])
     assert "reference_error" not in report, report.get("reference_error")
