@@ -29,7 +29,14 @@ import yaml
 
 from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
-from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES, SINK_IMPLS
+from flashdraft.drafter.attention import (
+    ATTENTION_IMPLS,
+    LAYER_TYPES,
+    SINK_IMPLS,
+    LayerMask,
+    blind_slots,
+    smallest_sighted_window,
+)
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
@@ -102,6 +109,16 @@ class ModelConfig:
                (self.drafter_sliding_window is None or self.drafter_sliding_window >= 1),
                "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
                "give a positive window (e.g. 2048) exactly when a layer is sliding_attention")
+        if sliding and self.drafter_sliding_window >= 1:
+            layers = [LayerMask(self.drafter_sliding_window if t == "sliding_attention" else None)
+                      for t in self.layer_types]
+            blind = blind_slots(layers, self.block_size)  # only ever in an all-sliding stack
+            if blind:
+                _check(False, "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
+                       f"with model.block_size {self.block_size} and {len(layers)} sliding layer(s), block slots "
+                       f"{_slot_span(blind)} can see no target feature in any layer (not through the window, not "
+                       f"through another slot); use a window of {smallest_sighted_window(layers, self.block_size)} "
+                       "or more (2048 is the released drafters'), or make a layer full_attention")
         _check(self.drafter in DRAFTERS, "model.drafter", self.drafter, f"use one of {', '.join(DRAFTERS)}")
         _check(1 <= self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", f"{self.conv_kernel_size}",
                f"use 1 .. model.block_size ({self.block_size}); 2 is the released drafters'")
@@ -387,6 +404,11 @@ def _refuse_unselected(sections, selected: bool, option: str, select: str) -> No
 def _default(cls, key: str) -> Any:
     f = cls.__dataclass_fields__[key]
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _slot_span(slots: list[int]) -> str:
+    """``[5, 6, 7]`` as ``5..7`` (blind slots are always a run to the block's end), one as itself."""
+    return f"{slots[0]}..{slots[-1]}" if len(slots) > 1 else f"{slots[0]}"
 
 
 def _check(ok: bool, name: str, value: str, fix: str) -> None:
