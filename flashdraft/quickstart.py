@@ -228,6 +228,11 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
         raise ValueError(f"--weighting {budget.weighting!r}: use one of {', '.join(WEIGHTINGS)}")
     if budget.drafter not in DRAFTERS:
         raise ValueError(f"--drafter {budget.drafter!r}: use one of {', '.join(DRAFTERS)}")
+    if budget.target_layers < 1:  # the tiny target's shape, checked before its corpus and training
+        raise ValueError(f"--target-layers {budget.target_layers}: use 1 or more")
+    if budget.target_hidden < 8 or budget.target_hidden % 8:  # 4 heads of an even (RoPE) head size
+        raise ValueError(f"--target-hidden {budget.target_hidden}: use a positive multiple of 8 (4 attention heads "
+                         "of an even size), e.g. 32")
     if budget.sliding_window < 0:
         raise ValueError(f"--sliding-window {budget.sliding_window}: use 0 (full layers) or a positive window")
     from flashdraft.speculative import MIN_TEMPERATURE

@@ -231,6 +231,9 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     ({"drafter_lr": -1.0}, "optim.lr=-1.0"), ({"num_anchors": 0}, "objective.num_anchors=0"),
     ({"block_size": 1}, "model.block_size=1"), ({"regen_temperature": -1.0}, "--regen-temperature -1.0"),
     ({"regen_temperature": 1e-40}, "--regen-temperature 1e-40"),
+    ({"target_layers": 0}, "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
+    ({"target_hidden": 3}, "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
+    ({"sliding_window": 1}, "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
 ])
 def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
     import dataclasses
