@@ -149,6 +149,8 @@ class DataConfig:
     def __post_init__(self):
         _check_finite(self, "data")
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
+        _check(self.min_supervised is None or self.min_supervised >= 0, "data.min_supervised",
+               f"{self.min_supervised}", "use 0 or more supervised tokens, or null for 2 * model.block_size")
         _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
         _check(self.row_budget >= 1, "data.row_budget", f"{self.row_budget}", "use a positive row count")
@@ -274,6 +276,9 @@ class TrainConfig:
     def __post_init__(self):
         _check_finite(self, "train")
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
+        _check(self.seed >= 0, "train.seed", f"{self.seed}", "use 0 or more (numpy's seed sequences refuse negatives)")
+        _check(bool(str(self.output_dir).strip()), "train.output_dir", "''",
+               "give the run's directory (checkpoints, metrics), e.g. runs/my-run")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
         _check(self.save_every >= 0, "train.save_every", f"{self.save_every}", "use 0 (only at the end) or more")

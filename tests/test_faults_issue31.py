@@ -528,3 +528,13 @@ def test_an_export_whose_mask_id_or_shapes_do_not_fit_is_named(eval_dir, tmp_pat
     (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
     with pytest.raises(ValueError, match=r"model.safetensors does not fit its config.json \(size mismatch"):
         DFlashDrafter.from_pretrained(bad)
+
+
+@pytest.mark.parametrize(("override", "field"), [("data.min_supervised=-2", "data.min_supervised=-2"),
+                                                 ("train.seed=-1", "train.seed=-1"),
+                                                 ("train.output_dir=", "train.output_dir=''")])
+def test_a_negative_seed_or_minimum_or_an_empty_run_directory_is_refused_at_load(override, field):
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=rf"config {re.escape(field)} is invalid: (use|give)"):
+        load_config(overrides=[override])
