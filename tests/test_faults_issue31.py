@@ -234,6 +234,7 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     ({"target_layers": 0}, "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
     ({"target_hidden": 3}, "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
     ({"sliding_window": 1}, "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
+    ({"answer_tokens": 0}, "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
 ])
 def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
     import dataclasses
@@ -243,6 +244,19 @@ def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, chang
     with pytest.raises(ValueError, match=re.escape(wanted)):
         quickstart(tmp_path / "qs", dataclasses.replace(SMOKE, **change))
     assert not (tmp_path / "qs").exists()  # no stage ran
+
+
+def test_quickstart_never_writes_into_a_directory_of_other_content(tmp_path):
+    """The trial's re-run: --output onto a model directory wrote all seven stages among its files."""
+    from flashdraft.quickstart import SMOKE, quickstart
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"--output {re.escape(str(model))} holds what no quickstart writes "
+                                         r"\(config.json\); give a new or empty directory, or a quickstart's"):
+        quickstart(model, SMOKE)
+    assert [p.name for p in model.iterdir()] == ["config.json"]
 
 
 # ---- 15: the OpenAI developer role is the system turn ---------------------------------------
