@@ -347,6 +347,10 @@ def run(args) -> int:
     text = json.dumps(_strict(report), indent=2, allow_nan=False)  # strict JSON: a bare NaN is no JSON
     print(text)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+        try:  # checked writable at the start; a disk filled since (or /dev/full) fails only now
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(text + "\n")
+        except OSError as exc:
+            raise ValueError(f"--output {args.output}: cannot write the report ({exc.strerror or exc}); it is printed "
+                             "above on stdout") from None
     return 0 if report.get("lossless", True) and agrees else 1

@@ -552,3 +552,10 @@ def test_a_negative_seed_or_minimum_or_an_empty_run_directory_is_refused_at_load
 
     with pytest.raises(ValueError, match=rf"config {re.escape(field)} is invalid: (use|give)"):
         load_config(overrides=[override])
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_eval_names_an_output_that_fails_at_the_write_and_keeps_the_report_on_stdout(eval_dir, capsys):
+    with pytest.raises(ValueError, match=r"--output /dev/full: cannot write the report \(No space left on device\)"):
+        _eval(eval_dir, "--prompts", str(eval_dir / "prompts.jsonl"), "--max-new-tokens", "2", "--output", "/dev/full")
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 2
