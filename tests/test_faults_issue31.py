@@ -235,6 +235,9 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     ({"target_hidden": 3}, "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
     ({"sliding_window": 1}, "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
     ({"answer_tokens": 0}, "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
+    ({"num_eval_prompts": 0}, "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
+    ({"corpus_bytes": -5}, "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
+    ({"target_steps": -1}, "--target-steps -1: use 0 or more"),  # an untrained target, silently
 ])
 def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
     import dataclasses
