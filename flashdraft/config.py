@@ -29,7 +29,14 @@ import yaml
 
 from flashdraft.data.dataset import ON_INVALID
 from flashdraft.distributed import DEVICES, PLACEMENTS
-from flashdraft.drafter.attention import ATTENTION_IMPLS, LAYER_TYPES, SINK_IMPLS
+from flashdraft.drafter.attention import (
+    ATTENTION_IMPLS,
+    LAYER_TYPES,
+    SINK_IMPLS,
+    LayerMask,
+    blind_slots,
+    smallest_sighted_window,
+)
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.metrics import BACKENDS as METRIC_SINKS
 from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
@@ -102,6 +109,16 @@ class ModelConfig:
                (self.drafter_sliding_window is None or self.drafter_sliding_window >= 1),
                "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
                "give a positive window (e.g. 2048) exactly when a layer is sliding_attention")
+        if sliding and self.drafter_sliding_window >= 1:
+            layers = [LayerMask(self.drafter_sliding_window if t == "sliding_attention" else None)
+                      for t in self.layer_types]
+            blind = blind_slots(layers, self.block_size)  # only ever in an all-sliding stack
+            if blind:
+                _check(False, "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
+                       f"with model.block_size {self.block_size} and {len(layers)} sliding layer(s), block slots "
+                       f"{_slot_span(blind)} can see no target feature in any layer (not through the window, not "
+                       f"through another slot); use a window of {smallest_sighted_window(layers, self.block_size)} "
+                       "or more (2048 is the released drafters'), or make a layer full_attention")
         _check(self.drafter in DRAFTERS, "model.drafter", self.drafter, f"use one of {', '.join(DRAFTERS)}")
         _check(1 <= self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", f"{self.conv_kernel_size}",
                f"use 1 .. model.block_size ({self.block_size}); 2 is the released drafters'")
@@ -132,6 +149,8 @@ class DataConfig:
     def __post_init__(self):
         _check_finite(self, "data")
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
+        _check(self.min_supervised is None or self.min_supervised >= 0, "data.min_supervised",
+               f"{self.min_supervised}", "use 0 or more supervised tokens, or null for 2 * model.block_size")
         _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
         _check(self.row_budget >= 1, "data.row_budget", f"{self.row_budget}", "use a positive row count")
@@ -257,6 +276,9 @@ class TrainConfig:
     def __post_init__(self):
         _check_finite(self, "train")
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
+        _check(self.seed >= 0, "train.seed", f"{self.seed}", "use 0 or more (numpy's seed sequences refuse negatives)")
+        _check(bool(str(self.output_dir).strip()), "train.output_dir", "''",
+               "give the run's directory (checkpoints, metrics), e.g. runs/my-run")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
         _check(self.save_every >= 0, "train.save_every", f"{self.save_every}", "use 0 (only at the end) or more")
@@ -387,6 +409,11 @@ def _refuse_unselected(sections, selected: bool, option: str, select: str) -> No
 def _default(cls, key: str) -> Any:
     f = cls.__dataclass_fields__[key]
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _slot_span(slots: list[int]) -> str:
+    """``[5, 6, 7]`` as ``5..7`` (blind slots are always a run to the block's end), one as itself."""
+    return f"{slots[0]}..{slots[-1]}" if len(slots) > 1 else f"{slots[0]}"
 
 
 def _check(ok: bool, name: str, value: str, fix: str) -> None:

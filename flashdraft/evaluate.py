@@ -32,17 +32,21 @@ from flashdraft.target import TargetModel
 def read_prompts(path: str | os.PathLike) -> list[list[int]]:
     """A JSONL file of {"input_ids": [...]} lines -> token-id prompts (errors name the line)."""
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["input_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: expected a JSON object with an input_ids list ({exc})") from None
-            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):  # true is no token id
-                raise ValueError(f"{path}:{line_no}: input_ids must be a non-empty list of token ids")
-            prompts.append(ids)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, binary bytes: named, not a bare OS error
+        raise ValueError(f"{path}: cannot read the prompts ({exc.strerror if isinstance(exc, OSError) else exc}); "
+                         'give a UTF-8 JSONL file, one {"input_ids": [...]} per line') from None
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["input_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{line_no}: expected a JSON object with an input_ids list ({exc})") from None
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):  # true is no token id
+            raise ValueError(f"{path}:{line_no}: input_ids must be a non-empty list of token ids")
+        prompts.append(ids)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
@@ -255,10 +259,23 @@ def add_arguments(parser) -> None:
                              "CPU build in an environment created and cached on first use)")
 
 
+def _check_device(device: str) -> None:
+    """``--device`` as torch names it, present here: a bad name or an absent accelerator is one line."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r}: not a device torch knows; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch sees no CUDA device; use --device cpu")
+
+
 def run(args) -> int:
     if args.drafter is None and args.baseline is None:
         print("flashdraft eval: give --drafter DIR (or --baseline ngram)", file=sys.stderr)
         return 2
+    if args.drafter is not None and args.baseline is not None:
+        raise ValueError("--drafter and --baseline: evaluate one of them (the report would name only one)")
+    _check_device(args.device)
     if args.dtype not in DTYPES:
         print(f"flashdraft eval: --dtype {args.dtype!r}: use one of {', '.join(DTYPES)}", file=sys.stderr)
         return 2
@@ -330,6 +347,10 @@ def run(args) -> int:
     text = json.dumps(_strict(report), indent=2, allow_nan=False)  # strict JSON: a bare NaN is no JSON
     print(text)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+        try:  # checked writable at the start; a disk filled since (or /dev/full) fails only now
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(text + "\n")
+        except OSError as exc:
+            raise ValueError(f"--output {args.output}: cannot write the report ({exc.strerror or exc}); it is printed "
+                             "above on stdout") from None
     return 0 if report.get("lossless", True) and agrees else 1

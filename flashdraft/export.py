@@ -238,6 +238,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if not args.verify_engine and (args.prompts or args.max_new_tokens != 64):  # the parser's default
+        raise ValueError("--prompts / --max-new-tokens set how --verify-engine decodes: add --verify-engine vllm, "
+                         "or drop them")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: use 1 or more")
     checkpoint = find_checkpoint(args.source, args.step)
     if args.verify_engine:  # a missing prompts file is found before the export, not after
         from flashdraft.engine import why_unavailable

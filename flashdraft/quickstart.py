@@ -66,6 +66,8 @@ class Budget:
 
 
 # A seconds-level budget for CI: same path, tiny sizes.
+OUTPUT_ENTRIES = ("target", "data", "eval", "run", "drafter", "summary.md", "training.png")  # what --output holds
+
 SMOKE = Budget(corpus_bytes=200_000, vocab_size=400, target_layers=3, target_hidden=32, target_steps=40,
                target_batch=4, target_seq=128, num_train_prompts=48, num_eval_prompts=3, answer_tokens=24,
                drafter_steps=12, num_anchors=8, token_budget=1024, eval_every=6, eval_max_new_tokens=16,
@@ -228,6 +230,14 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
         raise ValueError(f"--weighting {budget.weighting!r}: use one of {', '.join(WEIGHTINGS)}")
     if budget.drafter not in DRAFTERS:
         raise ValueError(f"--drafter {budget.drafter!r}: use one of {', '.join(DRAFTERS)}")
+    for name, least in (("answer_tokens", 1), ("num_eval_prompts", 1), ("corpus_bytes", 1), ("target_steps", 0)):
+        if getattr(budget, name) < least:  # each a traceback or a silent oddity stages later before
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(budget, name)}: use {least} or more")
+    if budget.target_layers < 1:  # the tiny target's shape, checked before its corpus and training
+        raise ValueError(f"--target-layers {budget.target_layers}: use 1 or more")
+    if budget.target_hidden < 8 or budget.target_hidden % 8:  # 4 heads of an even (RoPE) head size
+        raise ValueError(f"--target-hidden {budget.target_hidden}: use a positive multiple of 8 (4 attention heads "
+                         "of an even size), e.g. 32")
     if budget.sliding_window < 0:
         raise ValueError(f"--sliding-window {budget.sliding_window}: use 0 (full layers) or a positive window")
     from flashdraft.speculative import MIN_TEMPERATURE
@@ -241,6 +251,11 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     except ValueError as exc:
         raise ValueError(f"{exc} (the quickstart's drafter settings: --block-size sets model.block_size, "
                          "--num-anchors objective.num_anchors, --drafter-lr optim.lr)") from None
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT_ENTRIES
+                     and not (p.name.startswith(".") and "tmp" in p.name)) if out.is_dir() else []  # + a torn write
+    if foreign:  # a model or data directory given by mistake: the stages would write among its files
+        raise ValueError(f"--output {out} holds what no quickstart writes ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); give a new or empty directory, or a quickstart's")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -312,12 +312,12 @@ def _dflash_block_from_the_spec(weights: dict, cfg: dict, taps: torch.Tensor, bl
 
 @pytest.mark.parametrize("layout", [
     {},  # DFlash v1: full, bidirectional
-    {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3, "causal": False},  # DFlash2's layout, W < bs
+    {"layer_types": ["sliding_attention"] * 2, "sliding_window": 5, "causal": False},  # DFlash2's layout, W < bs
     {"layer_types": ["sliding_attention"] * 2, "sliding_window": 12},  # causal by type, W >= bs
     {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},  # [S, F], mixed causality
     {"causal": True},  # full layers, causal in-block
     {"dflash2": DFlash2Modules(2, 8, 8, 5)},  # DFlash2: the conv around every sublayer
-    {"dflash2": DFlash2Modules(3, 16, 8, 5), "layer_types": ["sliding_attention"] * 2, "sliding_window": 4,
+    {"dflash2": DFlash2Modules(3, 16, 8, 5), "layer_types": ["sliding_attention"] * 2, "sliding_window": 5,
      "causal": False},  # DFlash2's released layout
     {"sinks": True, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},  # sinks
 ], ids=["v1", "swa-bidirectional", "swa-causal", "mixed", "full-causal", "dflash2", "dflash2-swa", "sinks"])

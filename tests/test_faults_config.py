@@ -97,7 +97,7 @@ def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, t
     ({"model__num_draft_layers": 2}, r"model.num_draft_layers: checkpoint 1 vs now 2"),
     ({"data__token_budget": 200}, r"data.token_budget: checkpoint 160 vs now 200"),
     # the drafter's attention layout: the same weights under other masks would train another drafter
-    ({"model__drafter_layer_types": "[sliding_attention]", "model__drafter_sliding_window": 4},
+    ({"model__drafter_layer_types": "[sliding_attention]", "model__drafter_sliding_window": 5},
      r"model.drafter_layer_types: checkpoint \[\] vs now \['sliding_attention'\]"),
     ({"model__drafter_causal": "true"}, r"model.drafter_causal: checkpoint None vs now True"),
 ])

@@ -231,6 +231,13 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     ({"drafter_lr": -1.0}, "optim.lr=-1.0"), ({"num_anchors": 0}, "objective.num_anchors=0"),
     ({"block_size": 1}, "model.block_size=1"), ({"regen_temperature": -1.0}, "--regen-temperature -1.0"),
     ({"regen_temperature": 1e-40}, "--regen-temperature 1e-40"),
+    ({"target_layers": 0}, "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
+    ({"target_hidden": 3}, "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
+    ({"sliding_window": 1}, "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
+    ({"answer_tokens": 0}, "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
+    ({"num_eval_prompts": 0}, "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
+    ({"corpus_bytes": -5}, "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
+    ({"target_steps": -1}, "--target-steps -1: use 0 or more"),  # an untrained target, silently
 ])
 def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
     import dataclasses
@@ -240,6 +247,19 @@ def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, chang
     with pytest.raises(ValueError, match=re.escape(wanted)):
         quickstart(tmp_path / "qs", dataclasses.replace(SMOKE, **change))
     assert not (tmp_path / "qs").exists()  # no stage ran
+
+
+def test_quickstart_never_writes_into_a_directory_of_other_content(tmp_path):
+    """The trial's re-run: --output onto a model directory wrote all seven stages among its files."""
+    from flashdraft.quickstart import SMOKE, quickstart
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"--output {re.escape(str(model))} holds what no quickstart writes "
+                                         r"\(config.json\); give a new or empty directory, or a quickstart's"):
+        quickstart(model, SMOKE)
+    assert [p.name for p in model.iterdir()] == ["config.json"]
 
 
 # ---- 15: the OpenAI developer role is the system turn ---------------------------------------
@@ -369,3 +389,176 @@ def test_a_tampered_export_is_named_in_whole_sentences(eval_dir, tmp_path):
     with pytest.raises(ValueError, match=rf"{re.escape(str(bad / 'model.safetensors'))}: cannot read the drafter's "
                                          "weights"):
         DFlashDrafter.from_pretrained(bad)
+
+
+# ---- 14 (its first sub-item): a sliding window that leaves a block slot blind to the target ---
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_blind_slots_are_those_the_training_mask_never_connects_to_the_context(block_size, causal):
+    """The rule (attention.blind_slots) against the real training mask, layer after layer: a slot
+    learns of the context through its own row of context keys or an in-block slot that learnt of
+    it in an earlier layer."""
+    import torch
+
+    from flashdraft.drafter.attention import LayerMask, blind_slots, dense_block_mask
+
+    seq = 3 * block_size
+    anchors, valid = torch.tensor([[2 * block_size]]), torch.tensor([[True]])
+    stacks = [[LayerMask(w, causal)] * n for w in range(1, block_size + 2) for n in (1, 2, 3)]
+    stacks += [[LayerMask(1, causal), LayerMask(None, causal)], [LayerMask(None, causal), LayerMask(2, causal)]]
+    for layers in stacks:
+        informed = torch.zeros(block_size, dtype=torch.bool)
+        for layer in layers:
+            mask = dense_block_mask(anchors, valid, seq, block_size, layer)[0, 0]  # [bs, seq + bs]
+            informed = informed | mask[:, :seq].any(1) | (mask[:, seq:] & informed.view(1, -1)).any(1)
+        assert blind_slots(layers, block_size) == [k for k in range(1, block_size) if not informed[k]], layers
+
+
+def test_a_blind_slot_of_a_real_drafter_has_no_gradient_from_the_target_features(target):
+    """The drafter itself: a window of 2 over 2 layers and a block of 8 gives slots 2..7 no path
+    from the target's features (their gradient is exactly zero), slot 1 one."""
+    import torch
+
+    from conftest import MASK_ID
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.drafter.attention import LayerMask, blind_slots
+
+    drafter = DFlashDrafter.for_target(target, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                       layer_types=["sliding_attention"] * 2, sliding_window=2, causal=False)
+    drafter.reset_parameters(std=0.02, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, MASK_ID, (1, 24), generator=torch.Generator().manual_seed(1))
+    features = target.features(ids).detach().requires_grad_(True)
+    block = torch.full((1, 8), MASK_ID)
+    block[0, 0] = ids[0, 12]
+    out = drafter(features, target.embed(block).unsqueeze(1), torch.tensor([[12]]), torch.tensor([[True]]))[0, 0]
+    reached = [bool(torch.autograd.grad(out[k].sum(), features, retain_graph=True)[0].abs().sum() > 0)
+               for k in range(1, 8)]
+    assert [k for k, r in zip(range(1, 8), reached) if not r] == blind_slots([LayerMask(2, False)] * 2, 8) \
+        == [2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(("window", "block_size", "layers", "message"), [
+    (1, 16, 5, r"model.drafter_sliding_window=1 .*block slots 1..15 can see no target feature.*window of 5 or more"),
+    (2, 16, 5, r"model.drafter_sliding_window=2 .*block slots 5..15 .*window of 5 or more"),
+    (4, 4, 1, r"model.drafter_sliding_window=4 .*block slots 3 can see.*window of 5 or more"),
+])
+def test_a_sliding_window_that_leaves_a_slot_blind_is_refused_at_load(window, block_size, layers, message):
+    from flashdraft.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message + r".*or make a layer full_attention"):
+        ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
+                    drafter_sliding_window=window)
+    # what stays accepted: the released layout's miniature (W 3 < block 4, 2 layers: tests/test_dflash2.py), a
+    # full layer anywhere in the stack, the smallest window the refusal names, the released window
+    ModelConfig(block_size=4, num_draft_layers=2, drafter_layer_types=("sliding_attention",), drafter_sliding_window=3)
+    ModelConfig(block_size=block_size, num_draft_layers=2, drafter_sliding_window=window,
+                drafter_layer_types=("sliding_attention", "full_attention"))
+    ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
+                drafter_sliding_window=5)
+    ModelConfig(drafter_layer_types=("sliding_attention",), drafter_sliding_window=2048)
+
+
+def test_an_export_whose_window_leaves_a_slot_blind_is_refused_on_load(eval_dir, tmp_path):
+    import shutil
+
+    from flashdraft.drafter.serving import read_config
+
+    export = tmp_path / "export"
+    shutil.copytree(eval_dir / "drafter", export)  # 1 layer, block 4
+    config = json.loads((export / "config.json").read_text())
+    config.update(layer_types=["sliding_attention"], sliding_window=2, use_sliding_window=True)
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: .*sliding_window=2 with block_size 4 and 1 sliding layer\(s\) "
+                                         r"leaves block slots 1..3 without any target feature.*window of 5 or more"):
+        read_config(export)
+    (export / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
+    assert read_config(export)["sliding_window"] == 5
+    del config["block_size"]
+    config["dflash_config"].pop("block_size", None)
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"block_size=None: give the drafter's block size"):
+        read_config(export)
+
+
+# ---- the trial's re-run (h31b): defects its probes found -----------------------------------------
+
+
+def test_train_output_dir_is_never_the_target_or_the_runs_data(tiny_job, tmp_path):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.checks import check_paths
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run"))
+    check_paths(cfg)  # a run directory of its own
+    for out, field in [(cfg.model.target, "model.target"), (f"{cfg.model.target}/run", "model.target"),
+                       (cfg.data.path, "data.path")]:
+        bad = load_config(overrides=overrides(tiny_job, out))
+        with pytest.raises(ValueError, match=rf"train.output_dir .* is or lies inside {field} .*another directory"):
+            check_paths(bad)
+
+
+def test_eval_names_a_bad_device_an_unreadable_prompts_file_and_refuses_two_subjects(eval_dir, tmp_path):
+    import torch
+
+    prompts = ["--prompts", str(eval_dir / "prompts.jsonl")]
+    with pytest.raises(ValueError, match=r"--device 'tpu': not a device torch knows"):
+        _eval(eval_dir, "--device", "tpu", *prompts)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"--device cuda:0: this torch sees no CUDA device; use --device cpu"):
+            _eval(eval_dir, "--device", "cuda:0", *prompts)
+    with pytest.raises(ValueError, match=r"--drafter and --baseline: evaluate one of them"):
+        _eval(eval_dir, "--baseline", "ngram", *prompts)
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00\n")
+    for bad in (tmp_path, tmp_path / "binary.jsonl"):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: cannot read the prompts .*give a UTF-8 JSONL"):
+            _eval(eval_dir, "--prompts", str(bad))
+
+
+def test_export_refuses_verify_engine_knobs_without_it(eval_dir, tmp_path):
+    for extra in (["--prompts", str(eval_dir / "prompts.jsonl")], ["--max-new-tokens", "8"]):
+        with pytest.raises(ValueError, match=r"--prompts / --max-new-tokens set how --verify-engine decodes"):
+            main(["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "e"), *extra])
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-length", "0"), ("--block-size", "1"), ("--min-supervised", "-1")])
+def test_prepare_refuses_bad_counts_before_reading_a_record(eval_dir, tmp_path, flag, value):
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=rf"{flag} {value}: use"):
+        main(["prepare", str(tmp_path / "chats.jsonl"), "--tokenizer", str(eval_dir / "target"),
+              "--out", str(tmp_path / "shard"), flag, value])
+
+
+def test_an_export_whose_mask_id_or_shapes_do_not_fit_is_named(eval_dir, tmp_path):
+    import shutil
+
+    from flashdraft.drafter import DFlashDrafter
+
+    bad = tmp_path / "drafter"
+    shutil.copytree(eval_dir / "drafter", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "dflash_config": {**config["dflash_config"],
+                                                                             "mask_token_id": 10 ** 9}}))
+    with pytest.raises(ValueError, match=r"dflash_config.mask_token_id=1000000000 is no id of its vocabulary"):
+        DFlashDrafter.from_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    with pytest.raises(ValueError, match=r"model.safetensors does not fit its config.json \(size mismatch"):
+        DFlashDrafter.from_pretrained(bad)
+
+
+@pytest.mark.parametrize(("override", "field"), [("data.min_supervised=-2", "data.min_supervised=-2"),
+                                                 ("train.seed=-1", "train.seed=-1"),
+                                                 ("train.output_dir=", "train.output_dir=''")])
+def test_a_negative_seed_or_minimum_or_an_empty_run_directory_is_refused_at_load(override, field):
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=rf"config {re.escape(field)} is invalid: (use|give)"):
+        load_config(overrides=[override])
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_eval_names_an_output_that_fails_at_the_write_and_keeps_the_report_on_stdout(eval_dir, capsys):
+    with pytest.raises(ValueError, match=r"--output /dev/full: cannot write the report \(No space left on device\)"):
+        _eval(eval_dir, "--prompts", str(eval_dir / "prompts.jsonl"), "--max-new-tokens", "2", "--output", "/dev/full")
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 2

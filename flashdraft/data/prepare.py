@@ -334,6 +334,10 @@ def thinking_flag(value: str) -> bool | None:
 
 
 def run(args) -> int:
+    for flag, value, least in (("--max-length", args.max_length, 1), ("--block-size", args.block_size, 2),
+                               ("--min-supervised", args.min_supervised, 0), ("--workers", args.workers, 0)):
+        if value is not None and value < least:  # before any record is read: a bad count is one line
+            raise ValueError(f"{flag} {value}: use {least} or more")
     min_supervised = args.min_supervised if args.min_supervised is not None else 2 * args.block_size
     if args.explain is not None:
         print(explain(args.inputs, args.tokenizer, args.explain, max_length=args.max_length,

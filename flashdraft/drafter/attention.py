@@ -102,6 +102,31 @@ def _context_visible(ctx_pos: torch.Tensor, limit: torch.Tensor, query_pos: torc
     return ok
 
 
+def blind_slots(layers: list[LayerMask], block_size: int) -> list[int]:
+    """The scored slots (1 .. block_size - 1) whose output can depend on no context row, i.e. on
+    none of the target's features, under ``layers`` (first to last).
+
+    A slot k (query position a + k) sees context in a layer when the row a - 1 is in its window:
+    k + 1 < W, every slot in a full layer. It also learns what an in-block slot it sees in that layer
+    already learnt in an earlier one, and keeps it (the residual stream). So context spreads from the
+    slots that see it by up to W - 1 slots a layer: an all-sliding stack of L layers reaches every
+    slot iff L * (W - 1) >= block_size; a single full layer reaches them all."""
+    slot = torch.arange(block_size)
+    informed = torch.zeros(block_size, dtype=torch.bool)
+    for layer in layers:
+        sees_ctx = torch.ones(block_size, dtype=torch.bool) if layer.window is None else slot + 1 < layer.window
+        sees = _slots_visible(slot.view(-1, 1), slot.view(1, -1), layer)  # [query slot, key slot]
+        informed = informed | sees_ctx | (sees & informed.view(1, -1)).any(dim=1)
+    return [int(k) for k in slot[1:][~informed[1:]]]
+
+
+def smallest_sighted_window(layers: list[LayerMask], block_size: int) -> int:
+    """The smallest window that, given to every sliding layer of ``layers``, leaves no slot blind."""
+    return next(w for w in range(2, block_size + 2)
+                if not blind_slots([LayerMask(w if m.window is not None else None, m.causal) for m in layers],
+                                   block_size))
+
+
 def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,
                      layer: LayerMask = FULL) -> torch.Tensor:
     """Bool attention mask [B, 1, Q, S + Q] over [context | all blocks] (Q = N * bs).

@@ -410,7 +410,12 @@ class DFlashDrafter(nn.Module):
         are the ones implemented here: serving.check_supported), cast to ``dtype`` on ``device``."""
         path = Path(path)
         model = cls(serving.read_config(path))
-        missing, unexpected = model.load_state_dict(serving.read_weights(path), strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(serving.read_weights(path), strict=False)
+        except RuntimeError as exc:  # shapes that config.json does not describe: a tampered or mixed export
+            first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc)[:300])
+            raise ValueError(f"{path}/model.safetensors does not fit its config.json ({first}); export the drafter "
+                             "again (flashdraft export) rather than editing either file") from None
         if missing or unexpected:
             raise ValueError(f"{path}/model.safetensors: missing weights {missing}, unexpected weights {unexpected}")
         return model.to(device=device, dtype=dtype)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from flashdraft.checkpoint import follow_umask
-from flashdraft.drafter.attention import LAYER_TYPES, LayerMask
+from flashdraft.drafter.attention import LAYER_TYPES, LayerMask, blind_slots, smallest_sighted_window
 from flashdraft.drafter.dflash2 import DFlash2Modules
 
 CONFIG_FILE = "config.json"
@@ -171,6 +171,22 @@ def layer_attention(config: dict) -> list:
             for t, c in zip(types, by_type)]
 
 
+def check_sight(config: dict) -> None:
+    """ValueError when some scored slot of the block could see no context row, so none of the
+    target's features, in any layer (attention.blind_slots): a sliding window too small for the
+    block and the number of layers, with no full layer."""
+    block_size = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")  # as model.py
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+        raise ValueError(f"block_size={block_size!r}: give the drafter's block size (2 or more) in "
+                         "dflash_config.block_size or block_size")
+    layers = layer_attention(config)
+    blind = blind_slots(layers, block_size)
+    if blind:
+        raise ValueError(f"sliding_window={layers[0].window} with block_size {block_size} and {len(layers)} sliding "
+                         f"layer(s) leaves block slots {blind[0]}..{blind[-1]} without any target feature; a drafter "
+                         f"needs a window of {smallest_sighted_window(layers, block_size)} or more, or a full layer")
+
+
 def attention_sinks(config: dict) -> bool:
     """Whether the drafter's layers have attention sinks, as the engines read it:
     ``dflash_config.attention_sink_bias`` (vLLM, SGLang) or the top-level
@@ -195,12 +211,17 @@ def check_supported(config: dict, where) -> None:
     DFlash2's conv and selector): scaled embeddings, values or outputs, unknown layer types, a
     DFlash2 config without its module sizes."""
     problems = []
-    for check in (layer_attention, dflash2_modules, attention_sinks):
+    for check in (layer_attention, check_sight, dflash2_modules, attention_sinks):
+        if check is check_sight and problems:
+            continue  # the layers themselves are wrong: said once, above
         try:
             check(config)
         except (ValueError, KeyError) as exc:
             problems.append(str(exc))
     dflash = config.get("dflash_config") or {}
+    mask, vocab = dflash.get("mask_token_id"), config.get("vocab_size")
+    if not (isinstance(mask, int) and isinstance(vocab, int) and 0 <= mask < vocab):
+        problems.append(f"dflash_config.mask_token_id={mask!r} is no id of its vocabulary (vocab_size={vocab!r})")
     # each where the engines read it: dflash_config first (DFlash2's reference), then the top level
     for key in ("attention_value_scale", *_UNSUPPORTED_KEYS):  # + MiMo's value scale (SGLang)
         value = dflash.get(key, config.get(key))

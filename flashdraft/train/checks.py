@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -63,6 +64,25 @@ def check_paths(cfg: Config) -> None:
         raise ValueError("config model.target is empty: give the Hugging Face target directory (model.target=DIR)")
     if not cfg.data.path:
         raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
+    _check_output_dir(cfg)
+
+
+def _check_output_dir(cfg: Config) -> None:
+    """train.output_dir receives checkpoints, metrics and a lock file: never the target's directory
+    or a path inside it, one of the run's data files or inside a data directory (a checkpoint
+    written there would change what the next run reads), nor inside any run's checkpoints."""
+    from flashdraft.outputs import checkpoints_around
+
+    out = Path(cfg.train.output_dir).resolve()
+    protected = checkpoints_around(out)
+    if protected is not None:
+        raise ValueError(f"train.output_dir {cfg.train.output_dir} lies inside {protected}, a training run's "
+                         "checkpoints; give a directory outside it")
+    for field, given in (("model.target", cfg.model.target), ("data.path", cfg.data.path),
+                         ("data.eval_path", cfg.data.eval_path), ("data.eval_prompts", cfg.data.eval_prompts)):
+        if given and out.is_relative_to(Path(given).resolve()):
+            raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {field} {given}, which the "
+                             "run reads and its checkpoints and metrics would be written into; give another directory")
 
 
 def check_drafter_sizes(cfg: Config, device=None) -> None:
