@@ -35,14 +35,14 @@ g = torch.Generator().manual_seed(1)
 lines = [json.dumps({"input_ids": torch.randint(0, 500, (24,), generator=g).tolist()}) for _ in range(4)]
 (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
 PY
-args=(eval --target "$work/target" --drafter "$work/drafter" --prompts "$work/prompts.jsonl" --max-new-tokens 48
+args=(eval --target "$work/target" --prompts "$work/prompts.jsonl" --max-new-tokens 48
       --device "$device" --no-eos --dtype float32)  # fp32: a sharded all-reduce's summation order cannot flip a near tie
 # the drafter, and the n-gram baseline (its drafts are often accepted: the verify path's other branch);
 # SMOKE: the baseline only (each launch costs seconds of imports on a small CPU)
 kinds=(drafter ngram); [ "${SMOKE:-0}" = 1 ] && kinds=(ngram)
 unsharded=()
 for kind in "${kinds[@]}"; do
-  extra=(); [ "$kind" = ngram ] && extra=(--baseline ngram --block-size 8)
+  extra=(--drafter "$work/drafter"); [ "$kind" = ngram ] && extra=(--baseline ngram --block-size 8)
   unsharded+=("$(printf '%q ' "${args[@]}" "${extra[@]}" --output "$work/$kind-whole.json")")
   torchrun --standalone --nproc-per-node=2 -m flashdraft.cli "${args[@]}" "${extra[@]}" --tensor-parallel 2 \
     --output "$work/$kind-tp2.json" > /dev/null || exit 1

@@ -334,23 +334,33 @@ def run(args) -> int:
         return 0 if report.get("lossless", True) else 1
     agrees = True
     if args.engine:
-        from flashdraft.engine import EngineUnavailable, engine_check, format_check
-
         del target, drafter  # the check loads both in fp32 (the engine decodes in fp32 too)
-        try:
-            report["engine"] = engine_check(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
-                                            eos_ids=eos, sampling=sampling, log=lambda m: print(m, file=sys.stderr))
-        except EngineUnavailable as exc:  # keep the minutes of flashdraft's own decode in the report
-            report["engine"] = {"engine_error": str(exc)}
-        print(format_check(report["engine"]), file=sys.stderr)
-        agrees = report["engine"].get("lossless", True) is not False and report["engine"].get("tau_agrees", False)
-    text = json.dumps(_strict(report), indent=2, allow_nan=False)  # strict JSON: a bare NaN is no JSON
-    print(text)
-    if args.output:
-        try:  # checked writable at the start; a disk filled since (or /dev/full) fails only now
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(text + "\n")
-        except OSError as exc:
-            raise ValueError(f"--output {args.output}: cannot write the report ({exc.strerror or exc}); it is printed "
-                             "above on stdout") from None
+        agrees = _engine_check(report, args, prompts, eos, sampling)
+    _write_report(report, args.output)
     return 0 if report.get("lossless", True) and agrees else 1
+
+
+def _engine_check(report: dict, args, prompts, eos, sampling: Sampling) -> bool:
+    """The same prompts through the serving engine (``report["engine"]``); whether it agrees."""
+    from flashdraft.engine import EngineUnavailable, engine_check, format_check
+
+    try:
+        report["engine"] = engine_check(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                        eos_ids=eos, sampling=sampling, log=lambda m: print(m, file=sys.stderr))
+    except EngineUnavailable as exc:  # keep the minutes of flashdraft's own decode in the report
+        report["engine"] = {"engine_error": str(exc)}
+    print(format_check(report["engine"]), file=sys.stderr)
+    return report["engine"].get("lossless", True) is not False and report["engine"].get("tau_agrees", False)
+
+
+def _write_report(report: dict, output: str | None) -> None:
+    """Print the report (strict JSON: a bare NaN is no JSON) and write it to ``output``."""
+    text = json.dumps(_strict(report), indent=2, allow_nan=False)
+    print(text)
+    if output:
+        try:  # checked writable at the start; a disk filled since (or /dev/full) fails only now
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+            Path(output).write_text(text + "\n")
+        except OSError as exc:
+            raise ValueError(f"--output {output}: cannot write the report ({exc.strerror or exc}); it is printed "
+                             "above on stdout") from None

@@ -121,14 +121,7 @@ def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job,
     so it stops computing features within a few steps instead of serving all 40 for the drafter
     ranks to drain."""
     server, out = trainer_forkserver, tmp_path / "run"
-    (tmp_path / "p2p").mkdir()
-    workers = run_ranks(server, "cli", "train", *disaggregated(tiny_job, out, train__max_steps=40), world_size=3,
-                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3", P2P_LOG: str(tmp_path / "p2p")})
-    deadline = time.monotonic() + 120
-    while _logged_steps(out) < 2:
-        if time.monotonic() > deadline:
-            pytest.fail("no step 2:\n" + "\n".join(read_log(o) for _, o in workers))
-        time.sleep(0.05)
+    workers = _paced_job_at_step_2(server, tiny_job, tmp_path, out, max_steps=40)
     for pid, _ in workers[:2]:  # the drafter ranks; the target rank (2) gets no signal
         os.kill(pid, signal.SIGTERM)
     codes = [server.wait(pid, 60) for pid, _ in workers]
@@ -140,6 +133,20 @@ def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job,
     served = sum(op.kind == "send" and op.group == "device" and op.peer == 0 for op in ops[2]) // 4
     # the steps trained, plus what the link and the stages hold ahead (3 x capacity): far from 40
     assert served <= stopped + 3 * 2 + 2, (served, stopped)
+
+
+def _paced_job_at_step_2(server, job, tmp_path, out, max_steps: int) -> list:
+    """A disaggregated job of 3 ranks (the last the target rank), its steps paced at 0.3 s and
+    its device-group ops recorded in tmp_path / "p2p", once it has logged step 2."""
+    (tmp_path / "p2p").mkdir()
+    workers = run_ranks(server, "cli", "train", *disaggregated(job, out, train__max_steps=max_steps), world_size=3,
+                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3", P2P_LOG: str(tmp_path / "p2p")})
+    deadline = time.monotonic() + 120
+    while _logged_steps(out) < 2:
+        if time.monotonic() > deadline:
+            pytest.fail("no step 2:\n" + "\n".join(read_log(o) for _, o in workers))
+        time.sleep(0.05)
+    return workers
 
 
 def _logged_steps(out) -> int:
@@ -180,14 +187,7 @@ def test_a_signal_to_the_target_rank_alone_stops_the_whole_job_with_a_checkpoint
     checkpoint and stop, and every rank exits 143 (before: the drafters trained on, the target
     rank then failed the finished job)."""
     server, out = trainer_forkserver, tmp_path / "run"
-    (tmp_path / "p2p").mkdir()
-    workers = run_ranks(server, "cli", "train", *disaggregated(tiny_job, out, train__max_steps=12), world_size=3,
-                        expect_exit=False, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3", P2P_LOG: str(tmp_path / "p2p")})
-    deadline = time.monotonic() + 120
-    while _logged_steps(out) < 2:
-        if time.monotonic() > deadline:
-            pytest.fail("no step 2:\n" + "\n".join(read_log(o) for _, o in workers))
-        time.sleep(0.05)
+    workers = _paced_job_at_step_2(server, tiny_job, tmp_path, out, max_steps=12)
     os.kill(workers[2][0], signal.SIGTERM)  # the last rank is the target rank
     codes = [server.wait(pid, 60) for pid, _ in workers]
     logs = "\n".join(read_log(o) for _, o in workers)
