@@ -233,6 +233,9 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     for name, least in (("answer_tokens", 1), ("num_eval_prompts", 1), ("corpus_bytes", 1), ("target_steps", 0)):
         if getattr(budget, name) < least:  # each a traceback or a silent oddity stages later before
             raise ValueError(f"--{name.replace('_', '-')} {getattr(budget, name)}: use {least} or more")
+    if budget.vocab_size < 256:  # the trainer keeps the 256 bytes whatever is asked: a smaller request is ignored
+        raise ValueError(f"--vocab-size {budget.vocab_size}: a byte-level BPE holds the 256 byte tokens; use 256 or "
+                         "more")
     if budget.target_layers < 1:  # the tiny target's shape, checked before its corpus and training
         raise ValueError(f"--target-layers {budget.target_layers}: use 1 or more")
     if budget.target_hidden < 8 or budget.target_hidden % 8:  # 4 heads of an even (RoPE) head size

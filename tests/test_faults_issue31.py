@@ -238,6 +238,7 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     ({"num_eval_prompts": 0}, "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
     ({"corpus_bytes": -5}, "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
     ({"target_steps": -1}, "--target-steps -1: use 0 or more"),  # an untrained target, silently
+    ({"vocab_size": 1}, "--vocab-size 1: a byte-level BPE holds the 256 byte tokens"),  # ignored silently
 ])
 def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
     import dataclasses
