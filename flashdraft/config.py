@@ -5,6 +5,11 @@ an optional YAML file, applies ``section.field=value`` overrides (values parsed 
 ``optim.lr=3e-4`` and ``model.target_layer_ids=[1,3]`` work), coerces them to the declared
 types and validates; every error names the field and the fix. The resolved config is saved as
 YAML next to every output (``save_config``).
+
+The config is the leaf of the package: it imports only the standard library and yaml, so every
+module may import it. What its checks need is therefore declared here and imported by the owners:
+the choice lists, each drafter layer's attention pattern (``LayerMask``) with the sight rule
+(``blind_slots``), and marks on fields (``RESUME``, ``DFLASH2``) from which lists of fields are derived.
 """
 
 from __future__ import annotations
@@ -27,33 +32,46 @@ from typing import Any
 
 import yaml
 
-from flashdraft.data.dataset import ON_INVALID
-from flashdraft.distributed import DEVICES, PLACEMENTS
-from flashdraft.drafter.attention import (
-    ATTENTION_IMPLS,
-    LAYER_TYPES,
-    SINK_IMPLS,
-    LayerMask,
-    blind_slots,
-    smallest_sighted_window,
-)
-from flashdraft.drafter.dflash2 import DFlash2Modules
-from flashdraft.metrics import BACKENDS as METRIC_SINKS
-from flashdraft.objective import LOSSES, WEIGHTINGS, SelectorLoss, SlotLoss, selector_schedule
-from flashdraft.speculative import MIN_TEMPERATURE
-
+# ---- the choice lists: declared here, where the config validates them at load; each owner --------
+# imports its list from here (the config imports nothing from the package, so it stays a leaf)
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 DRAFTERS = ("dflash", "dflash2")  # model.drafter: the drafter family
+ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")  # model.drafter_attention (drafter.attention)
+SINK_IMPLS = ("auto", "dense", "split", "blockwise")  # the implementations with an attention sink (flex has none)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
+ON_INVALID = ("raise", "drop")  # data.on_invalid: what a bad sample does (data.dataset)
+WEIGHTINGS = ("decay", "dpace")  # objective.weighting: exp(-(k-1)/gamma), or D-PACE (objective.dpace_weights)
+LOSSES = ("ce", "tv", "lk_lambda")  # objective.loss: what each weighted slot contributes (objective.SlotLoss)
+DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, else CPU (distributed)
+METRIC_SINKS = ("jsonl", "tensorboard", "wandb")  # train.metrics (metrics.MetricsLogger)
+# pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (distributed.role_layout)
+PLACEMENTS = ("colocated", "disaggregated")
+# The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
+# far below it sampling is greedy anyway. Smaller positive values are refused where they are given
+# (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
+# greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
+MIN_TEMPERATURE = 1e-4
+
+# ---- marks on fields: the lists of fields other parts need are derived from them (marked_fields) --
+RESUME = "resume"  # a resume must find the field unchanged: it changes what is trained or in which order
+DFLASH2 = "dflash2"  # a DFlash2 knob: refused unless model.drafter=dflash2 (it would be ignored)
+
+
+def _marked(default: Any, *marks: str) -> Any:
+    """A field's default, with ``marks`` (RESUME, DFLASH2) in its metadata."""
+    return field(default=default, metadata=dict.fromkeys(marks, True))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     target: str = ""  # local directory of the Hugging Face target model (config.json + weights)
-    target_layer_ids: tuple[int, ...] | None = None  # tapped target layers; None: DFlash default spread
-    num_taps: int = 5  # number of tapped layers when target_layer_ids is None
-    num_draft_layers: int = 5  # drafter decoder layers (5 for Qwen3-4B/8B drafts)
-    block_size: int = 16  # tokens per drafted block (anchor + block_size - 1 masks)
-    mask_token_id: int | None = None  # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
+    # tapped target layers; None: DFlash default spread
+    target_layer_ids: tuple[int, ...] | None = _marked(None, RESUME)
+    num_taps: int = _marked(5, RESUME)  # number of tapped layers when target_layer_ids is None
+    num_draft_layers: int = _marked(5, RESUME)  # drafter decoder layers (5 for Qwen3-4B/8B drafts)
+    block_size: int = _marked(16, RESUME)  # tokens per drafted block (anchor + block_size - 1 masks)
+    # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
+    mask_token_id: int | None = _marked(None, RESUME)
     dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
     attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
     # auto: flex on CUDA, else blockwise
@@ -61,24 +79,26 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute drafter layers in backward: less activation memory, ~30% slower
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
     # one per drafter layer, or one for all: full_attention | sliding_attention; empty: all full (DFlash v1)
-    drafter_layer_types: tuple[str, ...] = ()  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
-    drafter_sliding_window: int | None = None  # window of the sliding layers in tokens, the query counted (e.g. 2048)
-    drafter_causal: bool | None = None  # in-block causality of every layer; null: sliding causal, full not
-    drafter_attention_sink: bool = False  # a learnable per-head attention sink logit in every drafter layer
-    drafter: str = "dflash"  # drafter family: dflash | dflash2 (conv around every sublayer + candidate selector)
-    conv_kernel_size: int = 2  # dflash2: the conv's taps along the block's slots (1 .. block_size)
-    conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel (must divide the hidden size)
-    selector_rank: int = 256  # dflash2: rank of the selector's predecessor x successor codebooks
-    selector_top_k: int = 16  # dflash2: candidates per slot the selector re-ranks (the head's top-k)
+    drafter_layer_types: tuple[str, ...] = _marked(
+        (), RESUME)  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
+    # window of the sliding layers in tokens, the query counted (e.g. 2048)
+    drafter_sliding_window: int | None = _marked(None, RESUME)
+    # in-block causality of every layer; null: sliding causal, full not
+    drafter_causal: bool | None = _marked(None, RESUME)
+    # a learnable per-head attention sink logit in every drafter layer
+    drafter_attention_sink: bool = _marked(False, RESUME)
+    # drafter family: dflash | dflash2 (conv around every sublayer + candidate selector)
+    drafter: str = _marked("dflash", RESUME)
+    # dflash2: the conv's taps along the block's slots (1 .. block_size)
+    conv_kernel_size: int = _marked(2, RESUME, DFLASH2)
+    # dflash2: channels sharing one dynamic kernel (must divide the hidden size)
+    conv_group_size: int = _marked(16, RESUME, DFLASH2)
+    # dflash2: rank of the selector's predecessor x successor codebooks
+    selector_rank: int = _marked(256, RESUME, DFLASH2)
+    # dflash2: candidates per slot the selector re-ranks (the head's top-k)
+    selector_top_k: int = _marked(16, RESUME, DFLASH2)
     tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
     expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
-
-    @property
-    def dflash2(self) -> DFlash2Modules | None:
-        """DFlash2's module sizes (None: a DFlash drafter)."""
-        if self.drafter != "dflash2":
-            return None
-        return DFlash2Modules(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
 
     @property
     def layer_types(self) -> list[str] | None:
@@ -139,9 +159,9 @@ class DataConfig:
     path: str = ""  # training data: a token shard, a HF save_to_disk dir or parquet files
     eval_path: str = ""  # held-out data for eval loss/accuracy ("" = none)
     eval_prompts: str = ""  # JSONL of {"input_ids": [...]} prompts for tau ("" = from eval_path)
-    max_length: int = 3072  # samples longer than this are truncated (tokens)
-    token_budget: int = 16384  # max padded tokens per micro-batch (batch_size x padded length)
-    max_batch_size: int = 64  # max samples per micro-batch
+    max_length: int = _marked(3072, RESUME)  # samples longer than this are truncated (tokens)
+    token_budget: int = _marked(16384, RESUME)  # max padded tokens per micro-batch (batch_size x padded length)
+    max_batch_size: int = _marked(64, RESUME)  # max samples per micro-batch
     row_budget: int = 32768  # max drafter rows (anchors x block_size, summed over samples) per micro-batch
     min_supervised: int | None = None  # min supervised tokens per sample; None: 2 * block_size
     on_invalid: str = "raise"  # bad samples: raise (with index and fix) or drop (counted, reported)
@@ -168,10 +188,13 @@ class ObjectiveConfig:
     lk_kl_decay: float = 1.0  # lk_lambda: how fast lambda falls as the drafter gets confident
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes ctx KV
-    selector_alpha: float = 1.0  # dflash2: weight of the selector's CE over its candidates (0: selector frozen)
-    selector_warmup_frac: float = 0.0  # dflash2: the selector term is off for this share of the steps ...
-    selector_ramp_frac: float = 0.0  # ... then rises linearly to selector_alpha over this share
-    selector_stop_gradient: bool = False  # dflash2: the selector CE trains the selector only (not the backbone)
+    # dflash2: weight of the selector's CE over its candidates (0: selector frozen)
+    selector_alpha: float = _marked(1.0, DFLASH2)
+    # dflash2: the selector term is off for this share of the steps ...
+    selector_warmup_frac: float = _marked(0.0, DFLASH2)
+    selector_ramp_frac: float = _marked(0.0, DFLASH2)  # ... then rises linearly to selector_alpha over this share
+    # dflash2: the selector CE trains the selector only (not the backbone)
+    selector_stop_gradient: bool = _marked(False, DFLASH2)
 
     def __post_init__(self):
         _check_finite(self, "objective")
@@ -206,25 +229,6 @@ class ObjectiveConfig:
                            "the selector term's schedule",
                            "set objective.selector_alpha above 0 too (0 freezes the selector)")
 
-    @property
-    def dpace(self) -> float | None:
-        """D-PACE's alpha when the slots are weighted by D-PACE, else None (decay)."""
-        return self.dpace_alpha if self.weighting == "dpace" else None
-
-    @property
-    def slot_loss(self) -> SlotLoss:
-        """What each scored slot contributes to the loss (objective.SlotLoss)."""
-        return SlotLoss(self.loss, self.dpace, self.lk_kl_scale, self.lk_kl_decay)
-
-    def selector_loss(self, position: float, total_steps: float) -> SelectorLoss | None:
-        """A DFlash2 drafter's selector term at schedule position ``position`` (the optimizer step,
-        0-based) of ``total_steps``; None when the selector is frozen (selector_alpha 0)."""
-        if self.selector_alpha == 0:
-            return None
-        alpha = selector_schedule(self.selector_alpha, self.selector_warmup_frac, self.selector_ramp_frac, position,
-                                  total_steps)
-        return SelectorLoss(alpha, self.selector_stop_gradient)
-
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -251,7 +255,7 @@ class TrainConfig:
     output_dir: str = "runs/flashdraft"  # checkpoints, exports, metrics and the resolved config
     epochs: int = 6  # passes over the training data
     max_steps: int | None = None  # stop after this many optimizer steps (None: run all epochs)
-    seed: int = 0  # seeds init, data order and anchor sampling
+    seed: int = _marked(0, RESUME)  # seeds init, data order and anchor sampling
     log_every: int = 10  # steps between metric lines
     save_every: int = 500  # steps between checkpoints (0: only at the end)
     keep_last: int = 3  # checkpoints kept on disk
@@ -350,11 +354,9 @@ class Config:
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
-        _refuse_unselected([(self.model, "model", ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                   "selector_top_k")),
-                            (self.objective, "objective", ("selector_alpha", "selector_warmup_frac",
-                                                           "selector_ramp_frac", "selector_stop_gradient"))],
-                           self.model.drafter == "dflash2", "DFlash2's conv and selector",
+        dflash2 = [(getattr(self, name), name, tuple(k for s, k in marked_fields(DFLASH2) if s == name))
+                   for name, _ in _sections()]
+        _refuse_unselected(dflash2, self.model.drafter == "dflash2", "DFlash2's conv and selector",
                            "set model.drafter=dflash2 too")
         if self.model.tensor_parallel > 1:
             _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
@@ -376,6 +378,53 @@ class Config:
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
+
+
+def marked_fields(mark: str) -> list[tuple[str, str]]:
+    """(section, field) of every field marked ``mark`` (RESUME, DFLASH2), in declaration order:
+    the lists other parts need are derived from the marks, so a new field is listed where it is declared."""
+    return [(section, f.name) for section, cls in _sections() for f in dataclasses.fields(cls) if f.metadata.get(mark)]
+
+
+# ---- each drafter layer's attention pattern, and the rule the config checks it by --------------
+# Pure Python, so the config checks a window at load; drafter.attention builds its masks from
+# LayerMask, and drafter.serving checks an export by the same rule.
+
+@dataclass(frozen=True)
+class LayerMask:
+    """One layer's attention pattern (DFLASH2.md section 3.1): a query at position p = a + k (block
+    anchored at a, slot k) sees a key at position kv only if p - kv < ``window`` (None: no
+    window; HF convention, the query counts), and, ``causal``, in-block slots <= k only.
+    Context keys are always kv < a. Full DFlash v1 layers: LayerMask() (every slot of the block)."""
+
+    window: int | None = None
+    causal: bool = False
+
+
+def blind_slots(layers: list[LayerMask], block_size: int) -> list[int]:
+    """The scored slots (1 .. block_size - 1) whose output can depend on no context row, i.e. on
+    none of the target's features, under ``layers`` (first to last).
+
+    A slot k (query position a + k) sees context in a layer when the row a - 1 is in its window:
+    k + 1 < W, every slot in a full layer. It also learns what an in-block slot it sees in that layer
+    already learnt in an earlier one, and keeps it (the residual stream). So context spreads from the
+    slots that see it by up to W - 1 slots a layer: an all-sliding stack of L layers reaches every
+    slot iff L * (W - 1) >= block_size; a single full layer reaches them all."""
+    informed = [False] * block_size
+    for layer in layers:
+        window = block_size + 1 if layer.window is None else layer.window  # a full layer: every row in reach
+        # slot k sees the in-block slots j with k - j < window (and j <= k when causal)
+        informed = [informed[k] or k + 1 < window
+                    or any(informed[max(0, k - window + 1):k + 1 if layer.causal else block_size])
+                    for k in range(block_size)]
+    return [k for k in range(1, block_size) if not informed[k]]
+
+
+def smallest_sighted_window(layers: list[LayerMask], block_size: int) -> int:
+    """The smallest window that, given to every sliding layer of ``layers``, leaves no slot blind."""
+    return next(w for w in range(2, block_size + 2)
+                if not blind_slots([LayerMask(w if m.window is not None else None, m.causal) for m in layers],
+                                   block_size))
 
 
 def _check_finite(section, name: str) -> None:

@@ -57,6 +57,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as tdist
 
+from flashdraft.config import DEVICES
+
 ReduceOpName = Literal["mean", "sum", "max", "min"]
 
 
@@ -132,11 +134,6 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
-
-
-DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, else CPU
-# pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (role_layout)
-PLACEMENTS = ("colocated", "disaggregated")
 
 
 def _pick_device(device_type: str, local_rank: int) -> torch.device:

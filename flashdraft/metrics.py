@@ -30,6 +30,8 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
+from flashdraft.config import METRIC_SINKS
+
 _log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
@@ -458,9 +460,6 @@ class WandbSink:
         self._run.finish()
 
 
-BACKENDS = ("jsonl", "tensorboard", "wandb")
-
-
 class MetricsLogger:
     """Fans records out to sinks; a no-op when ``enabled`` is False (every rank but 0).
 
@@ -523,9 +522,9 @@ def open_metrics(
     packages are reported on every rank (RuntimeError with the pip command), so no rank starts
     training while another has failed.
     """
-    unknown = [b for b in backends if b not in BACKENDS]
+    unknown = [b for b in backends if b not in METRIC_SINKS]
     if unknown:
-        raise ValueError(f"metrics backend {unknown[0]!r} is unknown: use any of {', '.join(BACKENDS)}")
+        raise ValueError(f"metrics backend {unknown[0]!r} is unknown: use any of {', '.join(METRIC_SINKS)}")
     needs = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
     for b in backends:
         if b in needs and importlib.util.find_spec(needs[b][0]) is None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.autocast import autocast_suspended
+from flashdraft.config import ObjectiveConfig
 from flashdraft.data.batching import anchor_slots
 
 
@@ -26,10 +27,6 @@ def default_gamma(block_size: int) -> float:
 
 
 _MASK64 = (1 << 64) - 1
-
-
-WEIGHTINGS = ("decay", "dpace")  # objective.weighting: exp(-(k-1)/gamma), or D-PACE (dpace_weights)
-LOSSES = ("ce", "tv", "lk_lambda")  # objective.loss: what each weighted slot contributes (SlotLoss)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -72,6 +69,13 @@ class SlotLoss:
     kl_scale: float = 1.0
     kl_decay: float = 1.0
 
+    @classmethod
+    def of(cls, objective: ObjectiveConfig) -> SlotLoss:
+        """The slot loss a run's ``objective`` config sets (objective.loss, D-PACE's alpha when
+        objective.weighting=dpace, the LK mix's scale and decay)."""
+        dpace_alpha = objective.dpace_alpha if objective.weighting == "dpace" else None
+        return cls(objective.loss, dpace_alpha, objective.lk_kl_scale, objective.lk_kl_decay)
+
     @property
     def plain(self) -> bool:
         """Fixed weights times CE: the chunked head's single-pass path."""
@@ -110,6 +114,16 @@ class SelectorLoss:
 
     alpha: float = 1.0
     stop_gradient: bool = False
+
+    @classmethod
+    def of(cls, objective: ObjectiveConfig, position: float, total_steps: float) -> SelectorLoss | None:
+        """The selector term a run's ``objective`` config sets at schedule position ``position`` (the
+        optimizer step, 0-based) of ``total_steps``; None when the selector is frozen (selector_alpha 0)."""
+        if objective.selector_alpha == 0:
+            return None
+        alpha = selector_schedule(objective.selector_alpha, objective.selector_warmup_frac,
+                                  objective.selector_ramp_frac, position, total_steps)
+        return cls(alpha, objective.selector_stop_gradient)
 
 
 def selector_schedule(alpha: float, warmup_frac: float, ramp_frac: float, step: float, total_steps: float) -> float:

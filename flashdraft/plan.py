@@ -304,6 +304,7 @@ class StepMeasure:
 
 
 def _drafter_config(cfg: Config, shape: TargetShape) -> dict:
+    from flashdraft.drafter.dflash2 import DFlash2Modules
     from flashdraft.drafter.serving import drafter_config_from_target
     from flashdraft.target import default_target_layer_ids
 
@@ -313,7 +314,7 @@ def _drafter_config(cfg: Config, shape: TargetShape) -> dict:
     return drafter_config_from_target(
         shape.config, num_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size, mask_token_id=mask_id,
         target_layer_ids=ids, layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-        causal=cfg.model.drafter_causal, dflash2=cfg.model.dflash2, sinks=cfg.model.drafter_attention_sink)
+        causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model), sinks=cfg.model.drafter_attention_sink)
 
 
 def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_len: int, anchors: int) -> StepMeasure:
@@ -323,7 +324,7 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
 
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.drafter.attention import resolve_attention
-    from flashdraft.objective import Blocks, SelectorLoss
+    from flashdraft.objective import Blocks, SelectorLoss, SlotLoss
     from flashdraft.target import resolve_dtype
     from flashdraft.train.optim import build_optimizer
     from flashdraft.train.step import forward_backward
@@ -364,7 +365,7 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
             selector = SelectorLoss(cfg.objective.selector_alpha) if drafter.candidate_selector is not None else None
             blocks = Blocks(torch.zeros(batch, anchors, dtype=torch.long, device=host),
                             torch.ones(batch, anchors, dtype=torch.bool, device=host), ids, ids,
-                            torch.ones(batch, anchors, bs, device=host), cfg.objective.slot_loss, selector)
+                            torch.ones(batch, anchors, bs, device=host), SlotLoss.of(cfg.objective), selector)
             forward_backward(drafter, heads, features, blocks, chunk_size=cfg.objective.loss_chunk_size,
                              autocast=autocast)
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -223,8 +223,7 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
     """Run every stage; returns the report written to ``output/eval/report.json``."""
     from transformers import AutoTokenizer
 
-    from flashdraft.config import DRAFTERS
-    from flashdraft.objective import WEIGHTINGS
+    from flashdraft.config import DRAFTERS, WEIGHTINGS
 
     if budget.weighting not in WEIGHTINGS:  # checked before minutes of target training and data
         raise ValueError(f"--weighting {budget.weighting!r}: use one of {', '.join(WEIGHTINGS)}")
@@ -243,7 +242,7 @@ def quickstart(output: str | Path, budget: Budget = Budget(), *, seed: int = 0, 
                          "of an even size), e.g. 32")
     if budget.sliding_window < 0:
         raise ValueError(f"--sliding-window {budget.sliding_window}: use 0 (full layers) or a positive window")
-    from flashdraft.speculative import MIN_TEMPERATURE
+    from flashdraft.config import MIN_TEMPERATURE
 
     if not (budget.regen_temperature == 0 or budget.regen_temperature >= MIN_TEMPERATURE):
         raise ValueError(f"--regen-temperature {budget.regen_temperature}: use 0 (greedy) or a temperature of at "
@@ -582,8 +581,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds-level budgets (CI): same path, tiny sizes")
     parser.add_argument("--no-cache", action="store_true", help=f"retrain the target even if cached in {CACHE_ROOT}")
     parser.add_argument("--seed", type=int, default=0)
-    from flashdraft.config import DRAFTERS
-    from flashdraft.objective import WEIGHTINGS
+    from flashdraft.config import DRAFTERS, WEIGHTINGS
 
     choices = {"drafter": DRAFTERS, "weighting": WEIGHTINGS}
     for name, default in asdict(Budget()).items():

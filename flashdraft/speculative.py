@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flashdraft.config import MIN_TEMPERATURE
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel, mark_cache, rewind_cache
 
@@ -69,13 +70,6 @@ def tau_pooled(accepted: list[list[int]]) -> float:
     step of every prompt pooled, 1 + accepted drafts / verification steps."""
     steps = [a for prompt in accepted for a in prompt]
     return float(1 + np.sum(steps) / len(steps)) if steps else float("nan")
-
-
-# The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
-# far below it sampling is greedy anyway. Smaller positive values are refused where they are given
-# (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
-# greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
-MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flashdraft.bench.gpu_check import LiveTensorBytes
-from flashdraft.drafter.attention import LayerMask, attend, attention_plan, flex_block_mask, flex_mask_mod
+from flashdraft.config import LayerMask
+from flashdraft.drafter.attention import attend, attention_plan, flex_block_mask, flex_mask_mod
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 

@@ -45,8 +45,7 @@ def test_eval_output_never_overwrites_its_own_inputs(eval_dir, victim):
 # ---- 3: a tiny positive temperature is refused where it is given, not mid-run ---------------
 
 def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_minimum_decodes(eval_dir):
-    from flashdraft.config import load_config
-    from flashdraft.speculative import MIN_TEMPERATURE
+    from flashdraft.config import MIN_TEMPERATURE, load_config
 
     with pytest.raises(ValueError, match=r"train.eval_temperature=1e-40 is invalid: use 0 \(greedy\) or a "
                                          r"temperature of at least 0.0001"):
@@ -398,12 +397,13 @@ def test_a_tampered_export_is_named_in_whole_sentences(eval_dir, tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_blind_slots_are_those_the_training_mask_never_connects_to_the_context(block_size, causal):
-    """The rule (attention.blind_slots) against the real training mask, layer after layer: a slot
+    """The rule (config.blind_slots) against the real training mask, layer after layer: a slot
     learns of the context through its own row of context keys or an in-block slot that learnt of
     it in an earlier layer."""
     import torch
 
-    from flashdraft.drafter.attention import LayerMask, blind_slots, dense_block_mask
+    from flashdraft.config import LayerMask, blind_slots
+    from flashdraft.drafter.attention import dense_block_mask
 
     seq = 3 * block_size
     anchors, valid = torch.tensor([[2 * block_size]]), torch.tensor([[True]])
@@ -423,8 +423,8 @@ def test_a_blind_slot_of_a_real_drafter_has_no_gradient_from_the_target_features
     import torch
 
     from conftest import MASK_ID
+    from flashdraft.config import LayerMask, blind_slots
     from flashdraft.drafter import DFlashDrafter
-    from flashdraft.drafter.attention import LayerMask, blind_slots
 
     drafter = DFlashDrafter.for_target(target, num_layers=2, block_size=8, mask_token_id=MASK_ID,
                                        layer_types=["sliding_attention"] * 2, sliding_window=2, causal=False)

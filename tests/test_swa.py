@@ -9,8 +9,9 @@ import pytest
 import torch
 from test_step_equivalence import assert_same, batch, grads_of, make
 
+from flashdraft.config import LayerMask
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.drafter.attention import LayerMask, decode_mask, dense_block_mask
+from flashdraft.drafter.attention import decode_mask, dense_block_mask
 from flashdraft.drafter.serving import layer_attention
 
 # (layer_types, window, causal): W < bs and W >= bs, explicit causality or by layer type.

@@ -50,8 +50,8 @@ def test_a_dpace_run_with_a_sampled_eval_trains_and_evaluates(tiny_job, tmp_path
 
 
 def test_a_sliding_window_drafter_trains_and_exports_the_keys_the_engines_read(tiny_job, tmp_path):
+    from flashdraft.config import LayerMask
     from flashdraft.drafter import DFlashDrafter
-    from flashdraft.drafter.attention import LayerMask
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=12, optim__lr="1e-2",
                                           model__drafter_layer_types="[sliding_attention]",

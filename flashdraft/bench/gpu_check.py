@@ -239,7 +239,8 @@ def block_mask_memory(smoke: bool) -> dict:
     """The anchor-built BlockMask of a real micro-batch: its memory, and equal to create_block_mask's."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from flashdraft.drafter.attention import LayerMask, flex_block_mask, flex_mask_mod
+    from flashdraft.config import LayerMask
+    from flashdraft.drafter.attention import flex_block_mask, flex_mask_mod
 
     device = _device(smoke)
     b, n, bs, s = (2, 64, 16, 256) if smoke else (16, 512, 16, 3072)

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flashdraft.config import ON_INVALID
 from flashdraft.data.shards import read_num_supervised, read_token_shard
-
-ON_INVALID = ("raise", "drop")  # data.on_invalid: what a bad sample does
 
 # Problem kinds, in the order they are checked (a sample is counted under the first that hits).
 # Each maps to the fix printed with it.

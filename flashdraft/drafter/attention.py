@@ -9,8 +9,8 @@ Function) and "flex" (flex_attention under a block-sparse BlockMask, compiled on
 ``resolve_attention`` picks one, ``attention_plan`` builds the masks every layer of one forward
 shares (a BlockAttentionPlan), and ``attend`` runs a layer's attention under that plan.
 
-Only torch is imported here (no transformers), so the config can import ``ATTENTION_IMPLS`` and
-``LAYER_TYPES`` without loading the model code.
+The choice lists (``ATTENTION_IMPLS``, ``SINK_IMPLS``) and each layer's pattern (``LayerMask``)
+are the config's vocabulary, declared in ``flashdraft.config``; every implementation they name is here.
 """
 
 from __future__ import annotations
@@ -21,12 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.autocast import autocast_suspended
-
-ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")
-LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
-
-
-SINK_IMPLS = ("auto", "dense", "split", "blockwise")  # the implementations with an attention sink (flex has none)
+from flashdraft.config import ATTENTION_IMPLS, SINK_IMPLS, LayerMask
 
 
 def resolve_attention(impl: str, device: torch.device, needs_grad: bool, sinks: bool = False) -> str:
@@ -60,17 +55,6 @@ def _flex_available() -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class LayerMask:
-    """One layer's attention pattern (DFLASH2.md section 3.1): a query at position p = a + k (block
-    anchored at a, slot k) sees a key at position kv only if p - kv < ``window`` (None: no
-    window; HF convention, the query counts), and, ``causal``, in-block slots <= k only.
-    Context keys are always kv < a. Full DFlash v1 layers: LayerMask() (every slot of the block)."""
-
-    window: int | None = None
-    causal: bool = False
-
-
 FULL = LayerMask()
 
 
@@ -100,31 +84,6 @@ def _context_visible(ctx_pos: torch.Tensor, limit: torch.Tensor, query_pos: torc
     if layer.window is not None:
         ok = ok & (query_pos - ctx_pos < layer.window)
     return ok
-
-
-def blind_slots(layers: list[LayerMask], block_size: int) -> list[int]:
-    """The scored slots (1 .. block_size - 1) whose output can depend on no context row, i.e. on
-    none of the target's features, under ``layers`` (first to last).
-
-    A slot k (query position a + k) sees context in a layer when the row a - 1 is in its window:
-    k + 1 < W, every slot in a full layer. It also learns what an in-block slot it sees in that layer
-    already learnt in an earlier one, and keeps it (the residual stream). So context spreads from the
-    slots that see it by up to W - 1 slots a layer: an all-sliding stack of L layers reaches every
-    slot iff L * (W - 1) >= block_size; a single full layer reaches them all."""
-    slot = torch.arange(block_size)
-    informed = torch.zeros(block_size, dtype=torch.bool)
-    for layer in layers:
-        sees_ctx = torch.ones(block_size, dtype=torch.bool) if layer.window is None else slot + 1 < layer.window
-        sees = _slots_visible(slot.view(-1, 1), slot.view(1, -1), layer)  # [query slot, key slot]
-        informed = informed | sees_ctx | (sees & informed.view(1, -1)).any(dim=1)
-    return [int(k) for k in slot[1:][~informed[1:]]]
-
-
-def smallest_sighted_window(layers: list[LayerMask], block_size: int) -> int:
-    """The smallest window that, given to every sliding layer of ``layers``, leaves no slot blind."""
-    return next(w for w in range(2, block_size + 2)
-                if not blind_slots([LayerMask(w if m.window is not None else None, m.causal) for m in layers],
-                                   block_size))
 
 
 def dense_block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int,

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class DFlash2Modules:
@@ -28,6 +30,13 @@ class DFlash2Modules:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> DFlash2Modules | None:
+        """The sizes a run's ``model`` config sets (None: a DFlash drafter, which has neither module)."""
+        if model.drafter != "dflash2":
+            return None
+        return cls(model.conv_kernel_size, model.conv_group_size, model.selector_rank, model.selector_top_k)
 
 
 class GroupedDynamicConv(nn.Module):

@@ -23,15 +23,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
+from flashdraft.config import ATTENTION_IMPLS
 from flashdraft.drafter import serving
-from flashdraft.drafter.attention import (
-    ATTENTION_IMPLS,
-    BlockAttentionPlan,
-    attend,
-    attention_plan,
-    decode_mask,
-    resolve_attention,
-)
+from flashdraft.drafter.attention import BlockAttentionPlan, attend, attention_plan, decode_mask, resolve_attention
 from flashdraft.drafter.dflash2 import CandidateSelector, GroupedDynamicConv
 from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, apply_rope, swiglu, use_lean
 from flashdraft.drafter.serving import drafter_config_from_target

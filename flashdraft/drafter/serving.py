@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from flashdraft.checkpoint import follow_umask
-from flashdraft.drafter.attention import LAYER_TYPES, LayerMask, blind_slots, smallest_sighted_window
+from flashdraft.config import LAYER_TYPES, LayerMask, blind_slots, smallest_sighted_window
 from flashdraft.drafter.dflash2 import DFlash2Modules
 
 CONFIG_FILE = "config.json"
@@ -136,7 +136,7 @@ def qwen3_config(cfg: dict) -> Qwen3Config:
 
 
 def layer_attention(config: dict) -> list:
-    """Each layer's attention pattern (attention.LayerMask) as the serving engines resolve it
+    """Each layer's attention pattern (config.LayerMask) as the serving engines resolve it
     from ``config`` (vLLM ``_resolve_layer_attention`` / ``_dflash_layer_causal``, SGLang,
     the reference; DFLASH2.md 3.1-3.2): the type from ``layer_types`` (without it, as HF's
     Qwen3Config derives it from ``use_sliding_window`` / ``max_window_layers``; all sliding when
@@ -173,7 +173,7 @@ def layer_attention(config: dict) -> list:
 
 def check_sight(config: dict) -> None:
     """ValueError when some scored slot of the block could see no context row, so none of the
-    target's features, in any layer (attention.blind_slots): a sliding window too small for the
+    target's features, in any layer (config.blind_slots): a sliding window too small for the
     block and the number of layers, with no full layer."""
     block_size = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")  # as model.py
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:

@@ -16,19 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.checkpoint import CheckpointError, CheckpointManager
-from flashdraft.config import Config
+from flashdraft.config import RESUME, Config, marked_fields
 from flashdraft.data.batching import BatchSampler
 
 log = logging.getLogger(__name__)
 
-# Config fields a resume must find unchanged: they change what is trained or in which order. The
-# batch plan's own inputs (data.row_budget and objective.num_anchors among them) are also checked by
-# the data cursor itself (BatchSampler.PLAN_KEYS), which knows a cursor saved before the row budget.
-RESUME_KEYS = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
-                                       "mask_token_id", "drafter_layer_types", "drafter_sliding_window",
-                                       "drafter_causal", "drafter_attention_sink", "drafter", "conv_kernel_size",
-                                       "conv_group_size", "selector_rank", "selector_top_k")]
-               + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
+# (section, field) of the config fields a resume must find unchanged: they change what is trained or
+# in which order; each is marked RESUME where it is declared. The batch plan's own inputs
+# (data.row_budget and objective.num_anchors among them) are also checked by the data cursor itself
+# (BatchSampler.PLAN_KEYS), which knows a cursor saved before the row budget.
+RESUME_KEYS = marked_fields(RESUME)
 
 
 def run_identity(target, mask_token_id: int, dataset) -> dict:

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashdraft import distributed
 from flashdraft.config import Config
-from flashdraft.objective import Blocks, LossOutput, block_loss, make_blocks
+from flashdraft.objective import Blocks, LossOutput, SelectorLoss, SlotLoss, block_loss, make_blocks
 
 # The default ``autocast`` of forward_backward: a nullcontext can be entered repeatedly.
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -167,10 +167,10 @@ class DrafterStep:
         selector = None
         if self.drafter.candidate_selector is not None:  # DFlash2: the selector term's weight at this step
             schedule = self.scheduler.lr_lambdas[0]  # the run's steps, as the LR schedule counts them
-            selector = cfg.objective.selector_loss(schedule.position(step), schedule.total)
+            selector = SelectorLoss.of(cfg.objective, schedule.position(step), schedule.total)
         return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
                             block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
-                            num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=cfg.objective.slot_loss,
+                            num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=SlotLoss.of(cfg.objective),
                             seed=cfg.train.seed * 1_000_003 + step, sample_ids=m.device_ids,
                             selector=selector).shard(self.tensor_rank, self.tensor_size)
                 for m in micro]

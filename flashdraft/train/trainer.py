@@ -25,6 +25,7 @@ from flashdraft.checkpoint import step_dir_name
 from flashdraft.config import Config, save_config
 from flashdraft.data.dataset import open_dataset
 from flashdraft.drafter import DFlashDrafter
+from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.engine import last_layer_warning
 from flashdraft.metrics import StageTimer
 from flashdraft.objective import default_gamma
@@ -143,7 +144,8 @@ class Trainer:
             self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
             mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
             layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-            causal=cfg.model.drafter_causal, dflash2=cfg.model.dflash2, sinks=cfg.model.drafter_attention_sink,
+            causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model),
+            sinks=cfg.model.drafter_attention_sink,
             attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
         )
         self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))

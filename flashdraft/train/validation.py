@@ -11,7 +11,7 @@ from flashdraft.data.batching import BatchSampler, DrafterRows
 from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau
-from flashdraft.objective import block_loss, make_blocks
+from flashdraft.objective import SelectorLoss, SlotLoss, block_loss, make_blocks
 from flashdraft.speculative import Sampling
 from flashdraft.train.step import StepStats
 
@@ -87,7 +87,7 @@ class Validator:
         cfg, bs = self.config, self.drafter.block_size
         stats = StepStats.zeros(bs, self.device)
         # DFlash2: the selector term at its full weight (its schedule's end), so evals compare across the run
-        selector = cfg.objective.selector_loss(1.0, 1.0) if self.drafter.candidate_selector is not None else None
+        selector = SelectorLoss.of(cfg.objective, 1.0, 1.0) if self.drafter.candidate_selector is not None else None
         plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
                             max_batch_size=cfg.data.max_batch_size, seed=0, rows=DrafterRows.of(cfg))
         buffers = CollateBuffers()
@@ -97,7 +97,7 @@ class Validator:
             batch = pad_batch(self.eval_dataset, idx, buffers=buffers).to(self.device)
             blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
                               mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
-                              gamma=self.gamma, loss=cfg.objective.slot_loss, seed=0,
+                              gamma=self.gamma, loss=SlotLoss.of(cfg.objective), seed=0,
                               sample_ids=torch.from_numpy(idx).to(self.device), selector=selector)
             with self.autocast:
                 features = self.target.features(batch.input_ids, batch.attention_mask)
