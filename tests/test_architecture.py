@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
@@ -86,3 +87,37 @@ def test_the_training_loop_fits_in_300_lines():
     tree = _modules()["flashdraft.train.trainer"]
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
     assert trainer.end_lineno - trainer.lineno < 300
+
+
+def outside_imports(tree: ast.Module) -> list[str]:
+    """Every import in ``tree``, anywhere in its body, of something but the standard library and
+    yaml (a package import included, relative or absolute), and every dynamic import (by name)."""
+    allowed = sys.stdlib_module_names | {"yaml", "__future__"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = ["." * node.level + (node.module or "")]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "import_module", "__import__"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)} (a dynamic import)")
+            continue
+        else:
+            continue
+        found += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] not in allowed]
+    return found
+
+
+def test_the_config_imports_only_the_standard_library_and_yaml():
+    """The config is the leaf every module may import: an import of the package from it (for a
+    choice list, a rule, a constructor) would run an arrow back up the tree."""
+    assert not outside_imports(_modules()["flashdraft.config"])
+
+
+def test_the_config_import_check_finds_package_imports():
+    source = ("import os\nimport yaml\nfrom flashdraft.objective import LOSSES\nfrom . import metrics\n"
+              "def f():\n    import flashdraft.drafter\n    import torch\n    return importlib.import_module('x')\n")
+    assert outside_imports(ast.parse(source)) == [
+        "line 3: flashdraft.objective", "line 4: .", "line 6: flashdraft.drafter", "line 7: torch",
+        "line 8: importlib.import_module('x') (a dynamic import)"]

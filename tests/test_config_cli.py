@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flashdraft.cli import main
-from flashdraft.config import Config, field_docs, load_config, save_config, to_yaml
+from flashdraft.config import DFLASH2, Config, field_docs, load_config, marked_fields, save_config, to_yaml
 
 
 def _sections():
@@ -83,3 +83,59 @@ def test_a_missing_or_malformed_config_file_is_named_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"--output .*afile: cannot use it as the output directory"):
         (tmp_path / "afile").write_text("")
         main(["quickstart", "--smoke", "--output", str(tmp_path / "afile")])
+
+
+def test_the_marked_field_lists_are_the_hand_kept_lists_they_replace():
+    """The resume-invariant fields and DFlash2's knobs are derived from marks on the fields; here
+    they are written out as they were kept by hand (train/state.py, Config.__post_init__)."""
+    from flashdraft.train.state import RESUME_KEYS
+
+    resume = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
+                                      "mask_token_id", "drafter_layer_types", "drafter_sliding_window",
+                                      "drafter_causal", "drafter_attention_sink", "drafter", "conv_kernel_size",
+                                      "conv_group_size", "selector_rank", "selector_top_k")]
+              + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
+    assert sorted(RESUME_KEYS) == sorted(resume)  # the same fields, listed in their declaration order now
+    assert marked_fields(DFLASH2) == [("model", k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                             "selector_top_k")] \
+        + [("objective", k) for k in ("selector_alpha", "selector_warmup_frac", "selector_ramp_frac",
+                                      "selector_stop_gradient")]
+
+
+def test_every_choice_the_config_offers_has_its_own_implementation():
+    """The choice lists are declared in the config, their implementations live with their owners:
+    each entry reaches code of its own (none falls through to another entry's branch)."""
+    import torch
+
+    from flashdraft.config import (
+        ATTENTION_IMPLS,
+        DRAFTERS,
+        LAYER_TYPES,
+        LOSSES,
+        SINK_IMPLS,
+        WEIGHTINGS,
+        ModelConfig,
+        ObjectiveConfig,
+    )
+    from flashdraft.drafter.attention import attention_plan, resolve_attention
+    from flashdraft.drafter.dflash2 import DFlash2Modules
+    from flashdraft.drafter.serving import layer_attention
+    from flashdraft.objective import SlotLoss
+
+    cpu = torch.device("cpu")
+    concrete = [impl for impl in ATTENTION_IMPLS if impl != "auto"]
+    assert {resolve_attention(impl, cpu, needs_grad=False) for impl in ATTENTION_IMPLS} == set(concrete)
+    anchors, valid = torch.tensor([[4, 9]]), torch.tensor([[True, True]])
+    assert [attention_plan(impl, anchors, valid, 16, 4, needs_grad=False).impl for impl in concrete] == concrete
+    for impl in ATTENTION_IMPLS:  # an implementation without a sink refuses one
+        if impl in SINK_IMPLS:
+            resolve_attention(impl, cpu, needs_grad=False, sinks=True)
+        else:
+            with pytest.raises(ValueError, match="has no attention sink"):
+                resolve_attention(impl, cpu, needs_grad=False, sinks=True)
+    masks = {layer_attention({"num_hidden_layers": 1, "layer_types": [t], "sliding_window": 4})[0] for t in LAYER_TYPES}
+    assert len(masks) == len(LAYER_TYPES)
+    ce, weights = torch.tensor([0.5, 1.0, 2.0]), torch.ones(3)
+    assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, weights, 3)[0].sum().item() for kind in LOSSES}) == len(LOSSES)
+    assert len({SlotLoss.of(ObjectiveConfig(weighting=w)) for w in WEIGHTINGS}) == len(WEIGHTINGS)
+    assert len({DFlash2Modules.of(ModelConfig(drafter=d)) for d in DRAFTERS}) == len(DRAFTERS)
