@@ -3,7 +3,8 @@ serving-format save / load.
 
 Modules: ``model`` (DFlashDrafter, its layers, ContextCache), ``attention`` (the training-attention
 implementations and their choice; imports no transformers), ``kernels`` (custom-backward RMSNorm /
-RoPE / SwiGLU, the rotary embedding) and ``serving`` (config.json and the export files).
+RoPE / SwiGLU, the rotary embedding), ``head_kernels`` (the loss's LM head + CE; torch only) and
+``serving`` (config.json and the export files).
 
 The public names below are imported lazily (PEP 562), on first access: importing one submodule,
 e.g. ``flashdraft.drafter.attention`` from the config, loads only that submodule and what it
