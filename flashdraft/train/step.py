@@ -1,7 +1,7 @@
 """The training step: one optimizer step of the drafter over a step's micro-batches.
 
 ``DrafterStep.__call__`` is the whole step (main thread, features already computed by the
-target stage): draw every micro-batch's anchored
+target stage; its schedule position given by the loop): draw every micro-batch's anchored
 blocks (objective), agree on the GLOBAL loss normaliser (one tiny all-reduce, no host sync),
 forward + loss + backward per micro-batch (``forward_backward``; DDP syncs the gradients on the
 last backward of the step only), then clip, vote, step and schedule. The vote is the step's one
@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flashdraft import distributed
 from flashdraft.config import Config
 from flashdraft.objective import Blocks, LossOutput, dflash_loss, make_blocks
+from flashdraft.train.optim import SchedulePosition
 
 # The default ``autocast`` of forward_backward: a nullcontext can be entered repeatedly.
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -202,13 +203,13 @@ class DrafterStep:
         self.tensor_rank, self.tensor_size = tensor
         self.stop = stop
 
-    def blocks(self, micro, step: int) -> list[Blocks]:
-        """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only."""
+    def blocks(self, micro, step: int, position: SchedulePosition) -> list[Blocks]:
+        """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only,
+        DFlash2's selector term on the step's ``position`` on the schedule."""
         cfg = self.cfg
         selector = None
         if self.drafter.candidate_selector is not None:  # DFlash2: the selector term's weight at this step
-            schedule = self.scheduler.lr_lambdas[0]  # the run's steps, as the LR schedule counts them
-            selector = cfg.objective.selector_loss(schedule.position(step), schedule.total)
+            selector = cfg.objective.selector_loss(position.step, position.total)
         return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
                             block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
                             num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=cfg.objective.slot_loss,
@@ -216,10 +217,12 @@ class DrafterStep:
                             selector=selector).shard(self.tensor_rank, self.tensor_size)
                 for m in micro]
 
-    def __call__(self, micro, step: int, stats: StepStats) -> StepResult:
-        """One optimizer step over ``micro`` (their features computed); see StepResult."""
+    def __call__(self, micro, step: int, position: SchedulePosition, stats: StepStats) -> StepResult:
+        """Optimizer step ``step`` over ``micro`` (their features computed); ``position``: its place
+        on the run's schedule (RunScheduler.position), which DFlash2's selector weight follows.
+        See StepResult."""
         obj = self.cfg.objective
-        blocks = self.blocks(micro, step)
+        blocks = self.blocks(micro, step, position)
         with _stage(self.timer, "sync"):
             # The global normaliser makes any split of the batch (ranks x micro-batches) give the
             # same gradient; DDP averages over ranks, hence the world_size factor.
