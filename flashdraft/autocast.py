@@ -1,5 +1,6 @@
 """Mixed precision around custom autograd Functions: ``autocast_suspended``, shared by the drafter's
-training attention (flashdraft.drafter.attention) and the training loss (flashdraft.objective).
+training attention (flashdraft.drafter.attention), its layers' kernels (drafter.kernels) and the LM
+head + CE of the loss (drafter.head_kernels).
 
 Only torch is imported here, so any module may use it without pulling in the model code.
 """

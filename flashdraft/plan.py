@@ -175,8 +175,9 @@ def anchors_per_pass(cfg: Config, seq_len: int) -> int:
 
 
 class _HeadsStub:
-    """The target's embedding and LM head as block_loss reads them; plain tensors, not modules,
-    so the tracker counts their outputs but not their weights (the target's, counted with it)."""
+    """The target's embedding and LM head as the step reads them (train/step.py ``forward_loss``);
+    plain tensors, not modules, so the tracker counts their outputs but not their weights (the
+    target's, counted with it)."""
 
     def __init__(self, vocab: int, hidden: int, dtype, device):
         self.lm_head = types.SimpleNamespace(weight=torch.empty(vocab, hidden, dtype=dtype, device=device))

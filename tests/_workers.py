@@ -149,8 +149,8 @@ def train_ranks(overrides_json: str) -> None:
     layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
     blocks, make_blocks = [], trainer.step_fn.blocks
 
-    def counted(micro, step):  # the valid anchored blocks this rank trains on, per step
-        made = make_blocks(micro, step)
+    def counted(micro, step, position):  # the valid anchored blocks this rank trains on, per step
+        made = make_blocks(micro, step, position)
         blocks.append(int(sum(int(b.valid.sum()) for b in made)))
         return made
 
@@ -179,12 +179,12 @@ def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
     trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
     steps, step_fn = [], trainer.step_fn
 
-    def recorded(micro, step, stats):
+    def recorded(micro, step, position, stats):
         ids = sorted(int(i) for m in micro for i in m.sample_ids)
         steps.append([step + 1, trainer.scheduler.get_last_lr()[0], ids])  # the lr this step trains with
         if step + 1 == int(stop_at):
             os.kill(os.getpid(), signal.SIGTERM)
-        return step_fn(micro, step, stats)
+        return step_fn(micro, step, position, stats)
 
     trainer.step_fn = recorded
     stopped = False

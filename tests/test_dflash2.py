@@ -18,12 +18,12 @@ from flashdraft.objective import (
     Blocks,
     SelectorLoss,
     SlotLoss,
-    block_loss,
     dflash_loss,
     dpace_weights,
     selector_schedule,
 )
 from flashdraft.speculative import greedy_generate, speculative_generate
+from flashdraft.train.step import forward_loss
 
 SIZES = DFlash2Modules(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
 
@@ -327,8 +327,8 @@ def test_stop_gradient_leaves_the_backbone_exactly_as_the_unary_only_run():
 
     def grads(selector: SelectorLoss | None, chunk: int):
         drafter.zero_grad(set_to_none=True)
-        out = block_loss(drafter, target, features, Blocks(anchors, valid, block_ids, labels, weights,
-                                                           selector=selector), chunk_size=chunk)
+        out = forward_loss(drafter, target, features, Blocks(anchors, valid, block_ids, labels, weights,
+                                                             selector=selector), chunk_size=chunk)
         out.loss.backward()
         return {k: None if p.grad is None else p.grad.clone() for k, p in drafter.named_parameters()}
 

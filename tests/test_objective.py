@@ -156,7 +156,7 @@ def test_chunked_loss_equals_unchunked_with_gradients():
 @pytest.mark.parametrize("vocab", [4096, 4104, 300, 1000])
 def test_row_max_is_max_and_first_argmax_ties_included(vocab):
     """row_max (the chunked CE's tiled max) == x.max(-1): values and the FIRST index of the max."""
-    from flashdraft.objective import row_max
+    from flashdraft.drafter.head_kernels import row_max
 
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(64, vocab, generator=gen)

@@ -373,10 +373,10 @@ class Faulty:
 
             stages.forward = faulty_forward
         else:
-            def faulty_step(micro, step, stats):
+            def faulty_step(micro, step, position, stats):
                 if step == 3:
                     self._boom("drafter")
-                return step_fn(micro, step, stats)
+                return step_fn(micro, step, position, stats)
 
             trainer.step_fn = faulty_step
 
@@ -405,10 +405,10 @@ def test_sigterm_stops_the_pipeline_and_writes_the_final_checkpoint(tiny_job, tm
     trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20)))
     step_fn = trainer.step_fn
 
-    def signalled(micro, step, stats):
+    def signalled(micro, step, position, stats):
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # handled on this (main) thread
-        return step_fn(micro, step, stats)
+        return step_fn(micro, step, position, stats)
 
     trainer.step_fn = signalled
     with pytest.raises(Stopped, match=r"stopped by SIGTERM at step 3 of 20: checkpoint .*step_00000003 saved") as info:

@@ -84,8 +84,8 @@ def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, t
     alphas = []
     trainer_step = trainer.step_fn.blocks
 
-    def record(micro, step):
-        blocks = trainer_step(micro, step)
+    def record(micro, step, position):
+        blocks = trainer_step(micro, step, position)
         alphas.append(blocks[0].selector.alpha)
         return blocks
 

@@ -18,8 +18,8 @@ identical weights and inputs:
 - ``reference``: the straightforward step, the tests' oracle: one SDPA over keys
   [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
   computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
-  RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``); ``block_loss``'s
-  oracle switches (``scored_only=False, distinct_rows=False``).
+  RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``); the step's oracle
+  switches (``drafter_forward``'s ``scored_only=False, distinct_rows=False``).
 
 Precision (``--precision``): ``trainer`` (the default) is how the trainer runs on CUDA: fp32
 master weights under bf16 autocast, the target's features, embeddings and LM head in bf16;
@@ -188,7 +188,7 @@ def build(point: dict):
 
 def step_fn(point: dict, drafter, heads, inputs):
     """The timed step: the trainer's own micro-step (``forward_backward``) on ``inputs``. The
-    reference variant turns off every saving (``block_loss``'s oracle switches)."""
+    reference variant turns off every saving (``drafter_forward``'s oracle switches)."""
     from flashdraft.train.step import forward_backward
 
     fast = point["variant"] != "reference"

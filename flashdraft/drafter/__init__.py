@@ -3,7 +3,8 @@ serving-format save / load.
 
 Modules: ``model`` (DFlashDrafter, its layers, ContextCache), ``attention`` (the training-attention
 implementations and their choice), ``dflash2`` (DFlash2's conv and candidate selector), ``kernels``
-(custom-backward RMSNorm / RoPE / SwiGLU, the rotary embedding) and ``serving`` (config.json and
+(custom-backward RMSNorm / RoPE / SwiGLU, the rotary embedding), ``head_kernels`` (the loss's LM
+head + CE; torch only) and ``serving`` (config.json and
 the export files). The choice lists and each layer's pattern (``LayerMask``) are the config's
 (``flashdraft.config``), so nothing outside the drafter imports this package only for them.
 """

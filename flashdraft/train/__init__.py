@@ -1,7 +1,7 @@
 """Online training of a drafter against a frozen target.
 
     trainer.py     Trainer: builds the run, the loop (every "when" asked of its owner)
-    step.py        DrafterStep: one optimizer step; forward_backward: one micro-batch
+    step.py        DrafterStep: one optimizer step; forward_backward: one micro-batch (drafter, then loss)
     stages.py      the feature stages: data -> h2d -> target forward (+ feature cache)
     placement.py   where features come from: colocated, or target ranks feeding drafter ranks
     state.py       checkpoint components, when to save, resume and its identity checks

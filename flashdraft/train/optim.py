@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -59,9 +60,43 @@ class RunSchedule:
         return warmup_cosine(self.total, self.warmup_frac)(self.position(step))
 
 
+class SchedulePosition(NamedTuple):
+    """Where an optimizer step sits on the run's schedule: the schedule's ``step`` it counts as
+    (0-based; fractional once a resumed run's steps were spread over the rest of the schedule,
+    RunSchedule.continue_over) of its ``total`` steps. What step-dependent weights (DFlash2's
+    selector term) are read at, so that they follow the LR schedule through a resize."""
+
+    step: float
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.step / self.total
+
+
+class RunScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """The optimizer's per-step LR scheduler over the run's ``RunSchedule``, with the questions
+    its owner asks of the schedule: a step's position on it, and a resized resume's remapping.
+    Its state_dict is LambdaLR's (the schedule's segments included)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_frac: float):
+        super().__init__(optimizer, RunSchedule(total_steps, warmup_frac))
+
+    @property
+    def schedule(self) -> RunSchedule:
+        return self.lr_lambdas[0]  # LambdaLR keeps it (and restores it in place on load_state_dict)
+
+    def position(self, step: int) -> SchedulePosition:
+        """Where optimizer step ``step`` (0-based) sits on the schedule."""
+        return SchedulePosition(self.schedule.position(step), self.schedule.total)
+
+    def continue_over(self, step: int, remaining: int) -> bool:
+        """RunSchedule.continue_over: the rest of the schedule spread over ``remaining`` steps."""
+        return self.schedule.continue_over(step, remaining)
+
+
 def build_optimizer(params, cfg: OptimConfig, total_steps: int, device: torch.device):
-    """AdamW over ``params`` (fused on CUDA) and its per-step LambdaLR schedule (a RunSchedule)."""
+    """AdamW over ``params`` (fused on CUDA) and its per-step LR scheduler (a RunScheduler)."""
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, RunSchedule(total_steps, cfg.warmup_frac))
-    return optimizer, scheduler
+    return optimizer, RunScheduler(optimizer, total_steps, cfg.warmup_frac)

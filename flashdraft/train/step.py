@@ -1,14 +1,18 @@
 """The training step: one optimizer step of the drafter over a step's micro-batches.
 
 ``DrafterStep.__call__`` is the whole step (main thread, features already computed by the
-target stage): draw every micro-batch's anchored blocks, agree on the GLOBAL loss normaliser
-(one tiny all-reduce, no host sync), forward + loss + backward per micro-batch
-(``forward_backward``; DDP syncs the gradients on the last backward of the step only), then
-clip, vote, step and schedule. The vote is the step's one host sync: a single all-reduce of
-two numbers over the ranks, whether any rank's step was non-finite (then every rank skips it)
-and the signal any rank has been asked to stop by (then every rank stops after it; a signal
-that comes after a step's vote is carried by the next one). ``forward_backward`` is also what
-``flashdraft bench step`` times and what the equivalence tests check against the oracle.
+target stage; its schedule position given by the loop): draw every micro-batch's anchored
+blocks (objective), agree on the GLOBAL loss normaliser (one tiny all-reduce, no host sync),
+forward + loss + backward per micro-batch (``forward_backward``; DDP syncs the gradients on the
+last backward of the step only), then clip, vote, step and schedule. The vote is the step's one
+host sync: a single all-reduce of two numbers over the ranks, whether any rank's step was
+non-finite (then every rank skips it) and the signal any rank has been asked to stop by (then
+every rank stops after it; a signal that comes after a step's vote is carried by the next one).
+
+The step is the one place that joins the model and the loss: ``forward_loss`` runs the drafter
+(``drafter_forward``), then hands its hidden states to the objective's loss, which never calls
+the drafter. ``forward_backward`` is also what ``flashdraft bench step`` times and what the
+equivalence tests check against the oracle.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashdraft import distributed
 from flashdraft.config import Config
-from flashdraft.objective import Blocks, LossOutput, SelectorLoss, SlotLoss, block_loss, make_blocks
+from flashdraft.objective import Blocks, LossOutput, SelectorLoss, SlotLoss, dflash_loss, make_blocks
+from flashdraft.train.optim import SchedulePosition
 
 # The default ``autocast`` of forward_backward: a nullcontext can be entered repeatedly.
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -31,6 +36,42 @@ _NO_AUTOCAST = contextlib.nullcontext()
 
 def _stage(timer, name: str):
     return timer.stage(name) if timer is not None else contextlib.nullcontext()
+
+
+def drafter_forward(model, target, features: torch.Tensor, blocks: Blocks, *, attention: str | None = None,
+                    scored_only: bool = True, distinct_rows: bool = True) -> torch.Tensor:
+    """The drafter's hidden states on ``blocks`` conditioned on target ``features`` [B, S, K*H]
+    (``model``: the drafter, DDP-wrapped or not), the blocks' tokens embedded by the target.
+
+    The defaults are the training step's fast path: slot 0 is not computed in the last layer and
+    the head (``scored_only``), and layer 0 projects the distinct rows only, the anchors' embeddings
+    and the one MASK embedding (``distinct_rows``). ``scored_only=False, distinct_rows=False,
+    attention="dense"`` is the straightforward oracle (every slot of every block embedded in
+    full); all give the same loss and gradients (tests/test_step_equivalence.py)."""
+    if distinct_rows:
+        embeds = target.embed(blocks.input_ids[:, :, 0]).to(features.dtype)  # the other slots are MASK
+        mask_embed = target.embed(blocks.input_ids.new_tensor(_unwrapped(model).mask_token_id)).to(features.dtype)
+    else:
+        embeds, mask_embed = target.embed(blocks.input_ids).to(features.dtype), None
+    return model(features, embeds, blocks.anchors, blocks.valid, attention=attention, scored_only=scored_only,
+                 mask_embed=mask_embed)
+
+
+def forward_loss(model, target, features: torch.Tensor, blocks: Blocks, *, chunk_size: int = 0,
+                 normalizer: torch.Tensor | None = None, **options) -> LossOutput:
+    """One forward of ``blocks``: the drafter (``drafter_forward``; ``options`` are its oracle
+    switches), then the objective's loss of its hidden states under the target's LM head, with
+    DFlash2's selector term when ``blocks.selector`` is set (the drafter's selector scores the
+    head's candidates). ``chunk_size`` and ``normalizer``: objective.dflash_loss's."""
+    hidden = drafter_forward(model, target, features, blocks, **options)
+    selector = _unwrapped(model).candidate_selector if blocks.selector is not None else None
+    return dflash_loss(hidden, target.lm_head.weight, blocks.labels, blocks.weights, chunk_size, normalizer,
+                       slot_loss=blocks.loss, selector=selector, selector_loss=blocks.selector)
+
+
+def _unwrapped(model):
+    """The drafter of a DDP-wrapped ``model`` (or ``model`` itself)."""
+    return getattr(model, "module", model)
 
 
 def forward_backward(
@@ -46,7 +87,7 @@ def forward_backward(
     the one-pass step. ``sync=False`` keeps a DDP ``model`` from all-reducing on any of these
     backwards (the step syncs on its last one only). ``timer`` (a StageTimer) times the
     "drafter" (forward + loss, under ``autocast``) and "backward" stages; ``options`` go to
-    ``block_loss`` (the oracle's switches). Returns one LossOutput per slice."""
+    ``drafter_forward`` (the oracle's switches). Returns one LossOutput per slice."""
     if normalizer is None:
         normalizer = blocks.weight_sum
     parts = blocks.slices(anchors_per_slice)
@@ -56,7 +97,8 @@ def forward_backward(
         no_sync = model.no_sync() if isinstance(model, DDP) and not syncs else contextlib.nullcontext()
         with no_sync:
             with _stage(timer, "drafter"), autocast, distributed.collective_errors("DDP forward"):
-                out = block_loss(model, target, features, part, chunk_size=chunk_size, normalizer=normalizer, **options)
+                out = forward_loss(model, target, features, part, chunk_size=chunk_size, normalizer=normalizer,
+                                   **options)
             # includes DDP's overlapped gradient all-reduce: a dead peer surfaces here
             with _stage(timer, "backward"), distributed.collective_errors("DDP gradient all-reduce (backward)"):
                 out.loss.backward()
@@ -161,13 +203,13 @@ class DrafterStep:
         self.tensor_rank, self.tensor_size = tensor
         self.stop = stop
 
-    def blocks(self, micro, step: int) -> list[Blocks]:
-        """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only."""
+    def blocks(self, micro, step: int, position: SchedulePosition) -> list[Blocks]:
+        """Each micro-batch's anchored blocks; the anchors depend on (seed, step, sample id) only,
+        DFlash2's selector term on the step's ``position`` on the schedule."""
         cfg = self.cfg
         selector = None
         if self.drafter.candidate_selector is not None:  # DFlash2: the selector term's weight at this step
-            schedule = self.scheduler.lr_lambdas[0]  # the run's steps, as the LR schedule counts them
-            selector = SelectorLoss.of(cfg.objective, schedule.position(step), schedule.total)
+            selector = SelectorLoss.of(cfg.objective, position.step, position.total)
         return [make_blocks(m.device_batch.input_ids, m.device_batch.loss_mask, m.device_batch.lengths,
                             block_size=self.drafter.block_size, mask_token_id=self.drafter.mask_token_id,
                             num_anchors=cfg.objective.num_anchors, gamma=self.gamma, loss=SlotLoss.of(cfg.objective),
@@ -175,10 +217,12 @@ class DrafterStep:
                             selector=selector).shard(self.tensor_rank, self.tensor_size)
                 for m in micro]
 
-    def __call__(self, micro, step: int, stats: StepStats) -> StepResult:
-        """One optimizer step over ``micro`` (their features computed); see StepResult."""
+    def __call__(self, micro, step: int, position: SchedulePosition, stats: StepStats) -> StepResult:
+        """Optimizer step ``step`` over ``micro`` (their features computed); ``position``: its place
+        on the run's schedule (RunScheduler.position), which DFlash2's selector weight follows.
+        See StepResult."""
         obj = self.cfg.objective
-        blocks = self.blocks(micro, step)
+        blocks = self.blocks(micro, step, position)
         with _stage(self.timer, "sync"):
             # The global normaliser makes any split of the batch (ranks x micro-batches) give the
             # same gradient; DDP averages over ranks, hence the world_size factor.

@@ -271,19 +271,19 @@ class Trainer:
         when their number changed (no jump, still ending at 0)."""
         step, remaining = self.state.step, steps_left(self.sampler, self.config, self.state.step)
         self.total_steps = step + remaining
-        schedule = self.scheduler.lr_lambdas[0]
-        if schedule.continue_over(step, remaining) and self.dist.is_main:
+        if self.scheduler.continue_over(step, remaining) and self.dist.is_main:
             log.warning("resumed at step %d with %d steps left (world size %d, grad_accum %d): the learning-rate "
                         "schedule goes on from %.1f%% of its length and reaches its end at step %d",
                         step, remaining, self.dist.world_size, self.config.train.grad_accum,
-                        100 * schedule.position(step) / schedule.total, self.total_steps)
+                        100 * self.scheduler.position(step).fraction, self.total_steps)
 
     def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> int:
         """One optimizer step on ``item``, then the hook, and its log line, eval and checkpoint when due.
         Returns the signal the run stops on here (agreed by every rank), else 0."""
         state = self.state
         tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
-        grad_norm, nonfinite, voted_stop = self.step_fn(item.micro, state.step, self.log.stats)
+        grad_norm, nonfinite, voted_stop = self.step_fn(item.micro, state.step, self.scheduler.position(state.step),
+                                                        self.log.stats)
         if nonfinite is not None:
             self._skip(nonfinite, item.micro)
         pool.release(item.slot)  # after the step: its event orders the slot's reuse after it

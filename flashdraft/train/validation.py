@@ -11,9 +11,9 @@ from flashdraft.data.batching import BatchSampler, DrafterRows
 from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau
-from flashdraft.objective import SelectorLoss, SlotLoss, block_loss, make_blocks
+from flashdraft.objective import SelectorLoss, SlotLoss, make_blocks
 from flashdraft.speculative import Sampling
-from flashdraft.train.step import StepStats
+from flashdraft.train.step import StepStats, forward_loss
 
 
 class Validator:
@@ -101,6 +101,6 @@ class Validator:
                               sample_ids=torch.from_numpy(idx).to(self.device), selector=selector)
             with self.autocast:
                 features = self.target.features(batch.input_ids, batch.attention_mask)
-                out = block_loss(self.drafter, self.target, features, blk, chunk_size=cfg.objective.loss_chunk_size)
+                out = forward_loss(self.drafter, self.target, features, blk, chunk_size=cfg.objective.loss_chunk_size)
             stats.add(out)
         return {f"eval_{k}": v for k, v in stats.reduce_local().items()}
