@@ -103,7 +103,7 @@ def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family
     sizes = dict(model__conv_group_size=8, model__selector_rank=8, model__selector_top_k=4)
     extra = sizes if family == "dflash2" else {}
     result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
-                                                   model__drafter=family, **extra)))
+                                                   model__drafter=family, **extra))).metrics
     assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
 
 
@@ -146,7 +146,7 @@ def test_a_run_whose_every_step_was_skipped_logs_no_loss_or_accuracy(tiny_job, t
 
     out = tmp_path / "run"  # lambda = 1e300 * exp(...): an infinite loss at every step, each one skipped
     result = train(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, objective__loss="lk_lambda",
-                                                   objective__lk_kl_scale="1e300")))
+                                                   objective__lk_kl_scale="1e300"))).metrics
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "skipped_steps" in r]
     assert [r["skipped_steps"] for r in steps] == [1, 2]
@@ -226,26 +226,22 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
 
 # ---- 13: quickstart budget mistakes are refused before any stage runs ------------------------
 
-@pytest.mark.parametrize("change, wanted", [
-    ({"drafter_lr": -1.0}, "optim.lr=-1.0"), ({"num_anchors": 0}, "objective.num_anchors=0"),
-    ({"block_size": 1}, "model.block_size=1"), ({"regen_temperature": -1.0}, "--regen-temperature -1.0"),
-    ({"regen_temperature": 1e-40}, "--regen-temperature 1e-40"),
-    ({"target_layers": 0}, "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
-    ({"target_hidden": 3}, "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
-    ({"sliding_window": 1}, "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
-    ({"answer_tokens": 0}, "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
-    ({"num_eval_prompts": 0}, "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
-    ({"corpus_bytes": -5}, "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
-    ({"target_steps": -1}, "--target-steps -1: use 0 or more"),  # an untrained target, silently
-    ({"vocab_size": 1}, "--vocab-size 1: a byte-level BPE holds the 256 byte tokens"),  # ignored silently
+@pytest.mark.parametrize("flags, wanted", [
+    (["--drafter-lr", "-1.0"], "optim.lr=-1.0"), (["--num-anchors", "0"], "objective.num_anchors=0"),
+    (["--block-size", "1"], "model.block_size=1"), (["--regen-temperature", "-1.0"], "--regen-temperature -1.0"),
+    (["--regen-temperature", "1e-40"], "--regen-temperature 1e-40"),
+    (["--target-layers", "0"], "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
+    (["--target-hidden", "3"], "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
+    (["--sliding-window", "1"], "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
+    (["--answer-tokens", "0"], "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
+    (["--num-eval-prompts", "0"], "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
+    (["--corpus-bytes", "-5"], "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
+    (["--target-steps", "-1"], "--target-steps -1: use 0 or more"),  # an untrained target, silently
+    (["--vocab-size", "1"], "--vocab-size 1: a byte-level BPE holds the 256 byte tokens"),  # ignored silently
 ])
-def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, change, wanted):
-    import dataclasses
-
-    from flashdraft.quickstart import SMOKE, quickstart
-
+def test_quickstart_budget_mistakes_are_refused_before_any_stage(tmp_path, flags, wanted):
     with pytest.raises(ValueError, match=re.escape(wanted)):
-        quickstart(tmp_path / "qs", dataclasses.replace(SMOKE, **change))
+        main(["quickstart", "--smoke", "--output", str(tmp_path / "qs"), *flags])
     assert not (tmp_path / "qs").exists()  # no stage ran
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from flashdraft.cli import main
 from flashdraft.evaluate import read_prompts, write_prompts
-from flashdraft.quickstart import SMOKE, quickstart
+from flashdraft.quickstart import SMOKE, SMOKE_TRAINING, quickstart
 
 pytestmark = pytest.mark.slow  # end to end: the whole smoke quickstart
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # end to end: the whole smoke quickstart
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("quickstart")
-    return out, quickstart(out, SMOKE, use_cache=False)
+    return out, quickstart(out, SMOKE, SMOKE_TRAINING, use_cache=False)
 
 
 def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
@@ -31,8 +31,8 @@ def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
     for key in ("tau", "tau_untrained", "tau_ngram", "per_position_acceptance", "lossless", "settings"):
         assert key in saved, key
     assert saved["lossless"] is True
-    assert 1.0 <= saved["tau"] <= SMOKE.block_size
-    assert len(saved["per_position_acceptance"]) == SMOKE.block_size - 1
+    assert 1.0 <= saved["tau"] <= SMOKE_TRAINING["model.block_size"]
+    assert len(saved["per_position_acceptance"]) == SMOKE_TRAINING["model.block_size"] - 1
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -24,7 +24,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_config(args.config, args.overrides)
-    result = train(config)
+    result = train(config).metrics
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is already torn down here
         keys = ("loss", "acc", "tau_sim", "eval_loss", "eval_tau", "eval_tau_pooled", "tokens_per_s", "skipped_steps")
         print("final: " + " ".join(f"{k} {result[k]:.4g}" for k in keys if isinstance(result.get(k), (int, float))),

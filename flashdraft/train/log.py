@@ -31,6 +31,7 @@ class TrainLog:
         self.stats = StepStats.zeros(block_size, device)
         self.history: collections.deque[dict] = collections.deque(maxlen=1000)
         self.record: dict = {}  # the last log record
+        self.last_eval: dict = {}  # the last evaluation's result (main rank)
 
     def after_step(self, step: int, tokens: int, grad_norm, lr: float, skipped_steps: int, pipe, cache) -> None:
         """Count a finished step (``tokens``: its host token count); log when due."""
@@ -71,6 +72,7 @@ class TrainLog:
 
     def eval_result(self, step: int, result: dict) -> None:
         """Write an evaluation's result (main rank)."""
+        self.last_eval = result
         if not result:
             return
         self.metrics.log(step, result)

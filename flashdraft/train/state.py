@@ -101,14 +101,11 @@ class RunCheckpoints:
             self._verdict = self.manager.verdict(mode)
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
-        """Whether to save right after ``step``: on a stop request and every ``train.save_every``
-        steps. The last step is saved by ``final_due`` instead, after the final eval."""
+        """Whether to save right after ``step``: on a stop request, every ``train.save_every``
+        steps and after the last one (``done``), once per step (a run resumed at its end, or
+        stopped at its last step, is saved already)."""
         every = self.config.train.save_every
-        return bool(stopping) or (bool(every) and step % every == 0 and not done)
-
-    def final_due(self, step: int) -> bool:
-        """Whether the end of the run still needs a save (``step`` was not just saved)."""
-        return self.last_saved != step
+        return step != self.last_saved and (bool(stopping) or done or (bool(every) and step % every == 0))
 
     def save(self, step: int) -> Path:
         """Atomic checkpoint of every component (collective) with the serving export inside."""

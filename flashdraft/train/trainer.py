@@ -1,5 +1,6 @@
 """The online trainer: `flashdraft train`.
 
+``train(config)`` is the entry point of a whole run (`flashdraft train`, the quickstart):
 ``Trainer(config)`` builds the run's parts; ``fit()`` is the loop. Each optimizer step the
 feature stages (flashdraft.train.stages, wired by a placement strategy) deliver ``grad_accum``
 micro-batches with the frozen target's features, and ``DrafterStep`` (flashdraft.train.step)
@@ -15,7 +16,9 @@ import gc
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,6 +49,10 @@ from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
 from flashdraft.train.validation import Validator
 
+if TYPE_CHECKING:
+    from flashdraft.feature_cache import CacheStats
+    from flashdraft.pipeline import PipelineReport
+
 log = logging.getLogger(__name__)
 
 StepHook = Callable[["Trainer"], None]
@@ -60,6 +67,23 @@ def autocast_for(device: torch.device, target_dtype: torch.dtype):
     if target_dtype in (torch.bfloat16, torch.float16):
         return torch.autocast("cpu", dtype=target_dtype)
     return contextlib.nullcontext()
+
+
+def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
+    """The run's drafter before its first step, on the host: built for ``target`` as the config
+    says and drawn from the seeded init (``train.seed``). The trainer starts from it, and anyone can
+    rebuild a run's starting weights without a Trainer (the quickstart's untrained baseline)."""
+    drafter = DFlashDrafter.for_target(
+        target, num_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size,
+        mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
+        layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
+        causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model), sinks=cfg.model.drafter_attention_sink,
+        attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
+    )
+    drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
+    if drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
+        drafter.candidate_selector.requires_grad_(False)  # frozen: no selector term, not optimised
+    return drafter
 
 
 class Trainer:
@@ -140,17 +164,7 @@ class Trainer:
                         cfg.model.tensor_parallel, "expert" if cfg.model.expert_parallel else "tensor",
                         local / 2**30, whole / 2**30)
         self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
-        self.drafter = DFlashDrafter.for_target(
-            self.target, num_layers=cfg.model.num_draft_layers, block_size=bs,
-            mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
-            layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-            causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model),
-            sinks=cfg.model.drafter_attention_sink,
-            attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
-        )
-        self.drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
-        if self.drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
-            self.drafter.candidate_selector.requires_grad_(False)  # frozen: no selector term, not optimised
+        self.drafter = initial_drafter(cfg, self.target)
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
 
     def _wrap(self, drafter: DFlashDrafter) -> torch.nn.Module:
@@ -230,30 +244,25 @@ class Trainer:
             save_config(cfg, self.output / "config.yaml")
         self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.drafter.block_size, self.total_steps,
                             state.step)
-        stopping, final = 0, {}
+        stopping = 0
         self.drafter.train()
         with self.stop as stop:
             with self._feed(stop) as (pipe, pool):
                 for item in pipe:
-                    stopping = self._train_one(item, pipe, pool, stop, on_step)
-                    if stopping:
+                    if stopping := self._train_one(item, pipe, pool, stop, on_step):
                         break
             # Still under GracefulStop: a SIGTERM during the final eval/save must not kill the save.
             state.rewind_read_ahead()
-            if not (stopping or stop.requested) and state.step < self.total_steps:
+            done = state.step >= self.total_steps
+            if not (done or stopping or stop.requested):
                 raise RuntimeError(f"the data plan ended at step {state.step} of the {self.total_steps} counted for "
                                    "it (a flashdraft bug: please report it); the last checkpoint is intact")
-            if state.step >= self.total_steps:
-                if not stopping:  # a stop request skips the (possibly long) final eval
-                    final = self._validate()
-                if self.checkpoints.final_due(state.step):
-                    self.checkpoints.save(state.step)
-                if main:
-                    self.drafter.save_pretrained(self.output / "drafter")
+            if done:  # the last step's eval, checkpoint and export: once the feed closed (not timed as its work)
+                stopping = self._when_due(stop, stopping, done=True)
         self.log.close()
         if stopping or stop.requested:
             raise self._stopped(stopping or stop.signum)
-        return {**self.log.record, **final}
+        return {**self.log.record, **self.log.last_eval}
 
     def _stopped(self, signum: int) -> Stopped:
         """What a signal-stopped run tells the command: where its state was saved, how to go on."""
@@ -278,8 +287,9 @@ class Trainer:
                         100 * self.scheduler.position(step).fraction, self.total_steps)
 
     def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> int:
-        """One optimizer step on ``item``, then the hook, and its log line, eval and checkpoint when due.
-        Returns the signal the run stops on here (agreed by every rank), else 0."""
+        """One optimizer step on ``item``, then the hook and its log line, then (before the last
+        step) its eval and checkpoint when due. Returns the signal the run stops on here (agreed
+        by every rank), else 0."""
         state = self.state
         tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
         grad_norm, nonfinite, voted_stop = self.step_fn(item.micro, state.step, self.scheduler.position(state.step),
@@ -292,18 +302,30 @@ class Trainer:
         self.timer.step_done()
         if on_step is not None:
             on_step(self)
-        done = state.step >= self.total_steps
         self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0], state.skipped_steps,
                             pipe, self.stages.cache)
         # before the periodic eval: a stop never waits for one
         stopping = stop.signum if self.dist.world_size == 1 else voted_stop
-        if self.validator.due(state.step, done, stopping):
+        if state.step < self.total_steps:  # the last step's: once the feed closed (_fit)
+            stopping = self._when_due(stop, stopping, done=False)
+        return stopping
+
+    def _when_due(self, stop: GracefulStop, stopping: int, *, done: bool) -> int:
+        """After a step: its eval, its checkpoint and (the last step) the serving export, each
+        when its owner says it is due -- the last step is due for all three, and a stop request
+        skips the eval, never the save. Returns the signal the run stops on (agreed by every
+        rank), else 0."""
+        step = self.state.step
+        if self.validator.due(step, done, stopping):
             self._validate()
-            stopping = self._stop_agreed(stop)  # a signal during the eval: save now, not after one more step
-        if self.checkpoints.due(state.step, done, stopping):
-            self.checkpoints.save(state.step)
+            if not done:  # a signal during the eval: save now, not after one more step (the last step saves anyway)
+                stopping = self._stop_agreed(stop)
+        if self.checkpoints.due(step, done, stopping):
+            self.checkpoints.save(step)
         if stopping:
-            self.log.write(f"stopped by signal at step {state.step}; checkpoint saved")
+            self.log.write(f"stopped by signal at step {step}; checkpoint saved")
+        if done and self.dist.is_main:  # the serving export: once, at the end (a stop at the last step too)
+            self.drafter.save_pretrained(self.output / "drafter")
         return stopping
 
     @contextlib.contextmanager
@@ -364,10 +386,24 @@ class Trainer:
         gc.collect()
 
 
-def train(config: Config, on_step: StepHook | None = None) -> dict:
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run hands back (``train``): everything a caller needs once the trainer and
+    the process group are gone."""
+
+    metrics: dict  # the last log record and the final eval (a disaggregated target rank: the steps it served)
+    pipeline: PipelineReport | None  # the whole run's busy / starved / blocked per stage, the cache's line in its notes
+    feature_cache: CacheStats | None  # the feature cache's final counters (None: it was off)
+
+
+def train(config: Config, on_step: StepHook | None = None) -> TrainResult:
+    """The one entry point of a whole run (`flashdraft train`, the quickstart): build it, train it
+    to the end or to a stop request (``on_step`` as in ``Trainer.fit``; ``Stopped`` then), and
+    release DDP and the process group whatever happened."""
     trainer = Trainer(config)
     try:
-        return trainer.fit(on_step)
+        metrics = trainer.fit(on_step)
+        return TrainResult(metrics, trainer.pipeline_report, trainer.feature_cache_stats)
     finally:
         trainer.release_ddp()
         distributed.teardown()

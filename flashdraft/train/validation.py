@@ -32,10 +32,10 @@ class Validator:
         self.runs_eval = is_main if runs_eval is None else runs_eval
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
-        """Every ``train.eval_every`` steps, not on the last one (the final eval covers it) and
+        """Every ``train.eval_every`` steps and after the last one (``done``: the final eval), but
         never while stopping (a stop request must not wait for an eval)."""
         every = self.config.train.eval_every
-        return bool(every) and step % every == 0 and not done and not stopping
+        return not stopping and (done or (bool(every) and step % every == 0))
 
     @torch.no_grad()
     def run(self) -> dict:
