@@ -410,7 +410,7 @@ def _eval_prompts(out: Path, tokenizer, heldout_pairs: list[tuple[str, str]], bu
 def _drafter_config(out: Path, budget: Budget, seed: int, target_dir: Path, mask_id: int, num_tokens: int):
     """The training config of the quickstart's drafter run (``num_tokens``: tokens in the prepared data)."""
     from flashdraft.config import config_from_dict
-    from flashdraft.feature_cache import full_cache_bytes
+    from flashdraft.feed.cache import full_cache_bytes
 
     feature_size = len(tap_layers(budget.target_layers)) * budget.target_hidden  # fp32 taps per token
     return config_from_dict({
