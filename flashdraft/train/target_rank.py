@@ -20,23 +20,30 @@ from flashdraft.train import checks, startup
 from flashdraft.train.runtime import GracefulStop, Stopped
 
 
-def serve(config: Config, dist: Dist) -> dict:
-    """Serve this target rank's drafter ranks to the end of the run; returns ``{"steps": steps
-    sent to each drafter rank, "stopped": False}``. Raises Stopped (128 + the signal) when the
-    drafter ranks stopped early: a signal here or there ends the whole job."""
-    cfg, device = config, dist.device
-    startup.check_run(cfg, device)
-    target = startup.load_target(cfg, dist)
-    data = startup.open_data(cfg, dist, target, checks.resolve_mask_token_id(cfg.model.mask_token_id,
-                                                                             cfg.model.target))
-    startup.meet()
-    stages = FeatureStages(cfg, data.dataset, target, device, StageTimer(device, owner_only=True))
-    # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP); this
-    # rank passes it on and keeps serving until they do.
-    with GracefulStop() as stop:
-        result = serve_features(stages, dist, stop)
-    if result["stopped"]:
-        raise Stopped(stop.signum or signal.SIGTERM,
-                      f"target rank {dist.global_rank} stopped after {result['steps']} steps (a stop request); its "
-                      "drafter ranks saved the checkpoint")
-    return result
+class TargetRank:
+    """``TargetRank(config, dist)`` starts the rank (checks, target, data, the start-up
+    barrier); ``serve()`` feeds its drafter ranks to the end of the run."""
+
+    def __init__(self, config: Config, dist: Dist):
+        cfg, device = config, dist.device
+        self.config, self.dist = cfg, dist
+        startup.check_run(cfg, device)
+        target = startup.load_target(cfg, dist)
+        mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
+        data = startup.open_data(cfg, dist, target, mask_token_id)
+        startup.meet()  # where the drafter ranks meet it, once they have built their parts
+        self.stages = FeatureStages(cfg, data.dataset, target, device, StageTimer(device, owner_only=True))
+
+    def serve(self) -> dict:
+        """Serve the drafter ranks; returns ``{"steps": steps sent to each drafter rank,
+        "stopped": False}``. Raises Stopped (128 + the signal) when the drafter ranks stopped
+        early: a signal here or there ends the whole job."""
+        # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP);
+        # this rank passes it on and keeps serving until they do.
+        with GracefulStop() as stop:
+            result = serve_features(self.stages, self.dist, stop)
+        if result["stopped"]:
+            raise Stopped(stop.signum or signal.SIGTERM,
+                          f"target rank {self.dist.global_rank} stopped after {result['steps']} steps (a stop "
+                          "request); its drafter ranks saved the checkpoint")
+        return result

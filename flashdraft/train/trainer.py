@@ -34,12 +34,13 @@ from flashdraft.feed.stages import FeatureStages
 from flashdraft.feed.steps import Feed
 from flashdraft.metrics import StageTimer
 from flashdraft.objective import default_gamma
-from flashdraft.train import checks, startup, target_rank
+from flashdraft.train import checks, startup
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
 from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, output_lock
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
+from flashdraft.train.target_rank import TargetRank
 from flashdraft.train.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Trainer:
             export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
         if self.dist.is_main:  # the slow part of a resume (hashing every file), before the ranks meet
             self.checkpoints.verify_ahead()
-        startup.meet()  # where a disaggregated target rank meets it too (target_rank.serve)
+        startup.meet()  # where a disaggregated target rank meets it too (TargetRank)
         model = self._wrap(self.drafter)
         self.timer = StageTimer(self.device, owner_only=True)  # main thread; the feed reports the rest
         self.autocast = autocast_for(self.device, self.target.dtype)
@@ -304,15 +305,18 @@ class Trainer:
 
 def train(config: Config, on_step: StepHook | None = None) -> dict:
     """`flashdraft train`: start the process, then serve features (a disaggregated target rank)
-    or train (``Trainer(config).fit(on_step)``); the process group is left at the end either way."""
+    or train (``Trainer(config).fit(on_step)``); a rank that started leaves the process group at
+    the end, failed or not."""
     dist = startup.start_process(config)
-    try:
-        if dist.role == "target":
-            return target_rank.serve(config, dist)
-        trainer = Trainer(config, dist)
+    if dist.role == "target":
+        server = TargetRank(config, dist)
         try:
-            return trainer.fit(on_step)
+            return server.serve()
         finally:
-            trainer.release_ddp()
+            distributed.teardown()
+    trainer = Trainer(config, dist)
+    try:
+        return trainer.fit(on_step)
     finally:
+        trainer.release_ddp()
         distributed.teardown()
