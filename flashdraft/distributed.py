@@ -564,7 +564,7 @@ class Transfer:
 
     def wait_unbounded(self) -> None:
         """Block until completed, however long: for a receive that stays posted for a whole run,
-        waited on by a watcher thread (``pipeline.Watcher``) while its owner polls the watcher.
+        waited on by a watcher thread (``feed.flow.Watcher``) while its owner polls the watcher.
         gloo reports a point-to-point op's completion only to a wait (``done()`` stays False
         until then), and a wait whose timeout expires closes the connection; a dead peer still
         fails this one (its connection closes). Only the watcher may wait on this transfer."""

@@ -1,8 +1,9 @@
 """Observability: where the step time goes, how fast the run goes, and where metrics are written.
 
-- :class:`StageTimer` times named stages of each step. On CUDA it records CUDA events and
-  resolves them only in :meth:`StageTimer.summary` (one host sync per log line, none per
-  step); on CPU it uses ``time.perf_counter``.
+- :class:`EventMeter` times spans of work with CUDA events on a CUDA device (``time.perf_counter``
+  on the CPU) and counts only those whose events have completed: reading it never waits for
+  the GPU. :class:`StageTimer` (named stages of each step) and the feed's pipeline (each
+  stage's busy time, flashdraft.feed.flow) both time with it.
 - :class:`Throughput` estimates steps/s, tokens/s and the ETA over a window of recent steps.
 - Sinks: JSONL (always), TensorBoard and Weights & Biases (optional, imported lazily), fanned
   out by :class:`MetricsLogger`, which writes on rank 0 only.
@@ -24,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -81,6 +82,92 @@ def take_completed(pending: deque, marks=lambda item: (item,)) -> list:
     return done
 
 
+def _elapsed_s(start: Any, end: Any) -> float:
+    """Seconds between two completed marks: host times, or CUDA events (``elapsed_time``: ms)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
+
+
+@dataclass
+class MeterTotals:
+    """What an :class:`EventMeter` counted: ``items`` spans of ``seconds`` in all, and the named
+    parts inside them (name -> (count, seconds)), in the order first seen."""
+
+    items: int = 0
+    seconds: float = 0.0
+    parts: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def __sub__(self, earlier: MeterTotals) -> MeterTotals:
+        """What was counted after ``earlier`` (the window between two reads); a part counts
+        in the window only when it occurred in it."""
+        parts = {}
+        for name, (count, seconds) in self.parts.items():
+            count0, seconds0 = earlier.parts.get(name, (0, 0.0))
+            if count > count0:
+                parts[name] = (count - count0, seconds - seconds0)
+        return MeterTotals(self.items - earlier.items, self.seconds - earlier.seconds, parts)
+
+
+class EventMeter:
+    """Time spent in spans of work, read without waiting for the GPU: the one meter behind the
+    step's stage timer and the pipeline's per-stage busy time.
+
+    A span runs between two marks (``mark``): CUDA events on a CUDA meter, recorded on a stream
+    in the device's own order, so a span measures when the GPU reached its start and end;
+    ``time.perf_counter()`` floats on the CPU (and for host work, whatever the device). A span
+    counts once its end marks have completed (``Event.query()``: a host check), so reading the
+    totals never drains the stream being measured: spans still running count in a later read.
+    Spans are resolved at every ``add`` too, so the queue stays as short as the device is behind
+    even when nobody reads. Thread-safe.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._lock = threading.Lock()
+        self._pending: deque = deque()  # (start, end, parts) not yet completed, in recording order
+        self._totals = MeterTotals()
+
+    def mark(self, stream: Any = None) -> Any:
+        """Now: a timing event enqueued on ``stream`` (default: the calling thread's current
+        stream) on a CUDA meter, else ``time.perf_counter()``. Never a host sync."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def add(self, start: Any, end: Any, parts: Sequence[tuple[str, Any, Any]] = ()) -> None:
+        """One span from ``start`` to ``end``, with its named ``parts`` ((name, start, end));
+        counted once every end mark has completed."""
+        with self._lock:
+            self._pending.append((start, end, tuple(parts)))
+            self._resolve()
+
+    def totals(self, drain: bool = False) -> MeterTotals:
+        """Everything counted since the start, over the spans whose marks have completed;
+        ``drain``: first wait for the newest span (the whole run's report, when nothing follows it)."""
+        with self._lock:
+            if drain and self._pending:
+                for mark in self._ends(self._pending[-1]):
+                    if not isinstance(mark, float):
+                        mark.synchronize()  # deliberate: the run's last report, no step waits on it
+            self._resolve()
+            t = self._totals
+            return MeterTotals(t.items, t.seconds, dict(t.parts))
+
+    @staticmethod
+    def _ends(span: tuple) -> tuple:
+        return (span[1], *(end for _, _, end in span[2]))
+
+    def _resolve(self) -> None:
+        t = self._totals
+        for start, end, parts in take_completed(self._pending, self._ends):
+            t.items += 1
+            t.seconds += _elapsed_s(start, end)
+            for name, s, e in parts:
+                count, seconds = t.parts.get(name, (0, 0.0))
+                t.parts[name] = (count + 1, seconds + _elapsed_s(s, e))
+
+
 class StageTimer:
     """Per-stage wall time of training steps, without host syncs in the hot loop.
 
@@ -93,35 +180,23 @@ class StageTimer:
         summary = timer.summary()      # at log time; never waits for the GPU
 
     A step runs from the previous ``step_done()`` (the first one: from the first stage entry)
-    to its ``step_done()``. On CUDA each boundary is an event recorded on the current stream,
-    so a stage measures when the GPU reached its start and end marks; a host-only stage with an
-    idle GPU measures host time. Thread-safe: pipeline threads may time their own stages.
-    ``max_pending_steps`` bounds memory when ``summary`` is never called (oldest dropped).
+    to its ``step_done()``: one span of an :class:`EventMeter`, its stages the span's parts. On
+    CUDA each boundary is an event recorded on the current stream, so a stage measures when the
+    GPU reached its start and end marks; a host-only stage with an idle GPU measures host time.
+    Thread-safe: pipeline threads may time their own stages.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", max_pending_steps: int = 10_000, owner_only: bool = False):
+    def __init__(self, device: torch.device | str = "cpu", owner_only: bool = False):
         """``owner_only``: record only stages entered on the creating thread. A pipelined
         trainer sets it, so the per-step breakdown is the main thread's and sums to its step
         time; concurrent stages (data, target) are reported by the pipeline's busy/wait split."""
         self.device = torch.device(device)
         self._owner = threading.get_ident() if owner_only else None
-        self._cuda = self.device.type == "cuda"
+        self.meter = EventMeter(self.device)
         self._lock = threading.Lock()
         self._stages: list[tuple[str, Any, Any]] = []  # (name, start mark, end mark) of the open step
-        self._steps: deque[tuple[Any, Any, list[tuple[str, Any, Any]]]] = deque(maxlen=max_pending_steps)
         self._step_start: Any = None
-
-    def _mark(self) -> Any:
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()  # asynchronous: enqueued on the current stream
-            return ev
-        return time.perf_counter()
-
-    def _elapsed_ms(self, start: Any, end: Any) -> float:
-        if self._cuda:
-            return float(start.elapsed_time(end))
-        return (end - start) * 1e3
+        self._summarised = MeterTotals()  # the meter's totals at the previous summary
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -129,43 +204,37 @@ class StageTimer:
         if self._owner is not None and threading.get_ident() != self._owner:
             yield  # another thread's stage: the pipeline report covers it
             return
-        start = self._mark()
+        start = self.meter.mark()
         with self._lock:
             if self._step_start is None:
                 self._step_start = start
         try:
             yield
         finally:
-            end = self._mark()
+            end = self.meter.mark()
             with self._lock:
                 self._stages.append((name, start, end))
 
     def step_done(self) -> None:
         """Close the current step. No host sync."""
-        end = self._mark()
+        end = self.meter.mark()
         with self._lock:
             if self._step_start is not None:
-                self._steps.append((self._step_start, end, self._stages))
+                self.meter.add(self._step_start, end, self._stages)
             self._stages = []
             self._step_start = end
 
     def summary(self) -> TimingSummary:
-        """Mean times over the steps closed since the last summary whose events have completed,
-        then forget them; steps the GPU has not finished yet count in a later summary (never a
-        host sync: at log time the GPU may still run the last steps)."""
-        with self._lock:
-            steps = take_completed(self._steps, lambda step: (step[1], *(end for _, _, end in step[2])))
-        if not steps:
+        """Mean times over the steps closed since the last summary whose events have completed;
+        steps the GPU has not finished yet count in a later summary (never a host sync: at log
+        time the GPU may still run the last steps)."""
+        totals = self.meter.totals()
+        window, self._summarised = totals - self._summarised, totals
+        n = window.items
+        if not n:
             return TimingSummary(0, 0.0, {})
-        total_step = 0.0
-        totals: dict[str, float] = {}
-        for start, end, stages in steps:
-            total_step += self._elapsed_ms(start, end)
-            for name, s, e in stages:
-                totals[name] = totals.get(name, 0.0) + self._elapsed_ms(s, e)
-        n = len(steps)
-        stage_ms = {k: v / n for k, v in totals.items()}
-        step_ms = total_step / n
+        stage_ms = {name: 1e3 * seconds / n for name, (_, seconds) in window.parts.items()}
+        step_ms = 1e3 * window.seconds / n
         stage_ms["other"] = max(0.0, step_ms - sum(stage_ms.values()))
         return TimingSummary(n, step_ms, stage_ms)
 

@@ -463,7 +463,7 @@ def _drafter_config(out: Path, budget: Budget, training: Mapping[str, object], s
 def _with_data(config, budget: Budget, mask_id: int, num_tokens: int):
     """``config`` with what the data decided: the tokenizer's MASK id, and a feature cache that holds
     every token's target features (``num_tokens``: tokens in the prepared data)."""
-    from flashdraft.feature_cache import full_cache_bytes
+    from flashdraft.feed.cache import full_cache_bytes
 
     feature_size = len(tap_layers(budget.target_layers)) * budget.target_hidden  # fp32 taps per token
     # The run sees every sample ~10 times and the target is frozen: keep each sample's target

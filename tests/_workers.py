@@ -131,12 +131,54 @@ def checkpoint_writer(root: str) -> None:
         step += 1
 
 
+def census(*classes) -> dict[str, list]:
+    """Every instance of ``classes`` constructed from now on in this process, by class name: each
+    ``__init__`` is wrapped (the real one runs) to record its instance (a subclass's instance
+    counts once, under the base it reaches)."""
+    built: dict[str, list] = {cls.__name__: [] for cls in classes}
+
+    def recording(cls):
+        real = cls.__init__
+
+        def init(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            built[cls.__name__].append(self)
+
+        return init
+
+    for cls in classes:
+        cls.__init__ = recording(cls)
+    return built
+
+
+def _trainer_parts(built: dict[str, list]) -> dict[str, int]:
+    """How many of each part only training needs were built (census): target models excluded."""
+    return {name: len(found) for name, found in built.items() if name != "TargetModel"}
+
+
 def train_ranks(overrides_json: str) -> None:
     """flashdraft training on every rank; reports per-step losses and whether the drafter's
-    parameters were bit-identical across ranks after every optimizer step."""
+    parameters were bit-identical across ranks after every optimizer step. A disaggregated
+    target rank runs the entry point, ``train``, which serves features; every rank reports
+    what it built (``built``: drafters, optimizers, checkpoint managers, validators)."""
     from flashdraft.config import load_config
-    from flashdraft.train.trainer import Trainer
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.target import TargetModel
+    from flashdraft.train.state import RunCheckpoints
+    from flashdraft.train.trainer import Trainer, train
+    from flashdraft.train.validation import Validator
 
+    built = census(TargetModel, DFlashDrafter, torch.optim.Optimizer, RunCheckpoints, Validator)
+    config = load_config(overrides=json.loads(overrides_json))
+    if config.pipeline.placement == "disaggregated" and \
+            int(os.environ["RANK"]) in D.role_layout(int(os.environ["WORLD_SIZE"]), config.pipeline.target_ranks,
+                                                     config.model.tensor_parallel)[1]:
+        train(config)  # a target rank: serves features, then leaves the process group
+        (target,) = built["TargetModel"]
+        result({"losses": [], "identical": [], "cache": {}, "blocks": [], "target_sharded": target.sharded,
+                "target_layers_loaded": not any(p.is_meta for p in target.layers.parameters()),
+                "built": _trainer_parts(built)})
+        return
     identical: list[bool] = []
 
     def check(trainer) -> None:  # after every optimizer step
@@ -144,7 +186,7 @@ def train_ranks(overrides_json: str) -> None:
         digests = D.all_gather_object(flat.numpy().tobytes())
         identical.append(all(d == digests[0] for d in digests))
 
-    trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
+    trainer = Trainer(config)
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
     layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
     blocks, make_blocks = [], trainer.step_fn.blocks
@@ -157,11 +199,12 @@ def train_ranks(overrides_json: str) -> None:
     trainer.step_fn.blocks = counted
     trainer.fit(on_step=check)
     losses = [h["loss"] for h in trainer.history if "loss" in h]
-    last = trainer.history[-1] if trainer.history else {}  # a disaggregated target rank logs nothing
+    last = trainer.history[-1] if trainer.history else {}
     cache = {k: v for k, v in last.items() if k.startswith("cache/")}
     result({"losses": losses, "identical": identical, "target_in_ddp": target_in_ddp,
             "ddp": type(trainer.model).__name__, "cache": cache, "target_layers_loaded": layers_loaded,
-            "blocks": blocks, "target_sharded": trainer.target.sharded})
+            "blocks": blocks, "target_sharded": trainer.target.sharded,
+            "built": _trainer_parts(built)})
     trainer.release_ddp()
     D.teardown()
 

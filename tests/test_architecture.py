@@ -18,28 +18,40 @@ def _modules() -> dict[str, ast.Module]:
     return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def module_imports(name: str, tree: ast.Module, modules) -> set[str]:
+    """The package modules ``name`` imports, anywhere in its body (a function-level import is a
+    dependency too; ``from pkg import name`` counts as pkg.name when that is a module)."""
+    is_package = (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
+    edges = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        edges |= {t for t in targets if t in modules and t != name}
+    return edges
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports, anywhere in its body (a function-level import
-    is a dependency too; ``from pkg import name`` counts as pkg.name when that is a module)."""
+    """module -> the package modules it imports (``module_imports``)."""
     modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, tree in modules.items():
-        is_package = (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
-        edges = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: resolve against this module's package
-                    anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
-                    base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            else:
-                continue
-            edges |= {t for t in targets if t in modules and t != name}
-        graph[name] = edges
-    return graph
+    return {name: module_imports(name, tree, modules) for name, tree in modules.items()}
+
+
+def imports_of(graph: dict[str, set[str]], importer: str, imported: str) -> list[str]:
+    """'a imports b' for every module a in package ``importer`` (or that module) that imports
+    package ``imported`` or one of its modules."""
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return sorted(f"{a} imports {b}" for a, edges in graph.items() if within(a, importer)
+                  for b in edges if within(b, imported))
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -74,6 +86,31 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_feed_never_imports_the_trainer():
+    """flashdraft.feed produces a step's features for whoever consumes them: the trainer imports
+    the feed, never the other way round (a disaggregated target rank runs the feed alone)."""
+    graph = import_graph()
+    assert any(m.startswith("flashdraft.feed.") for m in graph)  # the walk sees the package
+    assert imports_of(graph, "flashdraft.train", "flashdraft.feed")  # and the trainer's use of it
+    found = imports_of(graph, "flashdraft.feed", "flashdraft.train")
+    assert not found, found
+
+
+def test_the_feed_check_sees_function_level_and_type_checking_imports():
+    modules = {"flashdraft.feed.x": None, "flashdraft.train": None, "flashdraft.train.runtime": None,
+               "flashdraft.metrics": None}
+    cases = {
+        "def stop():\n    from flashdraft.train.runtime import GracefulStop\n": ["flashdraft.train.runtime"],
+        "if TYPE_CHECKING:\n    from flashdraft.train import runtime\n": ["flashdraft.train.runtime"],
+        "def f():\n    import flashdraft.train\n": ["flashdraft.train"],
+        "from flashdraft.metrics import StageTimer\n": [],
+    }
+    for source, imported in cases.items():
+        graph = {"flashdraft.feed.x": module_imports("flashdraft.feed.x", ast.parse(source), modules)}
+        assert imports_of(graph, "flashdraft.feed", "flashdraft.train") == \
+            [f"flashdraft.feed.x imports {m}" for m in imported], source
 
 
 def test_no_function_is_over_80_lines():

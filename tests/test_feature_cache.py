@@ -14,7 +14,7 @@ import torch
 from conftest import overrides, results, run_ranks
 from flashdraft.config import load_config
 from flashdraft.data.shards import write_token_shard
-from flashdraft.feature_cache import FeatureCache
+from flashdraft.feed.cache import FeatureCache
 from flashdraft.train.trainer import Trainer
 
 F = 24  # feature size of the unit tests
@@ -125,7 +125,7 @@ def test_new_samples_are_stored_once_their_copy_to_the_host_has_completed(monkey
     """On a GPU the new samples leave in one non-blocking copy with an event; the cache stores
     them when a later call finds the event completed (query), never waiting for it. Modelled
     with events the test completes; their room is reserved meanwhile."""
-    import flashdraft.feature_cache as fc
+    import flashdraft.feed.cache as fc
 
     class Copy:
         done = False

@@ -15,8 +15,8 @@ import torch
 from conftest import overrides
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
-from flashdraft.metrics import StageTimer
-from flashdraft.pipeline import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage, _Meter, thread_device
+from flashdraft.feed.flow import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage, thread_device
+from flashdraft.metrics import EventMeter, MeterTotals, StageTimer
 from flashdraft.train.runtime import Stopped
 from flashdraft.train.trainer import Trainer
 
@@ -288,23 +288,23 @@ class _Event:
 
 
 def test_stage_reports_never_wait_for_the_gpu_and_count_every_item_eventually():
-    stream, meter = _Stream(), _Meter("target")
+    stream, meter = _Stream(), EventMeter()  # the meter of a pipeline stage (and of the step timer)
     for k in range(10):  # 10 forwards of 5 ms queued; the GPU has finished none
-        meter.add_events(stream.event(10.0 * k), stream.event(10.0 * k + 5))
-    assert meter.totals() == (0, 0.0)  # nothing completed: nothing counted, no wait
+        meter.add(stream.event(10.0 * k), stream.event(10.0 * k + 5))
+    assert meter.totals() == MeterTotals(0, 0.0)  # nothing completed: nothing counted, no wait
     stream.done = 7  # the GPU finished 3 forwards and started the 4th
-    items, busy = meter.totals()
-    assert items == 3 and busy == pytest.approx(0.015)
+    totals = meter.totals()
+    assert totals.items == 3 and totals.seconds == pytest.approx(0.015)
     stream.done = stream.recorded
-    items, busy = meter.totals()
-    assert items == 10 and busy == pytest.approx(0.050)  # every item, once
+    totals = meter.totals()
+    assert totals.items == 10 and totals.seconds == pytest.approx(0.050)  # every item, once
 
 
 def test_the_step_timer_summarises_completed_steps_only_and_never_waits(monkeypatch):
     stream, clock = _Stream(), iter(range(0, 1000, 1))
     timer = StageTimer("cpu")
-    timer._cuda = True  # its marks are the modelled CUDA events below
-    monkeypatch.setattr(timer, "_mark", lambda: stream.event(float(next(clock))))
+    # its marks are the modelled CUDA events below
+    monkeypatch.setattr(timer.meter, "mark", lambda on=None: stream.event(float(next(clock))))
     for _ in range(4):
         with timer.stage("drafter"):
             pass

@@ -40,6 +40,9 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
     c0, _ = results(col)
     assert d0["ddp"] == "DistributedDataParallel" and all(d0["identical"]) and len(d0["identical"]) == 8
     assert target["losses"] == [] and target["identical"] == []  # the target rank never trains
+    # ... and builds nothing a drafter rank trains with (the census sees what a drafter rank builds)
+    assert target["built"] == {"DFlashDrafter": 0, "Optimizer": 0, "RunCheckpoints": 0, "Validator": 0}
+    assert d0["built"] == {"DFlashDrafter": 1, "Optimizer": 1, "RunCheckpoints": 1, "Validator": 1}
     assert d0["losses"] == d1["losses"]
     # The device group carried the features one way (rank 2 -> ranks 0, 1), safe under NCCL's order.
     ops = assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2})

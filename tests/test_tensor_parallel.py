@@ -135,6 +135,7 @@ def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_proce
     drafters, targets = ranks[:world - 2], ranks[world - 2:]
     (single,) = results(one)
     assert all(r["target_sharded"] for r in targets) and not any(r["target_sharded"] for r in drafters)
+    assert all(not any(r["built"].values()) for r in targets)  # a target rank builds no drafter, optimizer, ...
     assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in drafters)
     np.testing.assert_allclose(drafters[0]["losses"], single["losses"], rtol=1e-5)
     # The group's first rank (2) alone sends, one way; rank 3 has no p2p op on the device group.

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from flashdraft.bench.jobs import real_run, tiny_job, tiny_job_taps
-from flashdraft.feature_cache import full_cache_bytes
+from flashdraft.feed.cache import full_cache_bytes
+from flashdraft.feed.flow import Pipeline, Stage
 from flashdraft.metrics import format_bytes
-from flashdraft.pipeline import Pipeline, Stage
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

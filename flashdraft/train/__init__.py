@@ -1,9 +1,9 @@
 """Online training of a drafter against a frozen target.
 
-    trainer.py     Trainer: builds the run, the loop (every "when" asked of its owner)
+    trainer.py     train(): the entry point; Trainer: builds the run, the loop (every "when" asked of its owner)
+    startup.py     a rank's start-up shared by both roles: process, checks, target, data, the barrier
+    target_rank.py a disaggregated target rank: serves features (flashdraft.feed), trains nothing
     step.py        DrafterStep: one optimizer step; forward_backward: one micro-batch (drafter, then loss)
-    stages.py      the feature stages: data -> h2d -> target forward (+ feature cache)
-    placement.py   where features come from: colocated, or target ranks feeding drafter ranks
     state.py       checkpoint components, when to save, resume and its identity checks
     validation.py  held-out loss and real tau, and when to run them
     log.py         loss statistics, throughput, stage times, and when to write them

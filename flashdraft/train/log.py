@@ -9,7 +9,7 @@ from dataclasses import asdict
 import torch
 
 from flashdraft import distributed
-from flashdraft.feature_cache import CacheStats
+from flashdraft.feed.cache import CacheStats
 from flashdraft.metrics import Progress, Throughput, format_line, open_metrics, peak_memory_bytes
 from flashdraft.train.step import StepStats
 
@@ -33,23 +33,23 @@ class TrainLog:
         self.record: dict = {}  # the last log record
         self.last_eval: dict = {}  # the last evaluation's result (main rank)
 
-    def after_step(self, step: int, tokens: int, grad_norm, lr: float, skipped_steps: int, pipe, cache) -> None:
-        """Count a finished step (``tokens``: its host token count); log when due."""
+    def after_step(self, step: int, tokens: int, grad_norm, lr: float, skipped_steps: int, feed) -> None:
+        """Count a finished step (``tokens``: its host token count); log when due, with the
+        ``feed``'s stage split and feature-cache counters."""
         self.speed.update(step, tokens)
         self.progress.update(step)
         if step % self.config.train.log_every == 0 or step >= self.total_steps:
-            self.record = self._log(step, grad_norm, lr, skipped_steps, pipe, cache)
+            self.record = self._log(step, grad_norm, lr, skipped_steps, feed)
             self.stats = StepStats.zeros(self.block_size, self.device)
 
-    def _log(self, step: int, grad_norm, lr: float, skipped_steps: int, pipe, cache) -> dict:
+    def _log(self, step: int, grad_norm, lr: float, skipped_steps: int, feed) -> dict:
         values = self.stats.reduce()  # deliberate sync: log time only
         timing = self.timer.summary()
-        # per-stage busy/starved/blocked since the last log
-        pipe_metrics = pipe.report().as_metrics() if pipe is not None else {}
+        pipe_metrics = feed.window_metrics()  # per-stage busy/starved/blocked since the last log
         speed = self.speed
         record = {**values, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": speed.tokens_per_s or 0.0,
                   "s_per_step": speed.s_per_step or 0.0, "skipped_steps": skipped_steps, **timing.as_metrics(),
-                  **pipe_metrics, **self._cache_metrics(cache)}
+                  **pipe_metrics, **self._cache_metrics(feed.cache_stats())}
         self.history.append({"step": step, **record})
         self.metrics.log(step, record)
         self.progress.write(format_line(
@@ -60,12 +60,12 @@ class TrainLog:
         ))
         return record
 
-    def _cache_metrics(self, cache) -> dict:
-        """The feature cache's counters summed over ranks (since the start; every rank logs at
-        the same steps, so the all-reduce lines up). Empty when the cache is off."""
-        if cache is None:
+    def _cache_metrics(self, stats: CacheStats | None) -> dict:
+        """This rank's feature-cache counters ``stats`` summed over ranks (since the start; every
+        rank logs at the same steps, so the all-reduce lines up). Empty when the cache is off."""
+        if stats is None:
             return {}
-        mine = asdict(cache.stats())
+        mine = asdict(stats)
         total = distributed.all_reduce(torch.tensor(list(mine.values()), dtype=torch.float64, device=self.device),
                                        "sum").tolist()  # deliberate sync: log time
         return CacheStats(**{k: int(v) for k, v in zip(mine, total)}).as_metrics()

@@ -1,11 +1,12 @@
 """The online trainer: `flashdraft train`.
 
-``train(config)`` is the entry point of a whole run (`flashdraft train`, the quickstart):
-``Trainer(config)`` builds the run's parts; ``fit()`` is the loop. Each optimizer step the
-feature stages (flashdraft.train.stages, wired by a placement strategy) deliver ``grad_accum``
-micro-batches with the frozen target's features, and ``DrafterStep`` (flashdraft.train.step)
-trains the drafter on them. Every "when" has its owner: the log decides when to write, the
-validator when to evaluate, the checkpoints when to save; the loop asks them in that order.
+``train(config)`` is the entry point: it starts the process, then a disaggregated target rank
+serves features (flashdraft.train.target_rank) and every other rank trains: ``Trainer(config)``
+builds the run's parts; ``fit()`` is the loop. Each optimizer step the rank's Feed
+(flashdraft.feed) delivers ``grad_accum`` micro-batches with the frozen target's features, and
+``DrafterStep`` (flashdraft.train.step) trains the drafter on them. Every "when" has its owner:
+the log decides when to write, the validator when to evaluate, the checkpoints when to save;
+the loop asks them in that order. It returns a ``TrainResult``.
 One code path for 1 process and N (torchrun); the frozen target never enters a collective.
 """
 
@@ -23,35 +24,32 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashdraft import distributed, plan
+from flashdraft import distributed
 from flashdraft.checkpoint import step_dir_name
 from flashdraft.config import Config, save_config
-from flashdraft.data.dataset import open_dataset
+from flashdraft.data.batching import batch_sampler, steps_left
+from flashdraft.distributed import Dist
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.dflash2 import DFlash2Modules
-from flashdraft.engine import last_layer_warning
+from flashdraft.feed.colocated import ColocatedFeed
+from flashdraft.feed.disaggregated import DrafterFeed
+from flashdraft.feed.stages import FeatureStages
+from flashdraft.feed.steps import Feed
 from flashdraft.metrics import StageTimer
 from flashdraft.objective import default_gamma
-from flashdraft.target import TargetModel
-from flashdraft.train import checks, placement
+from flashdraft.train import checks, startup
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
-from flashdraft.train.runtime import (
-    GracefulStop,
-    ProcessRNG,
-    Stopped,
-    deterministic_mode,
-    keep_freed_host_memory,
-    output_lock,
-)
-from flashdraft.train.stages import FeatureStages, batch_sampler, steps_left
+from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, output_lock
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
+from flashdraft.train.target_rank import TargetRank
 from flashdraft.train.validation import Validator
 
 if TYPE_CHECKING:
-    from flashdraft.feature_cache import CacheStats
-    from flashdraft.pipeline import PipelineReport
+    from flashdraft.feed.cache import CacheStats
+    from flashdraft.feed.flow import PipelineReport
+    from flashdraft.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -87,27 +85,22 @@ def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
 
 
 class Trainer:
-    """Builds everything from a Config; ``fit()`` runs the loop and returns the final metrics."""
+    """Builds everything from a Config; ``fit()`` runs the loop and returns the final metrics.
+    ``dist``: the started process (``startup.start_process``; None: start it here). A drafter
+    or colocated rank: a disaggregated target rank serves features instead (``train``)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, dist: Dist | None = None):
         cfg = self.config = config
-        if cfg.train.deterministic:  # before init_distributed touches CUDA: cuBLAS reads its workspace setting once
-            deterministic_mode()
-        disaggregated = cfg.pipeline.placement == "disaggregated"
-        self.dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
-                                                 num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
-                                                 tensor_parallel=cfg.model.tensor_parallel,
-                                                 startup_timeout_s=cfg.train.startup_timeout_s)
+        self.dist = dist if dist is not None else startup.start_process(cfg)
+        if self.dist.role == "target":
+            raise ValueError("a disaggregated target rank trains nothing: start it with "
+                             "flashdraft.train.trainer.train(config), which serves its features")
         self.device = self.dist.device
-        if self.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
-            log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
-        checks.check_paths(cfg)
-        checks.check_drafter_sizes(cfg, self.device)
-        # before any weights load: a run that cannot fit its GPU is refused in seconds, not after them
-        plan.check_fits(cfg, self.device)
+        startup.check_run(cfg, self.device)  # before any weights load
         self.output = Path(cfg.train.output_dir)
         self._build_models()
-        self._open_data()
+        data = startup.open_data(cfg, self.dist, self.target, self.drafter.mask_token_id)
+        self.dataset, self.eval_dataset, self.eval_prompt_ids = data.dataset, data.eval_dataset, data.eval_prompt_ids
         # a tensor-parallel target's group shares one batch plan: the data ranks are the groups
         self.sampler = batch_sampler(self.dataset, cfg, self.dist.data_rank, self.dist.data_world_size)
         self.total_steps = max(1, steps_left(self.sampler, cfg, 0))  # a resume recounts it (_recount_budget)
@@ -123,11 +116,9 @@ class Trainer:
             export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
         if self.dist.is_main:  # the slow part of a resume (hashing every file), before the ranks meet
             self.checkpoints.verify_ahead()
-        # Each rank read the target (and maybe the data) from shared storage, at its own pace: meet
-        # host-side under train.startup_timeout_s before the first device collective (DDP's broadcast).
-        distributed.startup_barrier("loading the target and the data, and verifying the checkpoint to resume from")
+        startup.meet()  # where a disaggregated target rank meets it too (TargetRank)
         model = self._wrap(self.drafter)
-        self.timer = StageTimer(self.device, owner_only=True)  # main thread; the pipeline reports the rest
+        self.timer = StageTimer(self.device, owner_only=True)  # main thread; the feed reports the rest
         self.autocast = autocast_for(self.device, self.target.dtype)
         self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
         self.stop = GracefulStop()  # its handlers are installed while the loop runs (_fit)
@@ -137,32 +128,13 @@ class Trainer:
         self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
                                    self.device, self.autocast, self.stages.target_lock, self.dist.is_main,
                                    runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
-        self.pipeline_report = None  # the whole run's PipelineReport (per-stage busy/starved/blocked)
+        self.feed: Feed | None = None  # this run's, once fit starts
         self.log: TrainLog | None = None
 
     def _build_models(self) -> None:
         """The frozen target and the drafter (fp32 master weights, on this rank's device)."""
         cfg, bs = self.config, self.config.model.block_size
-        # A drafter rank of a disaggregated job gets its features from a target rank: the embedding
-        # and the LM head are all the loss needs of the target (the rank that runs evals loads it all).
-        evaluates = self.dist.is_main and bool(cfg.data.eval_path or cfg.data.eval_prompts)
-        self.target = TargetModel.from_pretrained(
-            cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
-            device=self.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-            trust_remote_code=cfg.model.trust_remote_code, heads_only=self.dist.role == "drafter" and not evaluates,
-            **({} if self.dist.role == "drafter" else  # a disaggregated drafter rank: the (whole) heads only
-               {"tensor_parallel": cfg.model.tensor_parallel, "expert_parallel": cfg.model.expert_parallel}),
-        )
-        if self.dist.is_main:  # a last-layer tap: the engines would serve other features than these
-            last_layer_tap = last_layer_warning(self.target.layer_ids, self.target.num_layers)
-            if last_layer_tap:
-                log.warning("warning: %s", last_layer_tap)
-        if self.target.sharded and self.dist.rank == 0:  # the first rank of the first target group
-            local, whole = self.target.weight_bytes()
-            log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "
-                        "(%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
-                        cfg.model.tensor_parallel, "expert" if cfg.model.expert_parallel else "tensor",
-                        local / 2**30, whole / 2**30)
+        self.target = startup.load_target(cfg, self.dist)
         self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
         self.drafter = initial_drafter(cfg, self.target)
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
@@ -170,27 +142,12 @@ class Trainer:
     def _wrap(self, drafter: DFlashDrafter) -> torch.nn.Module:
         """The module the step trains: the drafter, DDP-wrapped over the drafter ranks in a
         multi-rank job (DDP's constructor broadcasts the weights: a device collective)."""
-        if self.dist.world_size == 1 or self.dist.role == "target":
+        if self.dist.world_size == 1:
             return drafter
         # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
         # them would add a collective to every forward. process_group: the drafter ranks only.
         return DDP(drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
-
-    def _open_data(self) -> None:
-        """The training and held-out data and prompts, checked now rather than hours into the run."""
-        cfg = self.config
-        min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * cfg.model.block_size
-        open_kw = dict(vocab_size=self.target.config.vocab_size, max_length=cfg.data.max_length,
-                       min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=self.dist.is_main)
-        self.dataset = open_dataset(cfg.data.path, **open_kw)
-        self.eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
-        checks.check_tokenizer(cfg.model.target, self.dataset, self.eval_dataset)
-        checks.check_mask_token(self.dataset, self.drafter.mask_token_id)
-        for dataset in (self.dataset, self.eval_dataset):
-            if dataset is not None:
-                checks.check_lengths(dataset, cfg, self.target.config)
-        self.eval_prompt_ids = checks.load_eval_prompts(cfg, self.eval_dataset, self.target.config)
 
     @property
     def model(self):
@@ -199,8 +156,14 @@ class Trainer:
 
     @property
     def feature_cache_stats(self):
-        """The feature cache's final CacheStats, once the run ended (None when it was off)."""
-        return self.stages.cache_stats
+        """The feature cache's CacheStats, final once the run ended (None when it was off)."""
+        return self.feed.cache_stats() if self.feed is not None else None
+
+    @property
+    def pipeline_report(self):
+        """The whole run's PipelineReport (per-stage busy/starved/blocked, the feature cache's
+        counters in its notes), once the run ended."""
+        return self.feed.report if self.feed is not None else None
 
     @property
     def step(self) -> int:
@@ -219,19 +182,7 @@ class Trainer:
     def fit(self, on_step: StepHook | None = None) -> dict:
         """Train to the end (or to a stop request); ``on_step(trainer)``, if given, runs on the
         main thread right after every optimizer step (``trainer.step`` counts it), before its log
-        line, eval and checkpoint. Returns the last log record and the final eval (a disaggregated
-        target rank: ``{"steps": steps sent to each drafter rank}``)."""
-        if self.dist.role == "target":  # disaggregated: this rank only feeds its drafter ranks
-            try:
-                with GracefulStop() as stop:
-                    result = placement.serve_features(self.stages, self.dist, stop)
-            finally:
-                self.pipeline_report = self.stages.report
-            if result["stopped"]:  # the drafter ranks stopped early (a signal here or there): so does the job
-                signum = stop.signum or signal.SIGTERM
-                raise Stopped(signum, f"target rank {self.dist.global_rank} stopped after {result['steps']} steps "
-                                      "(a stop request); its drafter ranks saved the checkpoint")
-            return result
+        line, eval and checkpoint. Returns the last log record and the final eval."""
         with output_lock(self.output) if self.dist.is_main else contextlib.nullcontext():
             return self._fit(on_step)
 
@@ -247,9 +198,9 @@ class Trainer:
         stopping = 0
         self.drafter.train()
         with self.stop as stop:
-            with self._feed(stop) as (pipe, pool):
-                for item in pipe:
-                    if stopping := self._train_one(item, pipe, pool, stop, on_step):
+            with self._feed(stop) as feed:
+                for item in feed:
+                    if stopping := self._train_one(item, feed, stop, on_step):
                         break
             # Still under GracefulStop: a SIGTERM during the final eval/save must not kill the save.
             state.rewind_read_ahead()
@@ -286,7 +237,7 @@ class Trainer:
                         step, remaining, self.dist.world_size, self.config.train.grad_accum,
                         100 * self.scheduler.position(step).fraction, self.total_steps)
 
-    def _train_one(self, item, pipe, pool, stop: GracefulStop, on_step: StepHook | None) -> int:
+    def _train_one(self, item, feed: Feed, stop: GracefulStop, on_step: StepHook | None) -> int:
         """One optimizer step on ``item``, then the hook and its log line, then (before the last
         step) its eval and checkpoint when due. Returns the signal the run stops on here (agreed
         by every rank), else 0."""
@@ -296,14 +247,14 @@ class Trainer:
                                                         self.log.stats)
         if nonfinite is not None:
             self._skip(nonfinite, item.micro)
-        pool.release(item.slot)  # after the step: its event orders the slot's reuse after it
+        feed.done(item)  # after the step: its event orders the slot's reuse after it
         state.cursor = item.sampler_state
         state.step += 1
         self.timer.step_done()
         if on_step is not None:
             on_step(self)
         self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0], state.skipped_steps,
-                            pipe, self.stages.cache)
+                            feed)
         # before the periodic eval: a stop never waits for one
         stopping = stop.signum if self.dist.world_size == 1 else voted_stop
         if state.step < self.total_steps:  # the last step's: once the feed closed (_fit)
@@ -328,26 +279,16 @@ class Trainer:
             self.drafter.save_pretrained(self.output / "drafter")
         return stopping
 
-    @contextlib.contextmanager
-    def _feed(self, stop: GracefulStop):
-        """The remaining steps' inputs from this rank's placement; the whole run's pipeline
-        report (with the feature cache's counters) is kept once it closes."""
-        state, remaining = self.state, self.total_steps - self.state.step
+    def _feed(self, stop: GracefulStop) -> Feed:
+        """The remaining steps' inputs from this rank's placement (kept for the run's report)."""
+        state = self.state
         state.cursor = self.sampler.state_dict()  # before the data thread moves the sampler
         if self.dist.role == "drafter":
-            feed = placement.drafter_feed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
-                                          self.total_steps, stop)
+            self.feed = DrafterFeed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
+                                    self.total_steps, stop)
         else:
-            feed = placement.colocated_feed(self.stages, self.sampler, remaining, self.dist)
-        pipe = None
-        try:
-            with feed as (pipe, pool):
-                yield pipe, pool
-        finally:
-            if pipe is not None:
-                self.pipeline_report = pipe.report(window=False)  # the whole run's stage split
-                if self.stages.cache_stats is not None:
-                    self.pipeline_report.notes.append(self.stages.cache_stats.format())
+            self.feed = ColocatedFeed(self.stages, self.sampler, self.total_steps - state.step, self.dist)
+        return self.feed
 
     def _stop_agreed(self, stop: GracefulStop) -> int:
         """The signal any rank was asked to stop by, else 0 (every rank stops at the same step).
@@ -400,7 +341,13 @@ def train(config: Config, on_step: StepHook | None = None) -> TrainResult:
     """The one entry point of a whole run (`flashdraft train`, the quickstart): build it, train it
     to the end or to a stop request (``on_step`` as in ``Trainer.fit``; ``Stopped`` then), and
     release DDP and the process group whatever happened."""
-    trainer = Trainer(config)
+    dist = startup.start_process(config)
+    if dist.role == "target":  # a disaggregated target rank serves features; it builds no Trainer
+        try:
+            return TrainResult(TargetRank(config, dist).serve(), None, None)
+        finally:
+            distributed.teardown()
+    trainer = Trainer(config, dist)
     try:
         metrics = trainer.fit(on_step)
         return TrainResult(metrics, trainer.pipeline_report, trainer.feature_cache_stats)

@@ -1,11 +1,4 @@
-"""Placement strategies: where a step's features come from. Each is a plain function of
-explicit arguments that yields the step inputs as a Pipeline (the owner of the threads).
-
-Colocated (``colocated_feed``): every rank runs the data and target stages of its own batch
-plan, pipelined with its drafter step.
-
-Disaggregated (``drafter_feed`` / ``serve_features``): target ranks compute the features,
-drafter ranks train on them.
+"""The disaggregated placement: target ranks compute the features, drafter ranks train on them.
 
 ``pipeline.placement=disaggregated pipeline.target_ranks=T`` on a job of W ranks
 (``distributed.role_layout``): ranks ``[0, D)``, D = W - T, are drafter ranks (DDP, logging,
@@ -16,26 +9,9 @@ size) through the usual data and target stages, and sends the result. The drafte
 not change, only who computes the features, so a disaggregated run equals a colocated run
 with D ranks.
 
-One link per (target rank, drafter rank), point-to-point on global ranks, each side's main
-thread only, on two channels (flashdraft.distributed, docs/distributed.md)::
-
-    control channel (gloo, host tensors; either direction):
-    drafter -> target   HELLO: int64 [start step, total steps, drafter rank, drafter ranks, *cursor]
-    target -> drafter   per step: a fixed-size int64 header (kind, signal, feature width and
-                        dtype, the data cursor after the step, per micro-batch B, S, lengths,
-                        sample ids); END (the answer to STOP) or ABORT + its utf-8 message
-                        instead of a step
-    drafter -> target   one control int64 [1]: DONE (every step received), STOP (stopped early,
-                        e.g. SIGTERM: it drains the link until END) or ABORT (it failed)
-
-    data channel (the device group, NCCL on CUDA; target -> drafter only):
-    target -> drafter   per step, after its header: per micro-batch input_ids, loss_mask,
-                        attention_mask, features
-
-The data channel flows one way by construction: a target rank only sends on it, a drafter rank
-only receives, and both post a step's tensors in the same order. Under NCCL a pair's ops run in
-posting order on one stream, so the drafter's control message could not travel there: its
-receive, posted ahead of the step's sends, would hold them back until the collective timeout.
+A drafter rank's side is a Feed (:class:`DrafterFeed`); a target rank's is a serve loop
+(:func:`serve_features`). They talk over one link per pair, in the wire protocol of
+flashdraft.feed.wire (a control channel on gloo, a one-way data channel on the device group).
 
 Bounds: a target rank keeps at most ``pipeline.capacity`` unreceived steps per link (on CUDA
 its slot is released behind the send on the device, so the data thread refills it only once
@@ -58,121 +34,66 @@ import torch
 
 from flashdraft import distributed
 from flashdraft.config import Config
-from flashdraft.data.batching import BatchSampler
+from flashdraft.data.batching import BatchSampler, batch_sampler
 from flashdraft.data.collate import Batch
-from flashdraft.pipeline import BufferPool, Pipeline, Stage, Watcher
-from flashdraft.train.stages import FeatureStages, Micro, StepInput, batch_sampler
+from flashdraft.feed.flow import BufferPool, Pipeline, Stage, Watcher
+from flashdraft.feed.stages import FeatureStages
+from flashdraft.feed.steps import Feed, Micro, StepInput
+from flashdraft.feed.wire import (
+    ABORT,
+    BATCH_DTYPES,
+    DATA,
+    DONE,
+    END,
+    FEATURE_DTYPES,
+    HELLO_SIZE,
+    STOP,
+    Header,
+    hello,
+    read_hello,
+)
 
 if TYPE_CHECKING:
     from flashdraft.distributed import Dist
-    from flashdraft.train.runtime import GracefulStop
 
 log = logging.getLogger(__name__)
 
-DATA, END, ABORT = 1, 2, 3  # target -> drafter message kinds
-DONE, STOP = 1, 2  # drafter -> target control (ABORT as above)
 
-CURSOR_KEYS = ("epoch", "consumed", "step", "segment_start", "segment_world_size", "seed", "token_budget",
-               "max_batch_size", "num_samples", "row_budget", "num_anchors",
-               "block_size")  # BatchSampler.state_dict(), all ints
-FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-BATCH_DTYPES = {"input_ids": torch.int64, "loss_mask": torch.uint8, "attention_mask": torch.int64}
+# ---- drafter ranks -----------------------------------------------------------------------------
 
 
-class Header:
-    """The fixed-size int64 header of a step message; both sides derive its size from the
-    config (``grad_accum`` micro-batches of at most ``max_batch_size`` rows), so the receiver
-    can post it before knowing anything else about the step."""
-
-    FIXED = 4 + len(CURSOR_KEYS)  # kind, aux (ABORT: message bytes), feature width, dtype code, cursor
-
-    def __init__(self, grad_accum: int, max_batch_size: int):
-        self.grad_accum, self.max_rows = grad_accum, max_batch_size
-        self.size = self.FIXED + grad_accum * (2 + 2 * max_batch_size)
-
-    def micro_offset(self, j: int) -> int:
-        """Where micro-batch j's fields start: B, S, lengths[max_rows], sample ids[max_rows]."""
-        return self.FIXED + j * (2 + 2 * self.max_rows)
-
-    def step(self, item: StepInput, signum: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(header, payload tensors in send order) of one step; host header, payload on device.
-        ``signum``: a stop request the target rank received (SIGTERM / SIGINT), passed on in aux."""
-        h = torch.zeros(self.size, dtype=torch.int64)
-        features = item.micro[0].features
-        h[:4] = torch.tensor([DATA, signum, features.shape[-1], FEATURE_DTYPES.index(features.dtype)])
-        h[4 : self.FIXED] = torch.tensor([int(item.sampler_state[k]) for k in CURSOR_KEYS])
-        payload = []
-        for j, m in enumerate(item.micro):
-            rows, seq = m.device_batch.input_ids.shape
-            o = self.micro_offset(j)
-            h[o : o + 2] = torch.tensor([rows, seq])
-            h[o + 2 : o + 2 + rows] = m.batch.lengths  # host copies: the receiver needs no device sync for them
-            h[o + 2 + self.max_rows : o + 2 + self.max_rows + rows] = torch.from_numpy(m.sample_ids)
-            payload += [getattr(m.device_batch, name).contiguous() for name in BATCH_DTYPES] + [m.features.contiguous()]
-        return h, payload
-
-    def control(self, kind: int, message: str = "") -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """An END or ABORT message (ABORT carries ``message``, utf-8)."""
-        text = torch.frombuffer(bytearray(message.encode()[:4000] or b" "), dtype=torch.uint8)
-        h = torch.zeros(self.size, dtype=torch.int64)
-        h[:2] = torch.tensor([kind, len(text)])
-        return h, [text] if kind == ABORT else []
-
-
-@contextlib.contextmanager
-def colocated_feed(stages: FeatureStages, sampler: BatchSampler, num_steps: int, dist: Dist):
-    """This rank's own next ``num_steps`` steps: data (plan + collate into pooled pinned buffers)
-    and target (H2D + frozen forward) stages, in a Pipeline whose consumer is the caller's loop
-    (the drafter step, on this thread). pipeline.enabled=false, or a tensor-parallel target,
-    runs the same stages inline: the sequential baseline, and for a sharded target the guarantee
-    that the ranks of a group run the same forwards, one by one, and stop after the same one (a
-    read-ahead forward one rank started and another did not would wait for it until the
-    collective timeout; serve_features runs a sharded target inline for the same reason). Yields
-    (pipeline, buffer pool); closing joins every thread, then closes the feature cache (its
-    final counters stay in ``stages.cache_stats``)."""
-    pcfg = stages.config.pipeline
-    threaded = pcfg.enabled and dist.tensor_size == 1
-    pool = stages.buffer_pool()
-    if threaded and num_steps > 0:
-        stages.warm_up()
-    stages.open_cache(dist.is_main, dist.world_size)
-    pipe = Pipeline(stages.step_inputs(sampler, pool, num_steps), [stages.target_stage()], capacity=pcfg.capacity,
-                    threaded=threaded, pools=[pool], join_timeout_s=pcfg.join_timeout_s)
-    try:
-        yield pipe, pool
-    finally:
-        pipe.close()
-        stages.close_cache()  # after close: no stage thread uses it any more
-
-
-@contextlib.contextmanager
-def drafter_feed(config: Config, dist: Dist, device: torch.device, timer, sampler: BatchSampler, start_step: int,
-                 total_steps: int, stop: GracefulStop):
+class DrafterFeed(Feed):
     """Drafter rank: the steps its target rank sends, as a (sequential) Pipeline whose source
-    stage "recv" receives them on this thread. Yields ``(pipeline, buffer pool)`` like
-    ``colocated_feed``. Its busy time is the time spent waiting for and receiving features
-    (``recv-bound``: supply-bound); the main thread's breakdown splits it into
-    ``wait_features`` (the target ranks are still computing) and ``recv_features`` (transfer)."""
-    link = _DrafterLink(Header(config.train.grad_accum, config.data.max_batch_size), dist, device, timer, stop)
-    link.hello(sampler.state_dict(), start_step, total_steps)
-    pool = BufferPool([[]], device)  # received tensors are fresh per step: the slot only paces
-    pipe = Pipeline(link.steps(pool, total_steps - start_step), [], capacity=1, threaded=False, source_name="recv",
-                    pools=[pool])
-    try:
-        yield pipe, pool
-    except BaseException as exc:
-        link.abort(exc)
-        raise
-    else:
-        link.finish()
-    finally:
-        pipe.close()
+    stage "recv" receives them on this thread. Its busy time is the time spent waiting for and
+    receiving features (``recv-bound``: supply-bound); the main thread's breakdown (``timer``)
+    splits it into ``wait_features`` (the target ranks are still computing) and
+    ``recv_features`` (transfer). Sends the HELLO (this rank's plan and its resumed ``sampler``
+    cursor) at once; closing ends the link: DONE was sent with the last step, else STOP and a
+    drain up to END, or ABORT when the consumer failed. ``stop``: the run's stop request (a GracefulStop),
+    which a signal passed on by the target rank sets."""
+
+    def __init__(self, config: Config, dist: Dist, device: torch.device, timer, sampler: BatchSampler,
+                 start_step: int, total_steps: int, stop):
+        self.link = _DrafterLink(Header(config.train.grad_accum, config.data.max_batch_size), dist, device, timer,
+                                 stop)
+        self.link.hello(sampler.state_dict(), start_step, total_steps)
+        pool = BufferPool([[]], device)  # received tensors are fresh per step: the slot only paces
+        super().__init__(Pipeline(self.link.steps(pool, total_steps - start_step), [], capacity=1, threaded=False,
+                                  source_name="recv", pools=[pool]), pool)
+
+    def _finish(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.link.abort(error)
+        else:
+            self.link.finish()
 
 
 class _DrafterLink:
     """A drafter rank's end of its link to its target rank (main thread only)."""
 
-    def __init__(self, header: Header, dist: Dist, device: torch.device, timer, stop: GracefulStop):
+    def __init__(self, header: Header, dist: Dist, device: torch.device, timer, stop):
+        """``stop``: the run's stop request (``request(signum, why)``), which a signal passed on
+        by the target rank sets."""
         self.header, self.dist, self.device, self.timer, self.stop = header, dist, device, timer, stop
         self.peer = dist.peers[0]
         self.expected = 0
@@ -182,8 +103,7 @@ class _DrafterLink:
     def hello(self, cursor: dict, start_step: int, total_steps: int) -> None:
         """Tell the target rank where to start: this rank's plan and the (resumed) cursor."""
         d = self.dist
-        msg = torch.tensor([start_step, total_steps, d.rank, d.world_size] + [int(cursor[k]) for k in CURSOR_KEYS])
-        distributed.control_isend(msg, self.peer).wait()
+        distributed.control_isend(hello(start_step, total_steps, d.rank, d.world_size, cursor), self.peer).wait()
 
     def steps(self, pool: BufferPool, expected: int):
         """The remaining ``expected`` steps as StepInputs (device tensors, host lengths / sample ids)."""
@@ -204,7 +124,7 @@ class _DrafterLink:
         with self.timer.stage("recv_features"):
             micro = self._receive_payload(h)
         self.received += 1
-        return StepInput(micro, slot, {k: int(v) for k, v in zip(CURSOR_KEYS, h[4 : Header.FIXED].tolist())})
+        return StepInput(micro, slot, self.header.cursor(h))
 
     def _receive_payload(self, h: torch.Tensor) -> list[Micro]:
         """The micro-batches whose shapes the header ``h`` gives (device tensors; host lengths
@@ -274,8 +194,8 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
     features (``send-bound``: drafter-bound). A drafter's ABORT, or an exception here (sent on as
     ABORT), raises. ``stop`` (a GracefulStop): a signal this rank gets is passed on to its drafter
     ranks with the next step sent, so they stop and checkpoint as if they had got it. Returns
-    ``{"steps": steps sent per link, "stopped": whether the drafter ranks stopped early}``; the
-    whole run's PipelineReport is left in ``stages.report``, failed or not."""
+    ``{"steps": steps sent per link, "stopped": whether the drafter ranks stopped early}`` and
+    logs the whole run's stage split."""
     cfg = stages.config
     sends = dist.tensor_rank == 0  # a tensor-parallel target group: its first rank talks, the others mirror it
     links = _hello_links(cfg, stages, dist)
@@ -333,10 +253,8 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
         if sends:
             _abort(links, exc)
         raise
-    finally:
-        stages.report = pipe.report(window=False)
     log.info("target rank %d: done, %d steps per drafter rank; whole run: %s", dist.global_rank, sent,
-             _busy(stages.report))
+             _busy(pipe.report(window=False)))
     return {"steps": sent, "stopped": stopped_early}
 
 
@@ -354,7 +272,7 @@ def _hello_links(config: Config, stages: FeatureStages, dist: Dist) -> list[_Tar
     links = [_TargetLink(config, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
         [_TargetLink(config, stages, None) for _ in range(count)]
     hellos = torch.stack([link.receive_hello() for link in links]).to(device) if dist.tensor_rank == 0 else \
-        torch.empty(count, 4 + len(CURSOR_KEYS), dtype=torch.int64, device=device)
+        torch.empty(count, HELLO_SIZE, dtype=torch.int64, device=device)
     for link, msg in zip(links, distributed.target_group_broadcast(hellos).cpu()):
         link.start(msg)
     return links
@@ -394,7 +312,7 @@ class _TargetLink:
 
     def receive_hello(self) -> torch.Tensor:
         """The drafter rank's start: int64 [start step, total steps, its rank, its world, *cursor]."""
-        msg = torch.empty(4 + len(CURSOR_KEYS), dtype=torch.int64)
+        msg = torch.empty(HELLO_SIZE, dtype=torch.int64)
         # sent once the drafter rank has resumed (reading a checkpoint): a start-up wait
         distributed.control_irecv(msg, self.peer).wait(distributed.startup_timeout_s())
         return msg
@@ -404,9 +322,9 @@ class _TargetLink:
         control message (not on a mirror), on the control channel: it stays posted until the
         drafter rank's end, and there holds back nothing (on the data channel, under NCCL, it
         would hold back every send to that rank)."""
-        start, total, rank, world_size, *cursor = msg.tolist()
+        start, total, rank, world_size, cursor = read_hello(msg)
         self.sampler = batch_sampler(self.stages.dataset, self.config, rank, world_size)
-        self.sampler.load_state_dict(dict(zip(CURSOR_KEYS, cursor)))
+        self.sampler.load_state_dict(cursor)
         self.batches = iter(self.sampler)
         self.num_steps = total - start
         if self.peer is not None:

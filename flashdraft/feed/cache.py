@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.feed.flow import HostWorkers, record_event
 from flashdraft.metrics import format_bytes
-from flashdraft.pipeline import HostWorkers, record_event
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The pipeline: the one module that owns threads, CUDA streams and events.
+"""The feed's engine: the one module that owns threads, CUDA streams and events.
 
 Stages are connected by bounded :class:`Channel` s::
 
@@ -37,7 +37,8 @@ every thread this module starts first runs :func:`enter_device` with the pipelin
 CUDA context on GPU 0 at its first pinned allocation, event or stream switch (and leaving
 ``torch.cuda.stream(...)`` would make device 0 current again).
 
-Reports never wait for the GPU: a device stage's busy time counts the items whose events have
+Reports never wait for the GPU: each stage's busy time is an :class:`~flashdraft.metrics.EventMeter`
+(the step's stage timer's too), which counts a device stage's items once their events have
 completed (``Event.query()``); the rest are carried to the next report.
 """
 
@@ -54,7 +55,7 @@ from typing import Any
 
 import torch
 
-from flashdraft.metrics import take_completed
+from flashdraft.metrics import EventMeter, MeterTotals
 
 log = logging.getLogger(__name__)
 
@@ -345,44 +346,6 @@ class PipelineReport:
         return "\n".join(lines + self.notes)
 
 
-class _Meter:
-    """Busy time of one stage; thread-safe. A device stage's items are (start, end) CUDA events
-    on its stream, counted once their end event has completed: ``totals`` never waits for the
-    GPU (a report must not drain the stream it measures); items still running are counted by a
-    later call."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.lock = threading.Lock()
-        self.items = 0
-        self.busy_s = 0.0
-        self.events: deque = deque()  # (start, end) pending, oldest first (one stream: they complete in order)
-
-    def add(self, seconds: float) -> None:
-        with self.lock:
-            self.items += 1
-            self.busy_s += seconds
-
-    def add_events(self, start, end) -> None:
-        with self.lock:
-            self.events.append((start, end))
-            self._resolve()  # keeps the queue as short as the stream is behind, with no report at all
-
-    def _resolve(self) -> None:
-        for start, end in take_completed(self.events, lambda pair: pair[1:]):
-            self.items += 1
-            self.busy_s += start.elapsed_time(end) / 1e3
-
-    def totals(self, drain: bool = False) -> tuple[int, float]:
-        """(items, busy seconds) since the start, over the items whose events have completed;
-        ``drain``: first wait for the newest (the whole run's report, when nothing follows it)."""
-        with self.lock:
-            if drain and self.events:
-                self.events[-1][1].synchronize()  # deliberate: the run's last report, no step waits on it
-            self._resolve()
-            return self.items, self.busy_s
-
-
 @dataclass
 class _Handoff:
     """An item crossing from a device stage: valid on the consumer's stream after ``event``."""
@@ -436,7 +399,9 @@ class Pipeline:
         self._pools = list(pools)
         found = [s.device for s in self.stages if s.device is not None] + [p.device for p in self._pools]
         self.device = torch.device(device) if device is not None else (torch.device(found[0]) if found else None)
-        self._meters = [_Meter(source_name)] + [_Meter(s.name) for s in self.stages] + [_Meter(consumer_name)]
+        self._names = [source_name] + [s.name for s in self.stages] + [consumer_name]
+        # each stage's busy time; a device stage's on its compute stream's events
+        self._meters = [EventMeter()] + [EventMeter(s.device) for s in self.stages] + [EventMeter()]
         self._channels = [Channel(capacity, f"{source_name}->{s.name}") for s in self.stages]
         self._channels.append(Channel(capacity,
                                       f"{self.stages[-1].name if self.stages else source_name}->{consumer_name}"))
@@ -446,7 +411,7 @@ class Pipeline:
         self._closed = False
         self._consumer_since: float | None = None
         self._started = self._window_start = time.perf_counter()
-        self._snapshot = [(0, 0.0)] * len(self._meters), [(0.0, 0.0)] * len(self._channels)
+        self._snapshot = [MeterTotals()] * len(self._meters), [(0.0, 0.0)] * len(self._channels)
         self._setup_cuda()
         if threaded:
             self._start()
@@ -480,17 +445,16 @@ class Pipeline:
     def _run_stage(self, i: int, item: Any) -> Any:
         stage, meter, streams = self.stages[i], self._meters[i + 1], self._streams[i]
         if streams is None:
-            t0 = time.perf_counter()
+            start = meter.mark()
             if stage.h2d is not None:
                 item = stage.h2d(item)
             out = stage.fn(item)
-            meter.add(time.perf_counter() - t0)
+            meter.add(start, meter.mark())
             return out
         copy, compute = streams
         if isinstance(item, _Handoff):
             copy.wait_event(item.event)
             item = item.item
-        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(copy):
             if stage.h2d is not None:
                 item = stage.h2d(item)  # non_blocking copies from pinned memory, on the copy stream
@@ -499,25 +463,25 @@ class Pipeline:
         # Busy time starts once the compute stream is free for this item: what it then waits of
         # the copy, and the forward. (Started on the copy stream, it would also count the wait
         # for the previous item's forward whenever this thread runs ahead.)
-        start.record(compute)
+        start = meter.mark(compute)
         compute.wait_event(copied)
         for t in _tensors(item):  # allocated on the copy stream, read on the compute stream
             if t.is_cuda:
                 t.record_stream(compute)
         with torch.cuda.stream(compute):
             out = stage.fn(item)
-            done.record()
+            done = meter.mark()
         consumer = self._consumer_stream(i)
         for t in _tensors(out):  # allocated here, read on the consumer's stream later
             if t.is_cuda:
                 t.record_stream(consumer)
-        meter.add_events(start, done)
+        meter.add(start, done)
         return _Handoff(out, done)
 
     # ---- threads -----------------------------------------------------------------------------
 
     def _start(self) -> None:
-        workers = ([(self._meters[0].name, self._source_loop)]
+        workers = ([(self._names[0], self._source_loop)]
                    + [(s.name, self._stage_loop, i) for i, s in enumerate(self.stages)])
         for spec in workers:
             name, target, *args = spec
@@ -545,13 +509,13 @@ class Pipeline:
     def _source_loop(self) -> None:
         meter, out = self._meters[0], self._channels[0]
         while True:
-            t0 = time.perf_counter()
+            start = meter.mark()
             try:
                 item = next(self._source)
             except StopIteration:
                 out.close()
                 return
-            meter.add(time.perf_counter() - t0)
+            meter.add(start, meter.mark())
             out.put(item)
 
     def _stage_loop(self, i: int) -> None:
@@ -577,9 +541,8 @@ class Pipeline:
 
     def __next__(self) -> Any:
         """The next item, ready on this thread's current stream. Re-raises a stage's error."""
-        now = time.perf_counter()
         if self._consumer_since is not None:  # the consumer's work on the previous item
-            self._meters[-1].add(now - self._consumer_since)
+            self._meters[-1].add(self._consumer_since, time.perf_counter())
             self._consumer_since = None
         if self._closed:
             raise StopIteration
@@ -608,9 +571,9 @@ class Pipeline:
             raise
 
     def _next_inline(self) -> Any:
-        t0 = time.perf_counter()
+        start = self._meters[0].mark()
         item = next(self._source)  # StopIteration ends the run
-        self._meters[0].add(time.perf_counter() - t0)
+        self._meters[0].add(start, self._meters[0].mark())
         for i in range(len(self.stages)):
             item = self._run_stage(i, item)
         return item
@@ -620,7 +583,7 @@ class Pipeline:
         thread at any time, e.g. in ``finally``). Threads still alive after ``join_timeout_s``
         are logged; they are daemons and exit when their current call returns."""
         if self._consumer_since is not None:
-            self._meters[-1].add(time.perf_counter() - self._consumer_since)
+            self._meters[-1].add(self._consumer_since, time.perf_counter())
             self._consumer_since = None
         if self._closed:
             return
@@ -658,11 +621,12 @@ class Pipeline:
             start = self._window_start
             self._snapshot, self._window_start = (meters, waits), now
         else:
-            base_meters, base_waits, start = [(0, 0.0)] * len(meters), [(0.0, 0.0)] * len(waits), self._started
+            base_meters, base_waits, start = [MeterTotals()] * len(meters), [(0.0, 0.0)] * len(waits), self._started
         delta = [(p - p0, g - g0) for (p, g), (p0, g0) in zip(waits, base_waits)]
         reports = []
-        for k, (meter, (items, busy), (items0, busy0)) in enumerate(zip(self._meters, meters, base_meters)):
+        for k, (name, totals, base) in enumerate(zip(self._names, meters, base_meters)):
             starved = delta[k - 1][1] if k > 0 else 0.0  # get-wait on the input channel
             blocked = delta[k][0] if k < len(self._channels) else 0.0  # put-wait on the output channel
-            reports.append(StageReport(meter.name, items - items0, busy - busy0, starved, blocked))
+            busy = totals - base
+            reports.append(StageReport(name, busy.items, busy.seconds, starved, blocked))
         return PipelineReport(reports, now - start, reports[-1].items, self.threaded)

@@ -4,8 +4,9 @@
 
 :class:`FeatureStages` holds what these stages share (the dataset, the frozen target, the
 feature cache, the lock that serialises target forwards) and gives each stage as a plain
-method; the placement strategies (flashdraft.train.placement) wire them into a Pipeline,
-which owns the threads. Each stage runs exactly once per micro-batch.
+method; the placements (flashdraft.feed.colocated, flashdraft.feed.disaggregated) wire them
+into a Pipeline (flashdraft.feed.flow), which owns the threads. Each stage runs exactly once per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -13,75 +14,20 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from flashdraft import distributed
 from flashdraft.config import Config
-from flashdraft.data.batching import BatchSampler, DrafterRows
-from flashdraft.data.collate import Batch, CollateBuffers, pad_batch
-from flashdraft.feature_cache import CacheLookup, CacheStats, FeatureCache, full_cache_bytes
+from flashdraft.data.batching import BatchSampler
+from flashdraft.data.collate import CollateBuffers, pad_batch
+from flashdraft.feed.cache import CacheStats, FeatureCache, full_cache_bytes
+from flashdraft.feed.flow import BufferPool, Stage
+from flashdraft.feed.steps import Micro, StepInput
 from flashdraft.metrics import format_bytes
-from flashdraft.pipeline import BufferPool, Stage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Micro:
-    """One micro-batch on its way through the stages. Iterates as ``(batch, sample_ids)``.
-
-    batch / sample_ids: host data (``batch`` is a view of a pooled CollateBuffers slot).
-    device_batch / device_ids: filled by the h2d stage, features by the target stage (on a
-    disaggregated drafter rank, all three arrive from its target rank).
-    cached: the feature cache's rows of this micro-batch (h2d part), when the cache is on.
-    """
-
-    batch: Batch
-    sample_ids: np.ndarray
-    device_batch: Batch | None = None
-    device_ids: torch.Tensor | None = None
-    features: torch.Tensor | None = None
-    cached: CacheLookup | None = None
-
-    def __iter__(self):
-        return iter((self.batch, self.sample_ids))
-
-
-@dataclass
-class StepInput:
-    """What the data stage produces per optimizer step: ``grad_accum`` micro-batches, the
-    pooled buffer slot they live in, and the data cursor right after them (for checkpoints
-    taken while the data thread is already ahead)."""
-
-    micro: list[Micro]
-    slot: list[CollateBuffers]
-    sampler_state: dict
-
-
-def batch_sampler(dataset, config: Config, rank: int, world_size: int) -> BatchSampler:
-    """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated target
-    rank builds the plan of each drafter rank it feeds): ``train.epochs`` passes over the data, or
-    endless when ``train.max_steps`` sets the budget. Each micro-batch stays within the target's
-    token budget and the drafter's row budget (DrafterRows)."""
-    data = config.data
-    return BatchSampler(dataset.lengths, token_budget=data.token_budget, max_batch_size=data.max_batch_size,
-                        seed=config.train.seed, rank=rank, world_size=world_size,
-                        num_epochs=None if config.train.max_steps else config.train.epochs,
-                        rows=DrafterRows.of(config))
-
-
-def steps_left(sampler: BatchSampler, config: Config, step: int) -> int:
-    """Optimizer steps the run's budget has left after ``step``: ``train.max_steps`` minus the
-    steps done, or the steps the plan's remaining batches make at ``train.grad_accum`` per step
-    (the last one may hold fewer), so that a run resumed at another world size or grad_accum
-    trains exactly the samples the plan has left."""
-    if config.train.max_steps:
-        return max(0, config.train.max_steps - step)
-    return -(-sampler.batches_left(config.train.epochs) // config.train.grad_accum)
 
 
 class FeatureStages:
@@ -92,9 +38,7 @@ class FeatureStages:
         # Serialises target forwards across threads: training forwards (target thread) vs eval
         # (main thread). Its hooks are per-module, and Triton autotuners (fla) are not thread-safe.
         self.target_lock = threading.Lock()
-        self.cache: FeatureCache | None = None  # open while a pipeline runs (open_cache / close_cache)
-        self.cache_stats: CacheStats | None = None  # the cache's final counters, once closed
-        self.report = None  # a target rank's whole-run PipelineReport (serve_features)
+        self.cache: FeatureCache | None = None  # open while a colocated feed runs (open_cache / close_cache)
 
     def buffer_pool(self, extra_slots: int = 0) -> BufferPool:
         """Pooled collate buffers, one slot (``grad_accum`` micro-batches) per step that can be in
@@ -148,7 +92,7 @@ class FeatureStages:
     def forward(self, item: StepInput) -> StepInput:
         """The frozen target's packed features of each micro-batch. Any thread; a collective over
         the target group only when the target is tensor-parallel (then on the main thread:
-        colocated_feed), never one over the job."""
+        ColocatedFeed), never one over the job."""
         op = "tensor-parallel target forward (a rank of this target group died or hung)"
         for m in item.micro:
             with self.target_lock, self.timer.stage("target"), distributed.collective_errors(op):
@@ -194,11 +138,12 @@ class FeatureStages:
                      format_bytes(self.cache.ram_budget), format_bytes(self.cache.disk_budget), format_bytes(need),
                      world_size)
 
-    def close_cache(self) -> None:
-        """Close the cache, keeping its final counters in ``cache_stats`` (call once no stage
-        thread uses it any more)."""
+    def close_cache(self) -> CacheStats | None:
+        """Close the cache (call once no stage thread uses it any more); returns its final
+        counters (None: it was off)."""
         if self.cache is None:
-            return
-        self.cache_stats = self.cache.stats()
+            return None
+        stats = self.cache.stats()
         self.cache.close()
         self.cache = None
+        return stats

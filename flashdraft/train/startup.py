@@ -1,0 +1,106 @@
+"""A rank's start-up, shared by the trainer and a disaggregated target rank: the process, the
+checks of the run's inputs, the frozen target and the data.
+
+Both roles run the same checks in the same order, so a refused input fails every rank alike,
+before the ranks meet (``meet``) and long before any weights move or a step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft import distributed, plan
+from flashdraft.config import Config
+from flashdraft.data.dataset import TokenDataset, open_dataset
+from flashdraft.distributed import Dist
+from flashdraft.engine import last_layer_warning
+from flashdraft.target import TargetModel
+from flashdraft.train import checks
+from flashdraft.train.runtime import deterministic_mode, keep_freed_host_memory
+
+log = logging.getLogger(__name__)
+
+
+def start_process(config: Config) -> Dist:
+    """This process's place in the job: the process group joined (its role, its device), with
+    the process-wide settings the config asks for."""
+    cfg = config
+    if cfg.train.deterministic:  # before init_distributed touches CUDA: cuBLAS reads its workspace setting once
+        deterministic_mode()
+    disaggregated = cfg.pipeline.placement == "disaggregated"
+    dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
+                                        num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
+                                        tensor_parallel=cfg.model.tensor_parallel,
+                                        startup_timeout_s=cfg.train.startup_timeout_s)
+    if dist.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
+        log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
+    return dist
+
+
+def check_run(config: Config, device: torch.device) -> None:
+    """The checks that need no weights: paths, the drafter's sizes and, on a GPU, the memory plan
+    (a run that cannot fit its device is refused in seconds, not after loading the target)."""
+    checks.check_paths(config)
+    checks.check_drafter_sizes(config, device)
+    plan.check_fits(config, device)
+
+
+def load_target(config: Config, dist: Dist) -> TargetModel:
+    """The frozen target on this rank's device: whole, sharded over a target group (its
+    tensor- / expert-parallel plan), or on a disaggregated drafter rank the embedding and LM head
+    only (the loss's share of it; the rank that runs evals loads it all)."""
+    cfg = config
+    evaluates = dist.is_main and bool(cfg.data.eval_path or cfg.data.eval_prompts)
+    target = TargetModel.from_pretrained(
+        cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
+        device=dist.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code, heads_only=dist.role == "drafter" and not evaluates,
+        **({} if dist.role == "drafter" else  # a disaggregated drafter rank: the (whole) heads only
+           {"tensor_parallel": cfg.model.tensor_parallel, "expert_parallel": cfg.model.expert_parallel}),
+    )
+    if dist.is_main:  # a last-layer tap: the engines would serve other features than these
+        last_layer_tap = last_layer_warning(target.layer_ids, target.num_layers)
+        if last_layer_tap:
+            log.warning("warning: %s", last_layer_tap)
+    if target.sharded and dist.rank == 0:  # the first rank of the first target group
+        local, whole = target.weight_bytes()
+        log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "
+                    "(%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
+                    cfg.model.tensor_parallel, "expert" if cfg.model.expert_parallel else "tensor",
+                    local / 2**30, whole / 2**30)
+    return target
+
+
+@dataclass
+class RunData:
+    """The run's training and held-out data, and its eval prompts (token ids)."""
+
+    dataset: TokenDataset
+    eval_dataset: TokenDataset | None
+    eval_prompt_ids: list[list[int]]
+
+
+def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: int) -> RunData:
+    """The training and held-out data and prompts, checked now rather than hours into the run."""
+    cfg = config
+    min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * cfg.model.block_size
+    open_kw = dict(vocab_size=target.config.vocab_size, max_length=cfg.data.max_length,
+                   min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=dist.is_main)
+    dataset = open_dataset(cfg.data.path, **open_kw)
+    eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
+    checks.check_tokenizer(cfg.model.target, dataset, eval_dataset)
+    checks.check_mask_token(dataset, mask_token_id)
+    for found in (dataset, eval_dataset):
+        if found is not None:
+            checks.check_lengths(found, cfg, target.config)
+    return RunData(dataset, eval_dataset, checks.load_eval_prompts(cfg, eval_dataset, target.config))
+
+
+def meet() -> None:
+    """Every rank of the job (both roles) read the target and the data from shared storage at
+    its own pace, and the main rank verified the checkpoint to resume from: meet host-side,
+    under train.startup_timeout_s, before the first device collective (DDP's broadcast)."""
+    distributed.startup_barrier("loading the target and the data, and verifying the checkpoint to resume from")
