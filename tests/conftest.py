@@ -151,7 +151,10 @@ class ForkServer:
 
 @pytest.fixture(scope="session")
 def forkserver(tmp_path_factory):
-    server = ForkServer(tmp_path_factory.mktemp("workers"))
+    """The session's one fork server. It has already imported the trainer (and transformers):
+    every worker, a bare collective or a whole `flashdraft train`, starts in milliseconds instead
+    of ~5 s of imports per rank on 2 cores."""
+    server = ForkServer(tmp_path_factory.mktemp("workers"), preload=("flashdraft.train.trainer",))
     yield server
     server.close()
 
@@ -193,20 +196,11 @@ def results(workers: list[tuple[int, Path]]) -> list[dict]:
     return found
 
 
-@pytest.fixture(scope="session")
-def trainer_forkserver(tmp_path_factory):
-    """A fork server that has already imported the trainer (and transformers): end-to-end
-    `flashdraft train` processes start in milliseconds instead of ~10 s of imports each."""
-    server = ForkServer(tmp_path_factory.mktemp("trainer_workers"), preload=("flashdraft.train.trainer",))
-    yield server
-    server.close()
-
-
 def pytest_collection_modifyitems(items):
     """Multi-process tests (those that start workers through a fork server) are ``slow``:
     ``pytest -m "not slow"`` leaves them out of the fast inner loop; CI runs them."""
     for item in items:
-        if {"forkserver", "trainer_forkserver"} & set(getattr(item, "fixturenames", ())):
+        if "forkserver" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
 
 

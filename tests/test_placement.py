@@ -24,10 +24,10 @@ def disaggregated(job, out, target_ranks: int = 1, **extra) -> list[str]:
                                   "train__collective_timeout_s": 60, **extra})
 
 
-def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
+def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, forkserver):
     """1 target rank feeding 2 drafter ranks == 2 colocated ranks (same seed, same global batch);
     its step-4 checkpoint resumed on 2 target ranks x 2 drafter ranks (1:1 pairs) ends the same."""
-    server = trainer_forkserver
+    server = forkserver
     (tmp_path / "p2p").mkdir()
     dis = run_ranks(server, "train_ranks", json.dumps(disaggregated(tiny_job, tmp_path / "dis", train__max_steps=8,
                                                                     train__save_every=4)), world_size=3, timeout=300,
@@ -66,11 +66,11 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, 
         assert torch.equal(again[name], value), name
 
 
-def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path, trainer_forkserver):
+def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path, forkserver):
     args = disaggregated(tiny_job, tmp_path / "run", train__max_steps=8, train__collective_timeout_s=30)
-    workers = run_ranks(trainer_forkserver, "train_target_raises", json.dumps(args), "3", world_size=3, timeout=240)
+    workers = run_ranks(forkserver, "train_target_raises", json.dumps(args), "3", world_size=3, timeout=240)
     logs = "\n".join(read_log(out) for _, out in workers)
-    codes = [trainer_forkserver.wait(pid, 0) for pid, _ in workers]
+    codes = [forkserver.wait(pid, 0) for pid, _ in workers]
     assert codes == [1, 1, 1], logs
     d0, d1, target = results(workers)
     assert "injected target failure" in target["error"]
@@ -80,12 +80,12 @@ def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path,
     assert any("target rank 2 failed" in d["error"] and "injected target failure" in d["error"] for d in (d0, d1)), logs
 
 
-def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
+def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_job, tmp_path, forkserver):
     """Preemption as torchrun delivers it (SIGTERM to every worker) in the middle of a
     disaggregated job: target and drafter ranks agree on a stop step, the checkpoint is
     written, every rank exits 143 (128 + SIGTERM), and the restarted job ends exactly where an uninterrupted one
     does."""
-    server = trainer_forkserver
+    server = forkserver
     straight = run_ranks(server, "cli", "train", *disaggregated(tiny_job, tmp_path / "straight", train__max_steps=8),
                          world_size=3, timeout=300)
     assert [server.wait(pid, 0) for pid, _ in straight] == [0, 0, 0]
@@ -115,12 +115,12 @@ def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_jo
         assert torch.equal(weights[name], value), name
 
 
-def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job, tmp_path, trainer_forkserver):
+def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job, tmp_path, forkserver):
     """SIGTERM to the drafter ranks only: their STOP must reach the target rank while it serves
     (on gloo a posted receive's completion shows only to a wait: a watcher thread waits for it),
     so it stops computing features within a few steps instead of serving all 40 for the drafter
     ranks to drain."""
-    server, out = trainer_forkserver, tmp_path / "run"
+    server, out = forkserver, tmp_path / "run"
     workers = _paced_job_at_step_2(server, tiny_job, tmp_path, out, max_steps=40)
     for pid, _ in workers[:2]:  # the drafter ranks; the target rank (2) gets no signal
         os.kill(pid, signal.SIGTERM)
@@ -182,11 +182,11 @@ def test_target_ranks_must_be_positive():
 
 
 def test_a_signal_to_the_target_rank_alone_stops_the_whole_job_with_a_checkpoint(tiny_job, tmp_path,
-                                                                                   trainer_forkserver):
+                                                                                   forkserver):
     """A preempted target node: its signal reaches the drafter ranks with the next step, they
     checkpoint and stop, and every rank exits 143 (before: the drafters trained on, the target
     rank then failed the finished job)."""
-    server, out = trainer_forkserver, tmp_path / "run"
+    server, out = forkserver, tmp_path / "run"
     workers = _paced_job_at_step_2(server, tiny_job, tmp_path, out, max_steps=12)
     os.kill(workers[2][0], signal.SIGTERM)  # the last rank is the target rank
     codes = [server.wait(pid, 60) for pid, _ in workers]

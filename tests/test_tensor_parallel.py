@@ -160,11 +160,11 @@ def test_a_run_resumes_at_another_tensor_parallel_size_exactly(tiny_job, tmp_pat
 
 
 def test_a_signal_to_a_rank_of_a_disaggregated_target_group_stops_the_whole_job_with_a_checkpoint(
-        tiny_job, tmp_path, trainer_forkserver):
+        tiny_job, tmp_path, forkserver):
     """Rank 2, the second rank of the target group {1, 2} (it sends nothing): its SIGTERM reaches
     the group's first rank through the group's per-step vote, then the drafter rank with the
     next step; it checkpoints, and every rank exits 143."""
-    server, out = trainer_forkserver, tmp_path / "run"
+    server, out = forkserver, tmp_path / "run"
     args = overrides(tiny_job, out, train__max_steps=12, model__tensor_parallel=2, pipeline__placement="disaggregated",
                      pipeline__target_ranks=2, train__collective_timeout_s=60)
     workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,
