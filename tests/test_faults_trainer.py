@@ -65,12 +65,10 @@ def _wait_for(cond, timeout: float, what: str, log: Path | None = None) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def straight(tiny_job, tmp_path_factory) -> Path:  # noqa: F811
+@pytest.fixture
+def straight(references) -> Path:
     """The uninterrupted reference run every interrupted run must reproduce exactly."""
-    out = tmp_path_factory.mktemp("straight") / "run"
-    train(load_config(overrides=overrides(tiny_job, out, train__max_steps=STEPS)))
-    return out
+    return references(train__max_steps=STEPS).out
 
 
 def _assert_same_as_straight(out: Path, straight: Path) -> None:

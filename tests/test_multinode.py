@@ -170,16 +170,14 @@ def _losses(out: Path) -> dict[int, float]:
     return found
 
 
-def test_two_nodes_start_checkpoint_lose_a_node_and_resume_exactly(tiny_job, tmp_path, forkserver):
+def test_two_nodes_start_checkpoint_lose_a_node_and_resume_exactly(tiny_job, tmp_path, references):
     """Two launchers with different node ranks share one output directory: they start (the
     start-up barrier), train, checkpoint every 2 steps; node 1's worker is SIGKILLed after the
     step-4 checkpoint, node 0's fails within the collective timeout and both launchers exit;
     restarted, the job resumes from the newest checkpoint and ends with every step's loss and
     the final weights equal to an uninterrupted 2-rank run's."""
     steps = 8
-    reference = tmp_path / "straight"
-    run_ranks(forkserver, "cli", "train", *overrides(tiny_job, reference, train__max_steps=steps),
-              timeout=300)
+    reference = references(2, train__max_steps=steps).out
     out, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     args = overrides(tiny_job, out, train__max_steps=steps, train__save_every=2, train__collective_timeout_s=20)
