@@ -178,6 +178,7 @@ def _run_stoppable(tmp_path, chats, tok, workers: int, stop_after: float) -> tup
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter and its worker processes: multi-process, ~4 s each
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_stop_raised_by_a_signal_handler_ends_prepare_and_its_workers(workdir, tmp_path, workers):
     # A benchmark's SIGTERM handler raises Stopped wherever the signal lands: in the middle of a
