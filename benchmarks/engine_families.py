@@ -5,9 +5,10 @@ docs/benchmarks.md, "Served by vLLM".
 
 Builds tests/test_engine.py's job in OUT_DIR (a tiny Qwen3 target, head_dim 32, and its greedy
 continuations), trains a 150-step drafter of each family on it, and runs flashdraft.engine's
-engine check of each export on 8 training prompts (40 new tokens, no eos, greedy, fp32). Writes
-OUT_DIR/engine-FAMILY.json and prints each verdict; then flashdraft.reference's check of the same
-export on the same prompts with the DFlash authors' reference decoder (OUT_DIR/reference-FAMILY.json).
+engine check of every export, in one engine call, on 8 training prompts (40 new tokens, no eos,
+greedy, fp32). Writes OUT_DIR/engine-FAMILY.json and prints each verdict; then
+flashdraft.reference's check of each export on the same prompts with the DFlash authors'
+reference decoder (OUT_DIR/reference-FAMILY.json).
 Needs the engine environment (created on first use, engine.engine_python; dflash installed there
 by reference.reference_python).
 """
@@ -35,7 +36,7 @@ FAMILIES = {
 def main(out: Path, names: list[str], only: str | None = None) -> None:
     from conftest import make_job, overrides
     from flashdraft.config import load_config
-    from flashdraft.engine import engine_check, format_check
+    from flashdraft.engine import engine_checks, format_check
     from flashdraft.reference import format_reference, reference_check
     from flashdraft.toy import tiny_causal_lm
     from flashdraft.train.trainer import train
@@ -46,25 +47,28 @@ def main(out: Path, names: list[str], only: str | None = None) -> None:
                                rope_parameters={"rope_type": "default", "rope_theta": 1e4})
         make_job(out, model)
     prompts = torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))[:8].tolist()
+    runs = {}
     for name in names:
-        run = out / f"run-{name}"
-        if not (run / "drafter" / "config.json").is_file():
-            train(load_config(None, overrides(out, run, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
-                                              data__token_budget=640, data__max_batch_size=16,
+        runs[name] = out / f"run-{name}" / "drafter"
+        if not (runs[name] / "config.json").is_file():
+            train(load_config(None, overrides(out, runs[name].parent, train__max_steps=150, model__block_size=8,
+                                              optim__lr="1e-2", data__token_budget=640, data__max_batch_size=16,
                                               objective__num_anchors=16, **FAMILIES[name])))
-        if only != "reference":
-            begin = time.perf_counter()
-            report = engine_check(out / "target", run / "drafter", prompts, max_new_tokens=40, eos_ids=[])
-            report["seconds"] = round(time.perf_counter() - begin, 1)
+    if only != "reference":  # every family in one engine call: vLLM starts once
+        begin = time.perf_counter()
+        reports = engine_checks(out / "target", list(runs.values()), prompts, max_new_tokens=40, eos_ids=[])
+        seconds = round(time.perf_counter() - begin, 1)
+        for name, report in zip(runs, reports):
+            report["seconds_all_families"] = seconds
             (out / f"engine-{name}.json").write_text(json.dumps(report, indent=1) + "\n")
             print(f"== {name}: vLLM\n{format_check(report)}", flush=True)
-        if only != "vllm":
+    if only != "vllm":
+        for name, drafter in runs.items():
             begin = time.perf_counter()
-            report = reference_check(out / "target", run / "drafter", prompts, max_new_tokens=40, eos_ids=[])
+            report = reference_check(out / "target", drafter, prompts, max_new_tokens=40, eos_ids=[])
             report["seconds"] = round(time.perf_counter() - begin, 1)
             (out / f"reference-{name}.json").write_text(json.dumps(report, indent=1) + "\n")
             print(f"== {name}: DFlash reference decoder\n{format_reference(report)}", flush=True)
-
 
 if __name__ == "__main__":
     args = sys.argv[2:]

@@ -101,20 +101,20 @@ def engine_python(create: bool = True, log=print) -> Path:
     return python
 
 
-def run_vllm(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(), temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, num_speculative_tokens: int, dtype: str = "float32",
+def run_vllm(target, drafters: list[tuple[str, int]], prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype: str = "float32",
              plain: bool = True, timeout: float = 1800, kv_cache_gib: int = 1, log=print) -> dict:
-    """Decode ``prompts`` with vLLM (speculative with the export ``drafter``, and plain when
-    ``plain``) in the engine environment; the worker's result (engine_worker.py). An engine
-    error comes back as ``result["error"]`` (the engine's own message)."""
+    """Decode ``prompts`` with vLLM, speculative with each export of ``drafters`` ((directory,
+    num_speculative_tokens) pairs; one engine start for all) and plain when ``plain``, in the
+    engine environment; the worker's result (engine_worker.py). An engine error comes back as
+    ``result["error"]``, a drafter's as its entry's ``error`` (the engine's own message)."""
     python = engine_python(log=log)
-    longest = max(len(p) for p in prompts)
-    request = {"target": str(Path(target).resolve()), "drafter": str(Path(drafter).resolve()),
+    model_len = max(len(p) for p in prompts) + max_new_tokens + 2 * (max(n for _, n in drafters) + 1)
+    request = {"target": str(Path(target).resolve()),
+               "drafters": [{"path": str(Path(d).resolve()), "num_speculative_tokens": int(n)} for d, n in drafters],
                "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
                "eos_ids": [int(t) for t in eos_ids], "temperature": float(temperature), "top_p": float(top_p),
-               "top_k": int(top_k), "seed": int(seed), "num_speculative_tokens": int(num_speculative_tokens),
-               "dtype": dtype, "plain": bool(plain),
-               "max_model_len": longest + max_new_tokens + 2 * (num_speculative_tokens + 1)}
+               "top_k": int(top_k), "seed": int(seed), "dtype": dtype, "plain": bool(plain), "max_model_len": model_len}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
     with tempfile.TemporaryDirectory(prefix="flashdraft-engine-") as tmp:
@@ -192,30 +192,66 @@ def engine_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_new_t
                  sampling=None, device: str = "cpu", tolerance: float = TAU_TOLERANCE, log=print) -> dict:
     """flashdraft's decode and vLLM's of ``prompts`` with the export in ``drafter_dir`` (module
     doc); fp32 on both sides. Raises ``EngineUnavailable`` where the engine cannot run."""
+    (report,) = engine_checks(target_dir, [drafter_dir], prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              sampling=sampling, device=device, tolerance=tolerance, log=log)
+    return report
+
+
+def engine_checks(target_dir, drafter_dirs: list, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
+                  sampling=None, device: str = "cpu", tolerance: float = TAU_TOLERANCE, log=print) -> list[dict]:
+    """``engine_check`` of several exports of one target, in one engine call: vLLM starts once and
+    decodes plain once for all of them (a start costs tens of seconds on a CPU). One report per
+    export, in order."""
+    from flashdraft.drafter import serving
+    from flashdraft.speculative import GREEDY
+
+    sampling = sampling or GREEDY
+    decoded, drafters = [], []
+    for drafter_dir in drafter_dirs:
+        cfg = serving.read_config(drafter_dir)
+        warn_last_layer(cfg["dflash_config"]["target_layer_ids"], int(cfg.get("num_target_layers") or 0))
+        decoded.append(_flashdraft_decode(target_dir, drafter_dir, cfg, prompts, max_new_tokens, eos_ids, sampling,
+                                          device))
+        drafters.append((drafter_dir, int(cfg["dflash_config"].get("block_size") or cfg["block_size"]) - 1))
+    log(f"vLLM {VLLM_VERSION}: decoding {len(prompts)} prompts with {len(drafters)} export(s) "
+        "(and plain, the greedy reference)")
+    engine = run_vllm(target_dir, drafters, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                      plain=sampling.greedy, log=log)
+    if "error" in engine:
+        return [{"engine_error": engine["error"], "vllm_version": engine.get("vllm_version")} for _ in drafters]
+    return [_report(gens, {**served, "vllm_version": engine["vllm_version"], "plain": engine.get("plain")}, sampling,
+                    max_new_tokens, speculative_tokens, tolerance)
+            for gens, served, (_, speculative_tokens) in zip(decoded, engine["drafters"], drafters)]
+
+
+def _flashdraft_decode(target_dir, drafter_dir, cfg: dict, prompts, max_new_tokens: int, eos_ids, sampling,
+                       device: str) -> list:
+    """flashdraft's decode of ``prompts`` with the export (fp32, as the engine decodes): one
+    Generation per prompt, a sampled prompt i seeded with sampling.seed + i."""
     import dataclasses
 
     import torch
 
-    from flashdraft.drafter import DFlashDrafter, serving
-    from flashdraft.speculative import GREEDY, speculative_generate, tau_per_prompt, tau_pooled
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.speculative import speculative_generate
     from flashdraft.target import TargetModel
 
-    sampling = sampling or GREEDY
-    cfg = serving.read_config(drafter_dir)
-    layer_ids = cfg["dflash_config"]["target_layer_ids"]
-    warn_last_layer(layer_ids, int(cfg.get("num_target_layers") or 0))
-    block_size = int(cfg["dflash_config"].get("block_size") or cfg["block_size"])
-    target = TargetModel.from_pretrained(target_dir, target_layer_ids=layer_ids, device=device, dtype="float32")
+    target = TargetModel.from_pretrained(target_dir, target_layer_ids=cfg["dflash_config"]["target_layer_ids"],
+                                         device=device, dtype="float32")
     drafter = DFlashDrafter.from_pretrained(drafter_dir, dtype=torch.float32, device=device).eval()
     gens = []
     for i, prompt in enumerate(prompts):
         each = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + i)
         gens.append(speculative_generate(target, drafter, prompt, max_new_tokens, eos_ids, sampling=each))
-    del target, drafter
-    log(f"vLLM {VLLM_VERSION}: decoding {len(prompts)} prompts with the export (and plain, the greedy reference)")
-    engine = run_vllm(target_dir, drafter_dir, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-                      num_speculative_tokens=block_size - 1, plain=sampling.greedy, log=log)
+    return gens
+
+
+def _report(gens: list, engine: dict, sampling, max_new_tokens: int, speculative_tokens: int,
+            tolerance: float) -> dict:
+    """One export's verdict from flashdraft's generations and the engine's result for it."""
+    from flashdraft.speculative import tau_per_prompt, tau_pooled
+
     if "error" in engine:
         return {"engine_error": engine["error"], "vllm_version": engine.get("vllm_version")}
     steps = [g.engine_accepted for g in gens]
@@ -223,8 +259,8 @@ def engine_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_new_t
     # flashdraft's own figures as flashdraft eval reports them (the last step trimmed at eos / the limit)
     report["flashdraft"]["tau_trimmed"] = tau_per_prompt([g.accepted for g in gens])
     report["flashdraft"]["tau_pooled_trimmed"] = tau_pooled([g.accepted for g in gens])
-    report["settings"] = {"greedy": sampling.greedy, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                          "num_speculative_tokens": block_size - 1, "dtype": "float32",
+    report["settings"] = {"greedy": sampling.greedy, "num_prompts": len(gens), "max_new_tokens": max_new_tokens,
+                          "num_speculative_tokens": speculative_tokens, "dtype": "float32",
                           **({} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                                          "top_k": sampling.top_k, "seed": sampling.seed})}
     return report

@@ -4,13 +4,15 @@
 
 This file imports only the standard library and vLLM (never flashdraft or the flashdraft
 environment's torch): flashdraft.engine writes the request, starts this script with the engine
-environment's interpreter, and reads the result. Request fields: ``target``, ``drafter`` (an
-export directory), ``prompts`` (token ids), ``max_new_tokens``, ``eos_ids`` (stop tokens; [] runs
-to ``max_new_tokens``), ``temperature`` / ``top_p`` / ``top_k`` / ``seed``,
-``num_speculative_tokens``, ``dtype``, ``plain`` (also decode without the drafter: the greedy
-reference). The result holds each decoding's tokens, the engine's own spec-decode counters (as its
-metrics pool them over every step of every request) and, per prompt, each verification step's
-(drafts, accepted) as vLLM's scheduler counted it.
+environment's interpreter, and reads the result. Request fields: ``target``, ``drafters`` (the
+exports to judge, each ``{"path", "num_speculative_tokens"}``: one engine start and one plain
+decode serve them all), ``prompts`` (token ids), ``max_new_tokens``, ``eos_ids`` (stop tokens;
+[] runs to ``max_new_tokens``), ``temperature`` / ``top_p`` / ``top_k`` / ``seed``, ``dtype``,
+``plain`` (also decode without a drafter: the greedy reference). The result holds the plain
+decoding's tokens and, per drafter (``drafters``, in request order), its speculative tokens, the
+engine's own spec-decode counters (as its metrics pool them over every step of every request of
+that drafter) and, per prompt, each verification step's (drafts, accepted) as vLLM's scheduler
+counted it; or that drafter's ``error``.
 
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the per-step record can be
 read where vLLM's scheduler makes its spec-decode statistics (``make_spec_decoding_stats``, which
@@ -37,6 +39,13 @@ def _counters(llm) -> dict:
         elif name == "num_accepted_tokens_per_pos":
             out["accepted_per_position"] = [int(v) for v in metric.values]
     return out
+
+
+def _since(after: dict, before: dict) -> dict:
+    """The counters one drafter's decode added: the metrics registry may outlive an LLM."""
+    padded = before["accepted_per_position"] + [0] * len(after["accepted_per_position"])
+    return {**{k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+            "accepted_per_position": [a - b for a, b in zip(after["accepted_per_position"], padded)]}
 
 
 def _record_steps():
@@ -78,16 +87,37 @@ def _generate(llm, request: dict) -> tuple[list[list[int]], list[str]]:
     return [list(o.outputs[0].token_ids) for o in outputs], [o.request_id for o in outputs]
 
 
-def _llm(request: dict, speculative: bool):
+def _llm(request: dict, drafter: dict | None = None):
+    """The engine on the target; speculative with ``drafter`` (an entry of ``request["drafters"]``)."""
     from vllm import LLM
 
     kwargs = dict(model=request["target"], skip_tokenizer_init=True, dtype=request["dtype"], enforce_eager=True,
                   max_model_len=request["max_model_len"], seed=request["seed"], disable_log_stats=False,
                   max_num_seqs=request.get("max_num_seqs", 16))
-    if speculative:
-        kwargs["speculative_config"] = {"method": "dflash", "model": request["drafter"],
-                                        "num_speculative_tokens": request["num_speculative_tokens"]}
+    if drafter is not None:
+        kwargs["speculative_config"] = {"method": "dflash", "model": drafter["path"],
+                                        "num_speculative_tokens": drafter["num_speculative_tokens"]}
     return LLM(**kwargs)
+
+
+def _speculative(request: dict, drafter: dict, steps: dict | None) -> dict:
+    """One export's speculative decode: its tokens, counters and per-step record, or its error."""
+    out: dict = {}
+    try:
+        if steps is not None:
+            steps.clear()  # request ids start again at 0 in each engine
+        llm = _llm(request, drafter)
+        before = _counters(llm)
+        out["speculative"], ids = _generate(llm, request)
+        out["counters"] = _since(_counters(llm), before)
+        # the scheduler knows a request by its id plus a random suffix ("0-1f3a..."): match on the prefix
+        by_id = {key.rsplit("-", 1)[0]: value for key, value in (steps or {}).items()}
+        out["steps"] = None if steps is None else [by_id.get(i, []) for i in ids]
+        del llm
+        gc.collect()
+    except Exception as exc:  # the engine's own reason, for this drafter's report
+        out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    return out
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -99,19 +129,12 @@ def main(request_path: str, result_path: str) -> int:
 
         result["vllm_version"] = vllm.__version__
         if request.get("plain"):
-            llm = _llm(request, speculative=False)
+            llm = _llm(request)
             result["plain"], _ = _generate(llm, request)
             del llm
             gc.collect()
         steps = _record_steps()
-        llm = _llm(request, speculative=True)
-        result["speculative"], ids = _generate(llm, request)
-        result["counters"] = _counters(llm)
-        # the scheduler knows a request by its id plus a random suffix ("0-1f3a..."): match on the prefix
-        by_id = {key.rsplit("-", 1)[0]: value for key, value in (steps or {}).items()}
-        result["steps"] = None if steps is None else [by_id.get(i, []) for i in ids]
-        del llm
-        gc.collect()
+        result["drafters"] = [_speculative(request, drafter, steps) for drafter in request["drafters"]]
     except Exception as exc:  # the engine's own reason, for the report
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()

@@ -131,39 +131,20 @@ def checkpoint_writer(root: str) -> None:
         step += 1
 
 
-def census(*classes) -> dict[str, list]:
-    """Every instance of ``classes`` constructed from now on in this process, by class name: each
-    ``__init__`` is wrapped (the real one runs) to record its instance (a subclass's instance
-    counts once, under the base it reaches)."""
-    built: dict[str, list] = {cls.__name__: [] for cls in classes}
+def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
+    """flashdraft training on every rank; reports per-step losses, whether the drafter's
+    parameters were bit-identical across ranks after every optimizer step, the valid anchored
+    blocks this rank trained on per step, and each optimizer step's [step, learning rate, this
+    rank's sample ids]. SIGTERM to itself during step ``stop_at`` (before the step's vote, so the
+    run stops after that step with a checkpoint; 0: run to the end). A disaggregated target rank
+    runs the entry point, ``train``, which serves features; every rank reports what it built
+    (``built``: drafters, optimizers, checkpoint managers, validators)."""
+    import signal
 
-    def recording(cls):
-        real = cls.__init__
-
-        def init(self, *args, **kwargs):
-            real(self, *args, **kwargs)
-            built[cls.__name__].append(self)
-
-        return init
-
-    for cls in classes:
-        cls.__init__ = recording(cls)
-    return built
-
-
-def _trainer_parts(built: dict[str, list]) -> dict[str, int]:
-    """How many of each part only training needs were built (census): target models excluded."""
-    return {name: len(found) for name, found in built.items() if name != "TargetModel"}
-
-
-def train_ranks(overrides_json: str) -> None:
-    """flashdraft training on every rank; reports per-step losses and whether the drafter's
-    parameters were bit-identical across ranks after every optimizer step. A disaggregated
-    target rank runs the entry point, ``train``, which serves features; every rank reports
-    what it built (``built``: drafters, optimizers, checkpoint managers, validators)."""
     from flashdraft.config import load_config
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.target import TargetModel
+    from flashdraft.train.runtime import Stopped
     from flashdraft.train.state import RunCheckpoints
     from flashdraft.train.trainer import Trainer, train
     from flashdraft.train.validation import Validator
@@ -173,9 +154,14 @@ def train_ranks(overrides_json: str) -> None:
     if config.pipeline.placement == "disaggregated" and \
             int(os.environ["RANK"]) in D.role_layout(int(os.environ["WORLD_SIZE"]), config.pipeline.target_ranks,
                                                      config.model.tensor_parallel)[1]:
-        train(config)  # a target rank: serves features, then leaves the process group
+        stopped = False
+        try:
+            train(config)  # a target rank: serves features, then leaves the process group
+        except Stopped:  # its drafter ranks stopped early: so does it
+            stopped = True
         (target,) = built["TargetModel"]
         result({"losses": [], "identical": [], "cache": {}, "blocks": [], "target_sharded": target.sharded,
+                "stopped": stopped,
                 "target_layers_loaded": not any(p.is_meta for p in target.layers.parameters()),
                 "built": _trainer_parts(built)})
         return
@@ -189,53 +175,31 @@ def train_ranks(overrides_json: str) -> None:
     trainer = Trainer(config)
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
     layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
-    blocks, make_blocks = [], trainer.step_fn.blocks
+    blocks, steps, make_blocks = [], [], trainer.step_fn.blocks
 
-    def counted(micro, step, position):  # the valid anchored blocks this rank trains on, per step
+    def counted(micro, step, position):  # made once per optimizer step, before the step's vote
+        ids = sorted(int(i) for m in micro for i in m.sample_ids)
+        steps.append([step + 1, trainer.scheduler.get_last_lr()[0], ids])  # the lr this step trains with
+        if step + 1 == int(stop_at):
+            os.kill(os.getpid(), signal.SIGTERM)
         made = make_blocks(micro, step, position)
-        blocks.append(int(sum(int(b.valid.sum()) for b in made)))
+        blocks.append(int(sum(int(b.valid.sum()) for b in made)))  # the valid anchored blocks this rank trains on
         return made
 
     trainer.step_fn.blocks = counted
-    trainer.fit(on_step=check)
+    stopped = False
+    try:
+        trainer.fit(on_step=check)
+    except Stopped:
+        stopped = True
     losses = [h["loss"] for h in trainer.history if "loss" in h]
     last = trainer.history[-1] if trainer.history else {}
     cache = {k: v for k, v in last.items() if k.startswith("cache/")}
     result({"losses": losses, "identical": identical, "target_in_ddp": target_in_ddp,
             "ddp": type(trainer.model).__name__, "cache": cache, "target_layers_loaded": layers_loaded,
-            "blocks": blocks, "target_sharded": trainer.target.sharded,
+            "blocks": blocks, "target_sharded": trainer.target.sharded, "steps": steps,
+            "total_steps": trainer.total_steps, "stopped": stopped, "final_step": trainer.step,
             "built": _trainer_parts(built)})
-    trainer.release_ddp()
-    D.teardown()
-
-
-def train_recorded(overrides_json: str, stop_at: str = "0") -> None:
-    """flashdraft training on every rank, recording each optimizer step's learning rate and this
-    rank's sample ids; SIGTERM to itself during step ``stop_at`` (before the step's vote, so the
-    run stops after that step; 0: run to the end)."""
-    import signal
-
-    from flashdraft.config import load_config
-    from flashdraft.train.runtime import Stopped
-    from flashdraft.train.trainer import Trainer
-
-    trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
-    steps, step_fn = [], trainer.step_fn
-
-    def recorded(micro, step, position, stats):
-        ids = sorted(int(i) for m in micro for i in m.sample_ids)
-        steps.append([step + 1, trainer.scheduler.get_last_lr()[0], ids])  # the lr this step trains with
-        if step + 1 == int(stop_at):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return step_fn(micro, step, position, stats)
-
-    trainer.step_fn = recorded
-    stopped = False
-    try:
-        trainer.fit()
-    except Stopped:
-        stopped = True
-    result({"steps": steps, "total_steps": trainer.total_steps, "stopped": stopped, "final_step": trainer.step})
     trainer.release_ddp()
     D.teardown()
 
@@ -562,7 +526,7 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
-                                     train_target_raises, train_recorded, sharded_features,
+                                     train_target_raises, sharded_features,
                                      train_collectives, train_slow_loader, convert_once,
                                      resume_reads)}
 

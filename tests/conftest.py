@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -151,7 +152,10 @@ class ForkServer:
 
 @pytest.fixture(scope="session")
 def forkserver(tmp_path_factory):
-    server = ForkServer(tmp_path_factory.mktemp("workers"))
+    """The session's one fork server. It has already imported the trainer (and transformers):
+    every worker, a bare collective or a whole `flashdraft train`, starts in milliseconds instead
+    of ~5 s of imports per rank on 2 cores."""
+    server = ForkServer(tmp_path_factory.mktemp("workers"), preload=("flashdraft.train.trainer",))
     yield server
     server.close()
 
@@ -193,20 +197,11 @@ def results(workers: list[tuple[int, Path]]) -> list[dict]:
     return found
 
 
-@pytest.fixture(scope="session")
-def trainer_forkserver(tmp_path_factory):
-    """A fork server that has already imported the trainer (and transformers): end-to-end
-    `flashdraft train` processes start in milliseconds instead of ~10 s of imports each."""
-    server = ForkServer(tmp_path_factory.mktemp("trainer_workers"), preload=("flashdraft.train.trainer",))
-    yield server
-    server.close()
-
-
 def pytest_collection_modifyitems(items):
     """Multi-process tests (those that start workers through a fork server) are ``slow``:
     ``pytest -m "not slow"`` leaves them out of the fast inner loop; CI runs them."""
     for item in items:
-        if {"forkserver", "trainer_forkserver"} & set(getattr(item, "fixturenames", ())):
+        if "forkserver" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
 
 
@@ -225,9 +220,10 @@ def fresh_dist(monkeypatch):
 # ---- the tiny training job shared by the trainer / pipeline / placement / fault tests ----------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_job(tmp_path_factory) -> Path:
-    """A saved tiny target and a dataset of its own greedy continuations (like regenerated data)."""
+    """A saved tiny target and a dataset of its own greedy continuations (like regenerated data);
+    one per session (tests write their runs elsewhere), so that reference runs of it are shared."""
     return make_job(tmp_path_factory.mktemp("job"), tiny_qwen3(num_layers=4, hidden=32, seed=1))
 
 
@@ -257,6 +253,51 @@ def overrides(job: Path, out: Path, **extra) -> list[str]:
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@dataclasses.dataclass
+class Finished:
+    """A finished reference run: its output directory and each rank's RESULT (_workers.train_ranks)."""
+
+    out: Path
+    ranks: list[dict]
+
+    @property
+    def losses(self) -> list[float]:
+        return self.ranks[0]["losses"]
+
+
+class References:
+    """The uninterrupted runs of the tiny job that equivalence and resume tests compare with, each
+    trained once per session however many tests ask for it: keyed by world size, config (its
+    output directory aside) and whether the device group's p2p ops are recorded (in OUT/p2p,
+    tests/p2p_model.py). A reference's directory is read, never written, by the tests."""
+
+    def __init__(self, server: ForkServer, job: Path, root: Path):
+        self.server, self.job, self.root = server, job, root
+        self.runs: dict[tuple, Finished] = {}
+
+    def __call__(self, world_size: int = 1, p2p: bool = False, **extra) -> Finished:
+        key = (world_size, p2p, *overrides(self.job, Path("OUT"), **extra))
+        if key not in self.runs:
+            out = self.root / f"run{len(self.runs)}"
+            env = {}
+            if p2p:
+                from p2p_model import ENV
+
+                (out / "p2p").mkdir(parents=True)
+                env[ENV] = str(out / "p2p")
+            workers = run_ranks(self.server, "train_ranks", json.dumps(overrides(self.job, out, **extra)),
+                                world_size=world_size, timeout=300, env=env)
+            codes = [self.server.wait(pid, 0) for pid, _ in workers]
+            assert codes == [0] * world_size, "\n".join(read_log(log) for _, log in workers)  # a clean end
+            self.runs[key] = Finished(out, results(workers))
+        return self.runs[key]
+
+
+@pytest.fixture(scope="session")
+def references(forkserver, tiny_job, tmp_path_factory) -> References:
+    return References(forkserver, tiny_job, tmp_path_factory.mktemp("references"))
 
 
 def final_drafter(out: Path) -> tuple[int, dict]:

@@ -13,7 +13,7 @@ import torch
 
 from conftest import make_job, overrides
 from flashdraft.cli import main
-from flashdraft.engine import EngineUnavailable, compare, engine_check, engine_python, last_layer_warning
+from flashdraft.engine import EngineUnavailable, compare, engine_checks, engine_python, last_layer_warning
 from flashdraft.reference import compare_reference, full_block_steps, reference_check, reference_python
 from flashdraft.speculative import Generation, tau_per_prompt, tau_pooled
 from flashdraft.toy import tiny_causal_lm
@@ -106,15 +106,34 @@ def train_prompts() -> list[list[int]]:
     return torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))[:8].tolist()
 
 
+@pytest.fixture(scope="module")
+def vllm_reports(vllm_python, trained_export):
+    """vLLM's verdict on each family's export and on the dflash export relabelled to tap layers
+    [1, 3] ("last_layer"), all in one engine call (vLLM starts once: tens of seconds each on 2
+    cores), with the warnings the call issued."""
+    root, export = trained_export
+    relabelled = root / "last-layer"
+    trained = export("dflash")
+    relabelled.mkdir(exist_ok=True)
+    config = json.loads((trained / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 3]
+    (relabelled / "config.json").write_text(json.dumps(config))
+    (relabelled / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes())
+    exports = {**{family: export(family) for family in FAMILIES}, "last_layer": relabelled}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reports = engine_checks(root / "target", list(exports.values()), train_prompts(), max_new_tokens=40,
+                                eos_ids=[])
+    return dict(zip(exports, reports)), [(w.category, str(w.message)) for w in caught]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vllm_python, trained_export, tmp_path,
-                                                                               family):
-    root, export = trained_export
-    prompts = train_prompts()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # taps below the last layer: no warning
-        report = engine_check(root / "target", export(family), prompts, max_new_tokens=40, eos_ids=[])
+def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vllm_reports, tmp_path, family):
+    reports, warned = vllm_reports
+    report = reports[family]
+    # taps below the last layer: no warning (the only one the call issued is the relabelled export's)
+    assert warned == [(UserWarning, last_layer_warning([1, 3], 4))], warned
     assert "engine_error" not in report, report.get("engine_error")
     assert report["lossless"] and report["same_outputs"]
     # the same drafts at every step: each prompt's per-step acceptance, counted as vLLM counts it
@@ -126,18 +145,12 @@ def test_vllm_serves_the_export_losslessly_with_the_same_drafts_at_every_step(vl
 
 
 @pytest.mark.slow
-def test_a_last_layer_tap_is_served_on_other_features_and_the_check_says_so(vllm_python, trained_export):
+def test_a_last_layer_tap_is_served_on_other_features_and_the_check_says_so(vllm_reports):
     """The same drafter's weights relabelled to tap layers [1, 3]: flashdraft feeds it the normed
     last layer, vLLM the pre-norm sum; the decodes stay lossless but propose other drafts."""
-    root, export = trained_export
-    trained, relabelled = export("dflash"), root / "last-layer"
-    relabelled.mkdir(exist_ok=True)
-    config = json.loads((trained / "config.json").read_text())
-    config["dflash_config"]["target_layer_ids"] = [1, 3]
-    (relabelled / "config.json").write_text(json.dumps(config))
-    (relabelled / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes())
-    with pytest.warns(UserWarning, match="before the target's final norm"):
-        report = engine_check(root / "target", relabelled, train_prompts(), max_new_tokens=40, eos_ids=[])
+    reports, warned = vllm_reports
+    report = reports["last_layer"]
+    assert any(kind is UserWarning and "before the target's final norm" in message for kind, message in warned)
     assert report["lossless"] and report["same_outputs"]
     assert not report["same_steps"]
 

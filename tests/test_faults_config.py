@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, overrides, tiny_qwen3
+from conftest import REPO, overrides
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, manifest_digest, sha256_file
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
@@ -76,18 +76,24 @@ def test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_firs
 
 
 def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_path):  # noqa: F811
-    model = tiny_qwen3(num_layers=4, hidden=32, seed=1, )
-    model.config.max_position_embeddings = 32
-    model.save_pretrained(tmp_path / "short_target")
-    with pytest.raises(ValueError, match=r"up to 40 tokens exceed the target's max_position_embeddings=32; "
+    """The start-up check itself (train.checks.check_lengths; the trainer runs it on both data
+    sets: test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_first_eval)."""
+    from transformers import AutoConfig
+
+    from flashdraft.data.dataset import open_dataset
+    from flashdraft.train.checks import check_lengths
+
+    short = AutoConfig.from_pretrained(tiny_job / "target")
+    short.max_position_embeddings = 32
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"(?s)up to 40 tokens.*max_position_embeddings=32.*"
                                          r"lower data.max_length to 32"):
-        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__target=tmp_path / "short_target")))
+        check_lengths(open_dataset(tiny_job / "data", progress=False), cfg, short)
 
 
 def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, tmp_path):  # noqa: F811
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
-    with pytest.raises(ValueError, match=r"prompts.jsonl: prompt 1 has token id \d+ outside the target's vocabulary "
-                                         r"\[0, 300\)"):
+    with pytest.raises(ValueError, match=r"(?s)prompts.jsonl: prompt 1 has token id \d+.*vocabulary \[0, 300\)"):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run",
                                                 data__eval_prompts=tmp_path / "prompts.jsonl")))
 
@@ -132,8 +138,8 @@ def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(
     (first := Trainer(load_config(overrides=overrides(job, out)))).checkpoints.save(first.step)
     shutil.rmtree(job / "data")
     shutil.copytree(job / "heldout", job / "data")  # other samples under data.path
-    with pytest.raises(ValueError, match=r"the target or the data behind the config's paths changed \(data: checkpoint "
-                                         r"\{'samples': 32, 'tokens': 1280\} vs now \{'samples': 8, 'tokens': 320\}\)"):
+    with pytest.raises(ValueError, match=r"(?s)paths changed.*data: checkpoint "
+                                         r"\{'samples': 32, 'tokens': 1280\} vs now \{'samples': 8, 'tokens': 320\}"):
         Trainer(load_config(overrides=overrides(job, out))).fit()
 
 
@@ -278,8 +284,8 @@ def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(t
 
     out = tmp_path / "run"
     with output_lock(out):  # the first run, training
-        with pytest.raises(ValueError, match=rf"another flashdraft run \(pid {os.getpid()} on .*\) is training in this "
-                                             r"train.output_dir; wait for it to end, or use another directory"):
+        with pytest.raises(ValueError, match=rf"(?s)another flashdraft run \(pid {os.getpid()} on .*\).*"
+                                             r"train.output_dir.*wait for it to end, or use another directory"):
             Trainer(load_config(overrides=overrides(tiny_job, out))).fit()
     Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2))).fit()  # free again once it ends
 
@@ -288,9 +294,10 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
     """Ids from another tokenizer fit the vocabulary and would train silently on the wrong tokens."""
     import logging
 
+    from flashdraft.data.dataset import open_dataset
     from flashdraft.data.prepare import prepare
     from flashdraft.toy import synthetic_conversations, tiny_causal_lm, train_toy_tokenizer
-    from flashdraft.train.checks import target_tokenizer
+    from flashdraft.train.checks import check_tokenizer, target_tokenizer
 
     records = synthetic_conversations(40, seed=2)
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -310,17 +317,17 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
             "model.block_size=4", "model.target_layer_ids=[0,1]", "data.token_budget=512", "train.device=cpu",
             f"train.output_dir={tmp_path / 'run'}", *extra]))
 
-    trainer("ok")  # the target's own tokenizer: accepted
-    with pytest.raises(ValueError, match=r"other: prepared with the tokenizer of .*other-tok, whose vocabulary differs "
-                                         r"from model.target's .*Re-run flashdraft prepare with --tokenizer"):
-        trainer("other")
+    check_tokenizer(tmp_path / "target", open_dataset(tmp_path / "ok", progress=False))  # the target's own: accepted
+    with pytest.raises(ValueError, match=r"(?s)other: prepared with the tokenizer of .*other-tok.*"
+                                         r"Re-run flashdraft prepare with --tokenizer"):
+        trainer("other")  # the trainer runs the check at start-up
     # A target directory without tokenizer files cannot be compared: a warning, not a false mismatch
     # (transformers would "load" a 1-token tokenizer from it).
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (tmp_path / "target" / name).unlink(missing_ok=True)
     target_tokenizer.cache_clear()  # loaded once per process: this one saw the files before they went
     with caplog.at_level(logging.WARNING):
-        trainer("other", f"model.mask_token_id={len(tok_target) - 1}")
+        check_tokenizer(tmp_path / "target", open_dataset(tmp_path / "other", progress=False))
     assert "cannot check that" in caplog.text and "no tokenizer files" in caplog.text
 
 
@@ -456,14 +463,19 @@ def test_steps_trained_again_after_a_resume_appear_once_in_metrics_jsonl(tiny_jo
 
 
 def test_a_block_longer_than_a_sample_and_an_eval_prompt_beyond_the_targets_positions_are_refused(tiny_job, tmp_path):
-    with pytest.raises(ValueError, match=r"config model.block_size=64 is invalid: a block cannot be longer than a "
-                                         r"sample \(data.max_length=32\)"):
+    with pytest.raises(ValueError, match=r"(?s)model.block_size=64 is invalid.*longer than a sample.*"
+                                         r"data.max_length=32"):
         load_config(overrides=["model.block_size=64", "data.max_length=32", "data.min_supervised=1"])
     (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": [1] * 500}) + "\n")
-    with pytest.raises(ValueError, match=r"long.jsonl: prompt 1 has 500 tokens; with 64 new tokens and a block of 4 "
-                                         r"it needs 568 positions, more than the target's max_position_embeddings=512"):
-        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "long.jsonl",
-                                                train__eval_max_new_tokens=64)))
+    from transformers import AutoConfig
+
+    from flashdraft.train.checks import load_eval_prompts
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "long.jsonl",
+                                          train__eval_max_new_tokens=64))
+    with pytest.raises(ValueError, match=r"(?s)long.jsonl: prompt 1 has 500 tokens.*64 new tokens.*block of 4.*568 "
+                                         r"positions.*max_position_embeddings=512"):
+        load_eval_prompts(cfg, None, AutoConfig.from_pretrained(tiny_job / "target"))  # the trainer's start-up check
 
 
 def test_a_full_disk_under_metrics_jsonl_costs_log_lines_not_the_run(tiny_job, tmp_path, caplog):

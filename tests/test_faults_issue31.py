@@ -47,8 +47,8 @@ def test_eval_output_never_overwrites_its_own_inputs(eval_dir, victim):
 def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_minimum_decodes(eval_dir):
     from flashdraft.config import MIN_TEMPERATURE, load_config
 
-    with pytest.raises(ValueError, match=r"train.eval_temperature=1e-40 is invalid: use 0 \(greedy\) or a "
-                                         r"temperature of at least 0.0001"):
+    with pytest.raises(ValueError, match=r"(?s)train.eval_temperature=1e-40 is invalid.*use 0 \(greedy\).*"
+                                         r"at least 0.0001"):
         load_config(overrides=["train.eval_temperature=1e-40"])
     with pytest.raises(ValueError, match=r"--temperature 1e-40: use 0 \(greedy\) or a finite temperature of at least"):
         _eval(eval_dir, "--temperature", "1e-40", "--max-new-tokens", "4")
@@ -189,8 +189,8 @@ def test_a_selector_too_large_for_the_device_is_refused_at_start_up_with_its_siz
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", model__drafter="dflash2",
                                           model__conv_group_size=8, model__selector_rank=1_000_000_000))
-    with pytest.raises(ValueError, match=r"model.selector_rank=1000000000: .* need 10,112.0 GB with their gradients "
-                                         r"and AdamW state, more than the .* GB of this device: use e.g. 256"):
+    with pytest.raises(ValueError, match=r"(?s)model.selector_rank=1000000000:.*10,112.0 GB.*GB of this device.*"
+                                         r"use e.g. 256"):
         check_drafter_sizes(cfg, "cpu")
 
 
@@ -252,8 +252,8 @@ def test_quickstart_never_writes_into_a_directory_of_other_content(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=rf"--output {re.escape(str(model))} holds what no quickstart writes "
-                                         r"\(config.json\); give a new or empty directory, or a quickstart's"):
+    with pytest.raises(ValueError, match=rf"(?s)--output {re.escape(str(model))} holds what no quickstart writes "
+                                         r"\(config.json\).*give a new or empty directory"):
         quickstart(model, SMOKE)
     assert [p.name for p in model.iterdir()] == ["config.json"]
 
@@ -278,8 +278,7 @@ def test_the_openai_developer_role_is_rendered_as_the_system_turn():
 
 def test_eval_tensor_parallel_without_torchrun_names_the_flag(eval_dir, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ValueError, match=r"--tensor-parallel 2 on WORLD_SIZE=1: launch exactly that many ranks "
-                                         r"\(torchrun --nproc-per-node=2"):
+    with pytest.raises(ValueError, match=r"(?s)--tensor-parallel 2 on WORLD_SIZE=1.*torchrun --nproc-per-node=2"):
         _eval(eval_dir, "--tensor-parallel", "2", "--max-new-tokens", "4")
 
 
@@ -467,8 +466,8 @@ def test_an_export_whose_window_leaves_a_slot_blind_is_refused_on_load(eval_dir,
     config = json.loads((export / "config.json").read_text())
     config.update(layer_types=["sliding_attention"], sliding_window=2, use_sliding_window=True)
     (export / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"config.json: .*sliding_window=2 with block_size 4 and 1 sliding layer\(s\) "
-                                         r"leaves block slots 1..3 without any target feature.*window of 5 or more"):
+    with pytest.raises(ValueError, match=r"(?s)config.json: .*sliding_window=2.*block_size 4.*1 sliding layer.*"
+                                         r"slots 1..3.*window of 5 or more"):
         read_config(export)
     (export / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
     assert read_config(export)["sliding_window"] == 5

@@ -3,7 +3,7 @@ preempted (SIGTERM), killed (SIGKILL) and starved of disk, and must resume exact
 from a real poisoned target; a rank of a 2-process gloo job dies or hangs.
 
 End-to-end runs are forked from a server that has already imported the trainer
-(``trainer_forkserver``), so each run starts in milliseconds; FLASHDRAFT_TEST_STEP_SLEEP paces
+(``forkserver``), so each run starts in milliseconds; FLASHDRAFT_TEST_STEP_SLEEP paces
 the loop so that kills land at chosen moments.
 """
 
@@ -65,12 +65,10 @@ def _wait_for(cond, timeout: float, what: str, log: Path | None = None) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def straight(tiny_job, tmp_path_factory) -> Path:  # noqa: F811
+@pytest.fixture
+def straight(references) -> Path:
     """The uninterrupted reference run every interrupted run must reproduce exactly."""
-    out = tmp_path_factory.mktemp("straight") / "run"
-    train(load_config(overrides=overrides(tiny_job, out, train__max_steps=STEPS)))
-    return out
+    return references(train__max_steps=STEPS).out
 
 
 def _assert_same_as_straight(out: Path, straight: Path) -> None:
@@ -90,17 +88,17 @@ def _spawn_train(server, args: list[str], sleep: float, **env: str) -> tuple[int
 
 
 def test_sigterm_at_a_random_step_checkpoints_exits_143_and_resumes_exactly(tiny_job, straight, tmp_path,  # noqa: F811
-                                                                          trainer_forkserver):
+                                                                          forkserver):
     rng = random.Random(int(os.environ.get("FLASHDRAFT_FAULT_SEED", time.time_ns())))
     after_step, delay = rng.randint(1, STEPS - 3), rng.uniform(0, 0.3)
     out = tmp_path / "run"
     args = overrides(tiny_job, out, train__max_steps=STEPS)
-    pid, log = _spawn_train(trainer_forkserver, args, sleep=0.3)
+    pid, log = _spawn_train(forkserver, args, sleep=0.3)
     _wait_for(lambda: _last_step(out) >= after_step, 120, f"step {after_step}", log)
     time.sleep(delay)
     os.kill(pid, signal.SIGTERM)
     sent = time.monotonic()
-    code = trainer_forkserver.wait(pid, GRACE_S)
+    code = forkserver.wait(pid, GRACE_S)
     waited = time.monotonic() - sent
     text = read_log(log)
     assert code == 128 + signal.SIGTERM, \
@@ -116,16 +114,16 @@ def test_sigterm_at_a_random_step_checkpoints_exits_143_and_resumes_exactly(tiny
     _assert_same_as_straight(out, straight)
 
 
-def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_path, trainer_forkserver):  # noqa: F811
+def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_path, forkserver):  # noqa: F811
     """The final eval and save run after the loop; a preemption there used to kill the process
     (default SIGTERM action) before the final checkpoint."""
     out = tmp_path / "run"
     args = overrides(tiny_job, out, train__max_steps=2, data__eval_prompts=tiny_job / "prompts.jsonl",
                      train__eval_max_new_tokens=120)  # a final eval long enough to be hit
-    pid, log = _spawn_train(trainer_forkserver, args, sleep=0)
+    pid, log = _spawn_train(forkserver, args, sleep=0)
     _wait_for(lambda: _last_step(out) >= 2, 120, "the last step", log)
     os.kill(pid, signal.SIGTERM)
-    code = trainer_forkserver.wait(pid, GRACE_S)
+    code = forkserver.wait(pid, GRACE_S)
     text = read_log(log)
     assert code == 128 + signal.SIGTERM, text[-3000:]
     assert CheckpointManager(out / "checkpoints").load_latest().step == 2
@@ -138,7 +136,7 @@ def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_p
 
 @pytest.mark.parametrize("cache", ["off", "on"])
 def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_complete(  # noqa: F811
-        tiny_job, straight, tmp_path, trainer_forkserver, cache):
+        tiny_job, straight, tmp_path, forkserver, cache):
     """One run, killed 10 times at random moments: during start-up, mid-step, and while a
     checkpoint is being written (a ``.tmp-*`` dir exists). After each kill every visible
     checkpoint verifies, and the restart resumes from the newest complete one. Once it is left
@@ -155,20 +153,20 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
         kind = ("write", "step", "anytime")[trial % 3]
         # A write's temp dir lives milliseconds; stretched to 0.2 s for the write kills, so that
         # the poll below sees it on a busy machine too (it once missed every write of a run).
-        pid, log = _spawn_train(trainer_forkserver, args, sleep=0.1,
+        pid, log = _spawn_train(forkserver, args, sleep=0.1,
                                 FLASHDRAFT_TEST_WRITE_SLEEP="0.2" if kind == "write" else "0")
         if kind == "write":  # the moment a checkpoint's temp dir appears
             _wait_for(lambda pid=pid: any(ckpts.glob(f".tmp-step_*-{pid}"))
-                      or trainer_forkserver.exits.get(pid) is not None, 120, "a checkpoint write", log)
+                      or forkserver.exits.get(pid) is not None, 120, "a checkpoint write", log)
         elif kind == "step":  # mid-step, after the restarted run trained a step
             start = _last_step(out)
             _wait_for(lambda pid=pid, start=start: _last_step(out) > start
-                      or trainer_forkserver.exits.get(pid) is not None, 120, "a step", log)
+                      or forkserver.exits.get(pid) is not None, 120, "a step", log)
             time.sleep(rng.uniform(0, 0.1))
         else:  # start-up included
             time.sleep(rng.uniform(0, 1.5))
-        trainer_forkserver.kill(pid)
-        code = trainer_forkserver.wait(pid, 30)
+        forkserver.kill(pid)
+        code = forkserver.wait(pid, 30)
         text = read_log(log)
         moments.append((kind, code, bool(list(ckpts.glob(f".tmp-step_*-{pid}")))))
         if newest_before is not None and "resumed from step" in text:
@@ -181,8 +179,8 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
     assert any(kind == "write" and mid_write for kind, _, mid_write in moments), \
         f"no kill landed during a checkpoint write: {moments}"
     newest = CheckpointManager(ckpts).latest_complete()
-    pid, log = _spawn_train(trainer_forkserver, args, sleep=0)
-    assert trainer_forkserver.wait(pid, 180) == 0, read_log(log)[-3000:]
+    pid, log = _spawn_train(forkserver, args, sleep=0)
+    assert forkserver.wait(pid, 180) == 0, read_log(log)[-3000:]
     if newest is not None:
         assert f"resumed from step {int(newest.name[5:])} " in read_log(log)
     if cache == "off":
@@ -202,20 +200,20 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
 
 
 def test_disk_full_at_save_time_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(
-        tiny_job, tmp_path, trainer_forkserver):  # noqa: F811
+        tiny_job, tmp_path, forkserver):  # noqa: F811
     """After the step-2 checkpoint the process may no longer write files larger than a few KB
     (RLIMIT_FSIZE: writes fail with EFBIG, like ENOSPC). The step-4 save must fail loudly, leave
     step 2 and `latest` intact, and the run must stop there instead of training on unsaved."""
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
     args = overrides(tiny_job, out, train__max_steps=STEPS, train__save_every=2, train__log_every=1)
-    pid, log = _spawn_train(trainer_forkserver, args, sleep=0.3, FLASHDRAFT_TEST_IGNORE_SIGXFSZ="1")
+    pid, log = _spawn_train(forkserver, args, sleep=0.3, FLASHDRAFT_TEST_IGNORE_SIGXFSZ="1")
     _wait_for(lambda: (ckpts / "latest").exists(), 120, "the first checkpoint", log)
     drafter_bytes = (ckpts / "step_00000002" / "drafter.safetensors").stat().st_size
     limit = max(os.path.getsize(log), (out / "metrics.jsonl").stat().st_size) + 16384
     assert drafter_bytes > limit  # the next checkpoint cannot fit; the logs still can
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, limit))
-    code = trainer_forkserver.wait(pid, 120)
+    code = forkserver.wait(pid, 120)
     text = read_log(log)
     assert code == 1, text[-3000:]
     assert "could not save checkpoint step 4" in text and "File too large" in text, text[-3000:]
@@ -284,16 +282,16 @@ def test_nonfinite_steps_beyond_the_limit_stop_the_run_with_a_diagnostic(tiny_jo
 
 
 @pytest.mark.parametrize("how", ["die", "hang"])
-def test_a_dead_or_hung_rank_fails_the_other_within_the_collective_timeout(tiny_job, tmp_path, trainer_forkserver,  # noqa: F811
+def test_a_dead_or_hung_rank_fails_the_other_within_the_collective_timeout(tiny_job, tmp_path, forkserver,  # noqa: F811
                                                                            how):
     timeout_s = 5.0
     args = overrides(tiny_job, tmp_path / "run", train__collective_timeout_s=timeout_s)
     mark = tmp_path / "fault_time"
-    workers = run_ranks(trainer_forkserver, "train_rank_fails", json.dumps(args), how, "3", str(mark),
+    workers = run_ranks(forkserver, "train_rank_fails", json.dumps(args), how, "3", str(mark),
                         expect_exit=False)
     (pid0, log0), (pid1, _) = workers
-    code = trainer_forkserver.wait(pid0, 120)
-    trainer_forkserver.kill(pid1)  # the hung rank (torchrun would tear it down once rank 0 exits)
+    code = forkserver.wait(pid0, 120)
+    forkserver.kill(pid1)  # the hung rank (torchrun would tear it down once rank 0 exits)
     assert code == 1, read_log(log0)[-3000:]
     (r0,) = results(workers[:1])
     waited = r0["exit_time"] - float(mark.read_text())

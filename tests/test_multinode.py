@@ -21,45 +21,45 @@ from conftest import REPO, WORKERS, free_port, overrides, read_log, results, run
 from flashdraft.checkpoint import CheckpointManager
 
 
-def test_each_step_votes_skip_and_stop_in_one_all_reduce(tiny_job, tmp_path, trainer_forkserver):
+def test_each_step_votes_skip_and_stop_in_one_all_reduce(tiny_job, tmp_path, forkserver):
     """Between two optimizer steps a rank asks for two all-reduces: the loss normaliser (one
     number, read on the device) and the step's vote (two numbers: non-finite, stop; the one
     host sync). Before, the non-finite vote and the stop vote were an all-reduce each."""
     args = overrides(tiny_job, tmp_path / "run", train__max_steps=6, train__log_every=100)
-    ranks = results(run_ranks(trainer_forkserver, "train_collectives", json.dumps(args), timeout=240))
+    ranks = results(run_ranks(forkserver, "train_collectives", json.dumps(args), timeout=240))
     for r in ranks:
         assert len(r["per_step"]) == 6
         for step, ops in enumerate(r["per_step"][1:-1], start=2):  # the first holds start-up's, the last the log's
             assert ops == [["all_reduce", 1], ["all_reduce", 2]], f"step {step}: {ops}"
 
 
-def test_a_rank_loading_slower_than_the_collective_timeout_still_trains(tiny_job, tmp_path, trainer_forkserver):
+def test_a_rank_loading_slower_than_the_collective_timeout_still_trains(tiny_job, tmp_path, forkserver):
     """Rank 1 reads its target 8 s late, past train.collective_timeout_s=4: the ranks meet at the
     start-up barrier (train.startup_timeout_s) before DDP's first broadcast, and both train.
     Before the barrier, rank 0's broadcast failed after 4 s."""
     args = overrides(tiny_job, tmp_path / "run", train__max_steps=2, train__collective_timeout_s=4)
-    ranks = results(run_ranks(trainer_forkserver, "train_slow_loader", json.dumps(args), "8", timeout=240))
+    ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(args), "8", timeout=240))
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 2), (None, 2)]
 
 
 def test_rank_0_verifying_the_checkpoint_longer_than_the_collective_timeout_still_resumes(tiny_job, tmp_path,
-                                                                                          trainer_forkserver):
+                                                                                          forkserver):
     """A resume's slow part, rank 0 hashing every checkpoint file (8 s here, past the 4 s
     collective timeout), comes before the start-up barrier: the other rank waits there, not in
     the collective that shares rank 0's choice (which failed after 4 s before)."""
     first = overrides(tiny_job, tmp_path / "run", train__max_steps=2)
-    assert [r["error"] for r in results(run_ranks(trainer_forkserver, "train_slow_loader", json.dumps(first), "0",
+    assert [r["error"] for r in results(run_ranks(forkserver, "train_slow_loader", json.dumps(first), "0",
                                                   timeout=240))] == [None, None]
     resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__collective_timeout_s=4)
-    ranks = results(run_ranks(trainer_forkserver, "train_slow_loader", json.dumps(resumed), "8", "verify",
+    ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(resumed), "8", "verify",
                               timeout=240))
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 4), (None, 4)]
 
 
 def test_a_rank_later_than_the_startup_timeout_fails_the_job_with_a_named_error(tiny_job, tmp_path,
-                                                                                  trainer_forkserver):
+                                                                                  forkserver):
     args = overrides(tiny_job, tmp_path / "run", train__startup_timeout_s=2)
-    ranks = results(run_ranks(trainer_forkserver, "train_slow_loader", json.dumps(args), "12", timeout=240))
+    ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(args), "12", timeout=240))
     for r in ranks:
         assert r["error"] is not None and r["error"].startswith("StartupError: start-up barrier after loading"), r
         assert "train.startup_timeout_s=2 s" in r["error"]
@@ -170,16 +170,14 @@ def _losses(out: Path) -> dict[int, float]:
     return found
 
 
-def test_two_nodes_start_checkpoint_lose_a_node_and_resume_exactly(tiny_job, tmp_path, trainer_forkserver):
+def test_two_nodes_start_checkpoint_lose_a_node_and_resume_exactly(tiny_job, tmp_path, references):
     """Two launchers with different node ranks share one output directory: they start (the
     start-up barrier), train, checkpoint every 2 steps; node 1's worker is SIGKILLed after the
     step-4 checkpoint, node 0's fails within the collective timeout and both launchers exit;
     restarted, the job resumes from the newest checkpoint and ends with every step's loss and
     the final weights equal to an uninterrupted 2-rank run's."""
     steps = 8
-    reference = tmp_path / "straight"
-    run_ranks(trainer_forkserver, "cli", "train", *overrides(tiny_job, reference, train__max_steps=steps),
-              timeout=300)
+    reference = references(2, train__max_steps=steps).out
     out, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     args = overrides(tiny_job, out, train__max_steps=steps, train__save_every=2, train__collective_timeout_s=20)

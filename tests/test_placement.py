@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from flashdraft.config import load_config
 from flashdraft.distributed import role_layout
 from p2p_model import ENV as P2P_LOG
 from p2p_model import Op, assert_one_way_and_nccl_safe, flow_violations, nccl_deadlocks
+from test_equivalence import LAYOUTS
 
 
 def disaggregated(job, out, target_ranks: int = 1, **extra) -> list[str]:
@@ -24,56 +24,11 @@ def disaggregated(job, out, target_ranks: int = 1, **extra) -> list[str]:
                                   "train__collective_timeout_s": 60, **extra})
 
 
-def test_disaggregated_equals_colocated_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
-    """1 target rank feeding 2 drafter ranks == 2 colocated ranks (same seed, same global batch);
-    its step-4 checkpoint resumed on 2 target ranks x 2 drafter ranks (1:1 pairs) ends the same."""
-    server = trainer_forkserver
-    (tmp_path / "p2p").mkdir()
-    dis = run_ranks(server, "train_ranks", json.dumps(disaggregated(tiny_job, tmp_path / "dis", train__max_steps=8,
-                                                                    train__save_every=4)), world_size=3, timeout=300,
-                    env={P2P_LOG: str(tmp_path / "p2p")})
-    col = run_ranks(server, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "col", train__max_steps=8)),
-                    timeout=300)
-    codes = [server.wait(pid, 0) for pid, _ in dis + col]
-    assert codes == [0] * len(codes), codes  # a clean end on every rank
-    d0, d1, target = results(dis)
-    c0, _ = results(col)
-    assert d0["ddp"] == "DistributedDataParallel" and all(d0["identical"]) and len(d0["identical"]) == 8
-    assert target["losses"] == [] and target["identical"] == []  # the target rank never trains
-    # ... and builds nothing a drafter rank trains with (the census sees what a drafter rank builds)
-    assert target["built"] == {"DFlashDrafter": 0, "Optimizer": 0, "RunCheckpoints": 0, "Validator": 0}
-    assert d0["built"] == {"DFlashDrafter": 1, "Optimizer": 1, "RunCheckpoints": 1, "Validator": 1}
-    assert d0["losses"] == d1["losses"]
-    # The device group carried the features one way (rank 2 -> ranks 0, 1), safe under NCCL's order.
-    ops = assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2})
-    assert sum(op.kind == "send" and op.group == "device" for op in ops[2]) == 2 * 8 * 4  # 4 tensors per micro-batch
-    np.testing.assert_allclose(d0["losses"], c0["losses"], rtol=1e-5)
-    # The drafter ranks loaded only the target's embedding and LM head (its layers stay on the
-    # meta device; with eval data the main one would load it all, to decode); the target rank runs it.
-    loaded = [d0["target_layers_loaded"], d1["target_layers_loaded"], target["target_layers_loaded"]]
-    assert loaded == [False, False, True]
-    step, weights = final_drafter(tmp_path / "dis")
-    assert step == 8
-    for name, value in final_drafter(tmp_path / "col")[1].items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
-
-    resumed = run_ranks(server, "train_ranks", json.dumps(disaggregated(
-        tiny_job, tmp_path / "resumed", target_ranks=2, train__max_steps=8,
-        train__resume=tmp_path / "dis" / "checkpoints" / "step_00000004")), world_size=4, timeout=300)
-    assert all(server.wait(pid, 0) == 0 for pid, _ in resumed)
-    r0 = results(resumed)[0]
-    np.testing.assert_allclose(r0["losses"], d0["losses"][4:], rtol=1e-6)
-    step, again = final_drafter(tmp_path / "resumed")
-    assert step == 8
-    for name, value in weights.items():
-        assert torch.equal(again[name], value), name
-
-
-def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path, trainer_forkserver):
+def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path, forkserver):
     args = disaggregated(tiny_job, tmp_path / "run", train__max_steps=8, train__collective_timeout_s=30)
-    workers = run_ranks(trainer_forkserver, "train_target_raises", json.dumps(args), "3", world_size=3, timeout=240)
+    workers = run_ranks(forkserver, "train_target_raises", json.dumps(args), "3", world_size=3, timeout=240)
     logs = "\n".join(read_log(out) for _, out in workers)
-    codes = [trainer_forkserver.wait(pid, 0) for pid, _ in workers]
+    codes = [forkserver.wait(pid, 0) for pid, _ in workers]
     assert codes == [1, 1, 1], logs
     d0, d1, target = results(workers)
     assert "injected target failure" in target["error"]
@@ -83,15 +38,13 @@ def test_a_failing_target_rank_ends_every_rank_with_an_error(tiny_job, tmp_path,
     assert any("target rank 2 failed" in d["error"] and "injected target failure" in d["error"] for d in (d0, d1)), logs
 
 
-def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_job, tmp_path, trainer_forkserver):
+def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_job, tmp_path, forkserver, references):
     """Preemption as torchrun delivers it (SIGTERM to every worker) in the middle of a
     disaggregated job: target and drafter ranks agree on a stop step, the checkpoint is
     written, every rank exits 143 (128 + SIGTERM), and the restarted job ends exactly where an uninterrupted one
-    does."""
-    server = trainer_forkserver
-    straight = run_ranks(server, "cli", "train", *disaggregated(tiny_job, tmp_path / "straight", train__max_steps=8),
-                         world_size=3, timeout=300)
-    assert [server.wait(pid, 0) for pid, _ in straight] == [0, 0, 0]
+    does (test_equivalence.py's disaggregated layout, which saves at step 4 too)."""
+    server = forkserver
+    straight = LAYOUTS["disaggregated_1_target_2_drafters"].run.of(references).out
     out = tmp_path / "run"
     args = disaggregated(tiny_job, out, train__max_steps=8)
     workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,
@@ -112,18 +65,18 @@ def test_sigterm_to_every_rank_checkpoints_exits_143_and_resumes_exactly(tiny_jo
     resumed = run_ranks(server, "cli", "train", *args, world_size=3, timeout=300)
     assert [server.wait(pid, 0) for pid, _ in resumed] == [0, 0, 0]
     step, weights = final_drafter(out)
-    ref_step, reference = final_drafter(tmp_path / "straight")
+    ref_step, reference = final_drafter(straight)
     assert step == ref_step == 8
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name
 
 
-def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job, tmp_path, trainer_forkserver):
+def test_a_stop_from_the_drafter_ranks_reaches_the_target_rank_mid_run(tiny_job, tmp_path, forkserver):
     """SIGTERM to the drafter ranks only: their STOP must reach the target rank while it serves
     (on gloo a posted receive's completion shows only to a wait: a watcher thread waits for it),
     so it stops computing features within a few steps instead of serving all 40 for the drafter
     ranks to drain."""
-    server, out = trainer_forkserver, tmp_path / "run"
+    server, out = forkserver, tmp_path / "run"
     workers = _paced_job_at_step_2(server, tiny_job, tmp_path, out, max_steps=40)
     for pid, _ in workers[:2]:  # the drafter ranks; the target rank (2) gets no signal
         os.kill(pid, signal.SIGTERM)
@@ -185,11 +138,11 @@ def test_target_ranks_must_be_positive():
 
 
 def test_a_signal_to_the_target_rank_alone_stops_the_whole_job_with_a_checkpoint(tiny_job, tmp_path,
-                                                                                   trainer_forkserver):
+                                                                                   forkserver):
     """A preempted target node: its signal reaches the drafter ranks with the next step, they
     checkpoint and stop, and every rank exits 143 (before: the drafters trained on, the target
     rank then failed the finished job)."""
-    server, out = trainer_forkserver, tmp_path / "run"
+    server, out = forkserver, tmp_path / "run"
     workers = _paced_job_at_step_2(server, tiny_job, tmp_path, out, max_steps=12)
     os.kill(workers[2][0], signal.SIGTERM)  # the last rank is the target rank
     codes = [server.wait(pid, 60) for pid, _ in workers]

@@ -178,15 +178,49 @@ def _run_stoppable(tmp_path, chats, tok, workers: int, stop_after: float) -> tup
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter and its worker processes: multi-process, ~4 s each
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_stop_raised_by_a_signal_handler_ends_prepare_and_its_workers(workdir, tmp_path, workers):
     # A benchmark's SIGTERM handler raises Stopped wherever the signal lands: in the middle of a
     # record it must end prepare, not be counted as that record's drop, and the forked workers
     # (which inherit the handler) must neither swallow it nor print tracebacks when the pool ends.
     d, _ = workdir
-    finished, stderr = _run_stoppable(tmp_path, d / "chats.jsonl", d / "tok-qwen3", workers, 0)
-    assert finished == {"finished": N, "children": 0} and "Traceback" not in stderr, stderr
     many = tmp_path / "many.jsonl"
     many.write_text((d / "chats.jsonl").read_text() * 60)  # 7,200 records: seconds of work
-    stopped, stderr = _run_stoppable(tmp_path, many, d / "tok-qwen3", workers, 1.0)
+    (finished, stopped), stderr = _run_stoppable(tmp_path, [(d / "chats.jsonl", 0), (many, 1.0)], d / "tok-qwen3",
+                                                 workers)
+    assert finished == {"finished": N, "children": 0}
     assert stopped == {"stopped": True, "children": 0} and "Traceback" not in stderr, stderr
+
+
+STOPPABLE = """
+import json, multiprocessing as mp, os, signal, sys, threading, time
+from flashdraft.data.prepare import prepare
+from flashdraft.train.runtime import Stopped
+tok, out, workers, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+def stop(signum, frame):  # what `flashdraft bench` installs: raise wherever the signal lands
+    raise Stopped(signum, "")
+signal.signal(signal.SIGTERM, stop)
+for i, (chats, stop_after) in enumerate(runs):  # one interpreter for the runs: each start costs seconds
+    if stop_after > 0:
+        threading.Timer(stop_after, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    try:
+        s = prepare([chats], tok, f"{out}-{i}", max_length=512, num_workers=workers, progress=False,
+                    log=lambda *a: None)
+        print(json.dumps({"finished": s["samples_in"], "children": len(mp.active_children())}), flush=True)
+    except Stopped:
+        print(json.dumps({"stopped": True, "children": len(mp.active_children())}), flush=True)
+"""
+
+
+def _run_stoppable(tmp_path, runs: list, tok, workers: int) -> tuple[list[dict], str]:
+    """Each run (chats, seconds before this process sends itself SIGTERM, 0: never) in one fresh
+    interpreter, in order: each run's JSON line, and the process's stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STOPPABLE, str(tok), str(tmp_path / f"out-{workers}"), str(workers),
+                           json.dumps([[str(chats), stop_after] for chats, stop_after in runs])],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]], proc.stderr

@@ -1,7 +1,8 @@
 """Targets sharded over several ranks (model.tensor_parallel, model.expert_parallel): the sharded
 target's taps and decoding forward against the same target loaded whole, on 2 and 4 gloo ranks
-(target groups of 2 and 4, and 2 groups of 2 side by side); training, evaluation and the
-failure of a rank in a target group."""
+(target groups of 2 and 4, and 2 groups of 2 side by side); evaluation and the failure of a rank
+in a target group. Training with a sharded target, and resuming at another tensor-parallel size:
+test_equivalence.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 
 from conftest import VOCAB, overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.toy import tiny_causal_lm
-from p2p_model import ENV as P2P_LOG
-from p2p_model import assert_one_way_and_nccl_safe
 
 
 @pytest.fixture(scope="module")
@@ -51,33 +49,10 @@ def test_a_sharded_target_computes_the_taps_and_logits_of_the_whole_one(targets,
             assert r["local_params"] < 0.75 * r["whole_params"], r  # the layers' weights split over the group
 
 
-@pytest.mark.parametrize("world,accum", [(2, 1), (4, 2)])  # TP 2; DP 2 x TP 2
-def test_training_with_a_sharded_target_equals_the_one_process_run(tiny_job, tmp_path, forkserver, world, accum):
-    """The ranks of a target group compute the same features and split each micro-batch's
-    anchored blocks; the gradient normaliser stays global, so the per-step losses are the
-    1-process run's on the same samples (data-parallel groups: its grad_accum)."""
-    sharded = run_ranks(forkserver, "train_ranks",
-                        json.dumps(overrides(tiny_job, tmp_path / "tp", model__tensor_parallel=2)),
-                        world_size=world, timeout=300)
-    one = run_ranks(forkserver, "train_ranks",
-                    json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=accum)), world_size=1,
-                    timeout=300)
-    ranks = results(sharded)
-    (single,) = results(one)
-    assert all(r["target_sharded"] for r in ranks) and not single["target_sharded"]
-    assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in ranks)  # one drafter on every rank
-    # the ranks of a group split the blocks: together (and with the other group) the 1-process run's
-    assert all(0 < a < b for r in ranks for a, b in zip(r["blocks"], single["blocks"]))
-    assert [sum(step) for step in zip(*(r["blocks"] for r in ranks))] == single["blocks"]
-    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
-    np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=1e-5)
-
-
-def test_greedy_eval_with_a_sharded_target_is_lossless_and_gives_the_unsharded_tau(tiny_job, tmp_path, forkserver):
-    train = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "run")), world_size=1,
-                      timeout=300)
-    assert results(train)
-    args = ["eval", "--target", str(tiny_job / "target"), "--drafter", str(tmp_path / "run" / "drafter"),
+def test_greedy_eval_with_a_sharded_target_is_lossless_and_gives_the_unsharded_tau(tiny_job, tmp_path, forkserver,
+                                                                                   references):
+    trained = references().out  # the one-process run of the tiny job
+    args = ["eval", "--target", str(tiny_job / "target"), "--drafter", str(trained / "drafter"),
             "--prompts", str(tiny_job / "prompts.jsonl"), "--max-new-tokens", "24", "--device", "cpu"]
     whole = run_ranks(forkserver, "cli", *args, "--output", str(tmp_path / "whole.json"), world_size=1, timeout=300)
     sharded = run_ranks(forkserver, "cli", *args, "--tensor-parallel", "2", "--output", str(tmp_path / "tp.json"),
@@ -120,52 +95,12 @@ def test_a_group_size_the_heads_do_not_divide_is_refused_with_the_sizes_that_fit
                          expert_parallel=True)
 
 
-def test_disaggregated_training_from_a_sharded_target_group_equals_the_one_process_run(tiny_job, tmp_path, forkserver):
-    """Ranks 2 and 3 form one tensor-parallel target group feeding drafter ranks 0 and 1; its first
-    rank sends every step's features once (not once per shard), the other computes them with it."""
-    world = 4
-    knobs = dict(model__tensor_parallel=2, pipeline__placement="disaggregated", pipeline__target_ranks=2)
-    (tmp_path / "p2p").mkdir()
-    sharded = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "tp", **knobs)),
-                        world_size=world, timeout=300, env={P2P_LOG: str(tmp_path / "p2p")})
-    one = run_ranks(forkserver, "train_ranks",
-                    json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=world - 2)), world_size=1,
-                    timeout=300)
-    ranks = results(sharded)
-    drafters, targets = ranks[:world - 2], ranks[world - 2:]
-    (single,) = results(one)
-    assert all(r["target_sharded"] for r in targets) and not any(r["target_sharded"] for r in drafters)
-    assert all(not any(r["built"].values()) for r in targets)  # a target rank builds no drafter, optimizer, ...
-    assert all(all(r["identical"]) and len(r["identical"]) >= 5 for r in drafters)
-    np.testing.assert_allclose(drafters[0]["losses"], single["losses"], rtol=1e-5)
-    # The group's first rank (2) alone sends, one way; rank 3 has no p2p op on the device group.
-    ops = assert_one_way_and_nccl_safe(tmp_path / "p2p", senders={2, 3})
-    assert not [op for op in ops.get(3, []) if op.group == "device"]
-
-
-def test_a_run_resumes_at_another_tensor_parallel_size_exactly(tiny_job, tmp_path, forkserver):
-    """Checkpoints do not depend on T (the target is never saved): a one-process run's checkpoint
-    at step 3 resumed with a target sharded over 2 ranks trains steps 4..6 as the one-process run
-    did (the batch plan's world is the number of target groups: 1 both times)."""
-    whole = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "one")), world_size=1,
-                      timeout=300)
-    (single,) = results(whole)
-    first = run_ranks(forkserver, "train_recorded", json.dumps(overrides(tiny_job, tmp_path / "run")), "3",
-                      world_size=1, timeout=300)  # SIGTERM after step 3: a checkpoint, then exit
-    assert results(first)[0]["stopped"]
-    resumed = run_ranks(forkserver, "train_ranks",
-                        json.dumps(overrides(tiny_job, tmp_path / "run", model__tensor_parallel=2)), timeout=300)
-    ranks = results(resumed)
-    assert all(r["target_sharded"] for r in ranks) and len(ranks[0]["losses"]) == len(single["losses"]) - 3
-    np.testing.assert_allclose(ranks[0]["losses"], single["losses"][3:], rtol=1e-5)
-
-
 def test_a_signal_to_a_rank_of_a_disaggregated_target_group_stops_the_whole_job_with_a_checkpoint(
-        tiny_job, tmp_path, trainer_forkserver):
+        tiny_job, tmp_path, forkserver):
     """Rank 2, the second rank of the target group {1, 2} (it sends nothing): its SIGTERM reaches
     the group's first rank through the group's per-step vote, then the drafter rank with the
     next step; it checkpoints, and every rank exits 143."""
-    server, out = trainer_forkserver, tmp_path / "run"
+    server, out = forkserver, tmp_path / "run"
     args = overrides(tiny_job, out, train__max_steps=12, model__tensor_parallel=2, pipeline__placement="disaggregated",
                      pipeline__target_ranks=2, train__collective_timeout_s=60)
     workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,

@@ -1,20 +1,17 @@
-"""The online trainer: learning, frozen target, distributed equivalence, exact resume."""
+"""The online trainer: learning, frozen target, exact resume after SIGKILL (the multi-process
+layouts and resumes in other layouts: test_equivalence.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, WORKERS, final_drafter, make_job, overrides, results, run_ranks, tiny_qwen3_5
+from conftest import final_drafter, make_job, overrides, read_log, tiny_qwen3_5
 from flashdraft.config import load_config
 from flashdraft.train.trainer import Trainer, train
 
@@ -159,114 +156,29 @@ def test_target_gets_no_gradient_and_no_optimizer_state(tiny_job, tmp_path):
     assert len(trainer.optimizer.state) == len(list(trainer.drafter.parameters()))
 
 
-@pytest.mark.parametrize("weighting", ["decay", "dpace", "dflash2"])
-def test_two_ranks_equal_one_rank_with_the_same_samples_per_step(tiny_job, tmp_path, forkserver, weighting):
-    """2 ranks x micro-batch b == 1 rank x (2 micro-batches of b): same samples each step. With
-    D-PACE too: its weights depend on the drafter's outputs, its normaliser (the scored-slot
-    count) only on the data, so the split of a batch over ranks changes nothing. DFlash2 (with
-    D-PACE): the selector, used by the loss outside DDP's forward, is all-reduced like the rest."""
-    knobs = {"objective__weighting": weighting} if weighting != "dflash2" else {"objective__weighting": "dpace",
-                                                                               **DFLASH2}
-    two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "two", **knobs)), timeout=240)
-    one = run_ranks(forkserver, "train_ranks", json.dumps(overrides(tiny_job, tmp_path / "one", train__grad_accum=2,
-                                                                    **knobs)), world_size=1, timeout=240)
-    r0, r1 = results(two)
-    (single,) = results(one)
-    assert r0["ddp"] == "DistributedDataParallel" and not r0["target_in_ddp"]
-    assert all(r0["identical"]) and len(r0["identical"]) == 6  # bit-identical drafters after every step
-    assert r0["losses"] == r1["losses"]
-    np.testing.assert_allclose(r0["losses"], single["losses"], rtol=1e-5)
-
-
 def _losses(out: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_is_exact(tiny_job, tmp_path):
-    straight = tmp_path / "straight"
-    train(load_config(overrides=overrides(tiny_job, straight, train__max_steps=8, train__save_every=4)))
+def test_resume_after_sigkill_is_exact(tiny_job, tmp_path, references, forkserver):
+    straight = references(train__max_steps=8).out
     step, reference = final_drafter(straight)
     assert step == 8
 
     resumed = tmp_path / "resumed"
     args = overrides(tiny_job, resumed, train__max_steps=8, train__save_every=4)
-    env = dict(os.environ, PYTHONPATH=str(REPO), FLASHDRAFT_TEST_STEP_SLEEP="0.5", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(WORKERS), "cli", "train", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pid, log = forkserver.spawn("cli", "train", *args, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.5"})
     latest = resumed / "checkpoints" / "latest"
     deadline = time.monotonic() + 120
-    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not latest.exists() and forkserver.exits.get(pid) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert latest.read_text().strip().endswith("step_00000004"), proc.stderr.read().decode()[-2000:]
+    forkserver.kill(pid)
+    assert forkserver.wait(pid, 30) == -signal.SIGKILL
+    assert latest.read_text().strip().endswith("step_00000004"), read_log(log)[-2000:]
     train(load_config(overrides=args))
     step, weights = final_drafter(resumed)
     assert step == 8
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name
     assert _losses(resumed) == _losses(straight)
-
-
-# ---- the budget belongs to the run, not to its world size -----------------------------------
-
-
-def _recorded(server, out, world_size, stop_at=0, **extra):
-    """(per-step [step, lr, sample ids of every rank], total steps) of a 3-epoch run (no max_steps)."""
-    args = overrides(_tiny, out, train__max_steps="null", train__epochs=3, train__save_every=0, **extra)
-    ranks = results(run_ranks(server, "train_recorded", json.dumps(args), str(stop_at), world_size=world_size,
-                              timeout=240))
-    steps = [[s, lr, sorted(i for r in ranks for i in r["steps"][k][2])] for k, (s, lr, _) in
-             enumerate(ranks[0]["steps"])]
-    return steps, ranks[0]["total_steps"]
-
-
-def _epochs(steps, num_samples: int) -> int:
-    """The number of whole epochs ``steps`` train, asserting that each is every sample exactly
-    once (a step never spans two epochs: each epoch's plan is cut into its own steps)."""
-    epochs, seen = 0, set()
-    for step, _, ids in steps:
-        assert not seen & set(ids) and len(set(ids)) == len(ids), f"step {step} trains a sample twice in an epoch"
-        seen |= set(ids)
-        if len(seen) == num_samples:
-            epochs, seen = epochs + 1, set()
-    assert not seen, f"the last epoch trained {len(seen)} of {num_samples} samples"
-    return epochs
-
-
-_tiny = None
-
-
-@pytest.fixture
-def epochs_job(tiny_job):
-    global _tiny
-    _tiny = tiny_job
-    return tiny_job
-
-
-@pytest.mark.parametrize("before,after", [((2, 1), (1, 1)), ((2, 1), (1, 2)), ((1, 1), (2, 1))],
-                         ids=["2_ranks_to_1", "2x1_to_1x2", "1_rank_to_2"])
-def test_a_resume_at_another_world_size_trains_exactly_the_samples_left(epochs_job, tmp_path, forkserver,
-                                                                         before, after):
-    """The step counter is kept, the budget recounted at the new layout: every sample is trained
-    exactly once per epoch across both parts, the LR goes on where it was (no jump) and reaches
-    the end of its schedule; 2 ranks x 1 -> 1 rank x 2 (the same samples per step) trains the
-    uninterrupted run's samples at its learning rates, step by step."""
-    (w0, ga0), (w1, ga1) = before, after
-    straight, total = _recorded(forkserver, tmp_path / "straight", w0, train__grad_accum=ga0)
-    assert len(straight) == total and total >= 8
-    stop = total // 2 + 1
-    out = tmp_path / "run"
-    part1, _ = _recorded(forkserver, out, w0, stop, train__grad_accum=ga0)
-    part2, total2 = _recorded(forkserver, out, w1, train__grad_accum=ga1)
-    assert len(part1) == stop and part2[0][0] == stop + 1 and part2[-1][0] == total2
-    assert _epochs(part1 + part2, 32) == 3  # each of the 32 samples once per epoch, none lost or replayed
-    assert part2[0][1] == pytest.approx(straight[stop][1], rel=1e-12)  # the lr goes on where it was
-    lrs = [lr for _, lr, _ in part1 + part2]
-    assert all(b <= a + 1e-15 for a, b in zip(lrs[stop - 1:], lrs[stop:]))  # past warmup: decaying, never jumping
-    assert lrs[-1] < 0.1 * max(lrs)  # the schedule reaches its end
-    if (w0 * ga0, w1 * ga1) == (2, 2):  # the same samples per step: the uninterrupted run's steps exactly
-        assert total2 == total and [ids for _, _, ids in part2] == [ids for _, _, ids in straight[stop:]]
-        assert [lr for _, lr, _ in part2] == pytest.approx([lr for _, lr, _ in straight[stop:]], rel=1e-12)
