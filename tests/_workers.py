@@ -131,6 +131,31 @@ def checkpoint_writer(root: str) -> None:
         step += 1
 
 
+def census(*classes) -> dict[str, list]:
+    """Every instance of ``classes`` constructed from now on in this process, by class name: each
+    ``__init__`` is wrapped (the real one runs) to record its instance (a subclass's instance
+    counts once, under the base it reaches)."""
+    built: dict[str, list] = {cls.__name__: [] for cls in classes}
+
+    def recording(cls):
+        real = cls.__init__
+
+        def init(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            built[cls.__name__].append(self)
+
+        return init
+
+    for cls in classes:
+        cls.__init__ = recording(cls)
+    return built
+
+
+def _trainer_parts(built: dict[str, list]) -> dict[str, int]:
+    """How many of each part only training needs were built (census): target models excluded."""
+    return {name: len(found) for name, found in built.items() if name != "TargetModel"}
+
+
 def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
     """flashdraft training on every rank; reports per-step losses, whether the drafter's
     parameters were bit-identical across ranks after every optimizer step, the valid anchored
