@@ -26,6 +26,7 @@ import textwrap
 import tokenize
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -599,18 +600,22 @@ def parse_overrides(overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"override {item!r} is not of the form section.field=value (e.g. optim.lr=3e-4)")
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
         try:
             parsed, error = (yaml.safe_load(raw) if raw.strip() else ""), ""
         except yaml.YAMLError as exc:
             parsed, error = None, f"not valid YAML ({getattr(exc, 'problem', None) or exc})"
         except RecursionError:
             parsed, error = None, "nested too deeply (a few levels are all any field takes)"
-        node[parts[-1]] = _Override(raw, parsed, error)
+        _put(tree, key, _Override(raw, parsed, error))
     return tree
+
+
+def _put(tree: dict, key: str, value: Any) -> None:
+    """``tree[section][field] = value`` for a dotted ``key`` ('optim.lr'), making the sections."""
+    *sections, name = key.strip().split(".")
+    for section in sections:
+        tree = tree.setdefault(section, {})
+    tree[name] = value
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -667,8 +672,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return _build(Config, values, "")
 
 
-def config_from_dict(values: dict) -> Config:
-    return _build(Config, values, "")
+def config_from_dict(values: dict, dotted: Mapping[str, Any] | None = None) -> Config:
+    """A Config from nested ``values`` ({'optim': {'lr': 3e-4}}), with the ``dotted`` keys
+    ({'optim.lr': 3e-4}, typed values) over them."""
+    extra: dict = {}
+    for key, value in (dotted or {}).items():
+        _put(extra, key, value)
+    return _build(Config, _merge(values, extra), "")
 
 
 def save_config(config: Config, path: str | Path) -> None:

@@ -435,7 +435,7 @@ def _drafter_config(out: Path, budget: Budget, training: Mapping[str, object], s
     taps, logging, evals). Refuses a wrong training key naming the flag that set it."""
     from flashdraft.config import config_from_dict
 
-    sections: dict = {
+    sections = {
         "model": {"target": str(out / "target"), "target_layer_ids": tap_layers(budget.target_layers),
                   "dtype": "float32"},
         "data": {"path": str(out / "data" / "tokens"), "eval_prompts": str(out / "eval" / "prompts.jsonl"),
@@ -448,11 +448,8 @@ def _drafter_config(out: Path, budget: Budget, training: Mapping[str, object], s
                   # drafter); 32 new tokens each keeps them cheap.
                   "eval_prompts": budget.num_eval_prompts, "eval_max_new_tokens": 32},
     }
-    for key, value in training.items():
-        section, name = key.split(".")
-        sections.setdefault(section, {})[name] = value
     try:
-        return config_from_dict(sections)
+        return config_from_dict(sections, training)
     except ValueError as exc:
         named = ", ".join(f"--{flag.replace('_', '-')} sets {key}" for flag, key in
                           {**TRAINING_FLAGS, "sliding_window": "model.drafter_sliding_window"}.items()
