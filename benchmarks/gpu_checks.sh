@@ -44,7 +44,7 @@ status=0
 for entry in "${limits[@]}"; do
   part=${entry%%:*} limit=$(( ${entry##*:} * scale ))
   [[ "$wanted" == *" $part "* ]] || continue
-  timeout -k 10 "$limit" python -m flashdraft.bench.gpu_check "$part" --job "$JOB" --out "$OUT/$part.json" \
+  timeout -k 10 "$limit" python -m flashdraft.bench.gpu_check "$part" --job "$JOB" --out "$OUT" \
     "${smoke[@]}" > "$OUT/$part.txt" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then

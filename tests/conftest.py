@@ -205,6 +205,22 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist, each worker and the processes it starts share its cores (their torch
+    threads): N workers on N cores each running 2 threads spin on each other's cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes this worker starts
+        torch.set_num_threads(threads)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (addopts): a worker per core this process may use, at most 4: each worker holds
+    its own fork server and session runs, and beyond 4 the engine check's one worker bounds the time."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 @pytest.fixture
 def fresh_dist(monkeypatch):
     """Single-process torchrun-less environment; tears down any process group afterwards."""

@@ -35,6 +35,45 @@ def test_bench_step_variants_compute_the_same_loss(tmp_path, capsys, extra, prec
         assert row["ms_per_step"] > 0 and row["peak_mib"] >= 0 and row["saved_mib"] > 0
 
 
+def test_the_memory_fork_of_a_process_that_ran_parallel_ops_measures_and_returns():
+    """On CPU each variant's memory is measured in a fork of the benchmark's process. A fork that
+    enters the OpenMP pool of a parent which ran multi-threaded ops hangs (libgomp): the fork
+    measures on one thread. An alarm turns a hang into a failure (the fork is killed on the way)."""
+    import signal
+
+    import torch
+
+    from flashdraft.bench import step as bench
+
+    def hung(signum, frame):
+        raise TimeoutError("the memory fork did not answer within 60 s")
+
+    threads, previous = torch.get_num_threads(), signal.signal(signal.SIGALRM, hung)
+    try:
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        (a @ a).sum().item()  # the parent's OpenMP pool is up
+        signal.alarm(60)
+        point = bench._point(bench_args(), 64, 8, 64, "fast")
+        row = bench.run_point({**point, "repeat": 0})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
+    assert "error" not in row, row
+    assert row["peak_mib"] > 0 and row["memory_threads"] == 1 and row["threads"] == 2
+
+
+def bench_args(*extra: str):
+    import argparse
+
+    from flashdraft.bench import step as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([*POINT[:-2], *extra])  # POINT without --threads 1
+
+
 def test_unknown_bench_step_variants_are_refused():
     with pytest.raises(ValueError, match="--variants"):
         main(["bench", "step", *POINT, "--variants", "fast,dflash3"])

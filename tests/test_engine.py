@@ -21,6 +21,9 @@ from flashdraft.toy import tiny_causal_lm
 # Per-step acceptances (drafts accepted at each verification) of three prompts, by hand.
 STEPS = [[3, 1], [0, 0, 0, 0], [7]]
 
+# one pytest-xdist worker trains the exports and starts vLLM once (the module fixtures)
+pytestmark = pytest.mark.xdist_group("engine")
+
 
 def test_the_two_taus_from_hand_made_steps():
     # per prompt: 1 + mean -> 3.0, 1.0, 8.0; their mean 4.0 (the papers' tau)

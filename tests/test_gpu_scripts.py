@@ -4,6 +4,7 @@ not spend them on a script that a renamed config field or flag has broken."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -18,23 +19,37 @@ def run(cmd: list[str], out, **env_vars) -> subprocess.CompletedProcess:
 
 
 PARTS = ("prepare", "trainer_1024", "trainer_3072", "block_mask", "sinks", "deterministic", "graphs", "pipeline")
+IN_ONE_PROCESS = [part for part in PARTS if part != "deterministic"]  # deterministic: through the script below
 
 
-def test_gpu_checks_script_smoke(tmp_path):
-    """benchmarks/gpu_checks.sh with SMOKE=1: every part's code path on CPU at toy sizes, each
-    part's JSON written and passing (the trainer parts compare with the memory plan's estimate)."""
-    proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1")
-    assert "device none" in (tmp_path / "env.txt").read_text()
-    results = {part: json.loads((tmp_path / f"{part}.json").read_text()) for part in PARTS}
+def test_gpu_check_parts_smoke(tmp_path):
+    """The parts of benchmarks/gpu_checks.sh on CPU at toy sizes in one process (the script starts
+    one per part: the next test runs it): each part's JSON written and passing (the trainer parts
+    compare with the memory plan's estimate)."""
+    proc = run([sys.executable, "-m", "flashdraft.bench.gpu_check", *IN_ONE_PROCESS, "--job", str(tmp_path / "job"),
+                "--out", str(tmp_path), "--smoke"], tmp_path)
+    results = {part: json.loads((tmp_path / f"{part}.json").read_text()) for part in IN_ONE_PROCESS}
     for part, result in results.items():
         assert result["ok"] is True, (part, result)
         if part.startswith("trainer_"):
             assert result["losses"] and result["drafter_inputs"], result  # the trainer ran
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "gpu_checks: PASS" in proc.stdout
     assert results["block_mask"]["equal"] and max(results["sinks"]["errors"].values()) < 0.02
-    assert results["deterministic"]["weights_equal"] and results["pipeline"]["bit_equal"]
+    assert results["pipeline"]["bit_equal"]
     assert results["graphs"]["distinct_lengths"] >= 2 and results["graphs"]["compiled_graphs"] == 0  # CPU: none
+
+
+def test_gpu_checks_script_smoke(tmp_path):
+    """benchmarks/gpu_checks.sh with SMOKE=1 on the deterministic part: the environment line, the
+    prepare part it needs run first (each in its own process), both JSON passing, PASS."""
+    proc = run(["bash", "benchmarks/gpu_checks.sh"], tmp_path, SMOKE="1", PARTS="deterministic")
+    assert "device none" in (tmp_path / "env.txt").read_text()
+    results = {part: json.loads((tmp_path / f"{part}.json").read_text()) for part in ("prepare", "deterministic")}
+    assert all(result["ok"] is True for result in results.values()), results
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["deterministic.json", "prepare.json"]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "gpu_checks: PASS" in proc.stdout
+    assert results["deterministic"]["weights_equal"]
 
 
 def test_a_part_that_times_out_loses_only_its_own_json(tmp_path):

@@ -1,10 +1,12 @@
 """`flashdraft prepare` end to end: input formats, bad inputs, workers, cache key, CLI."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
+from conftest import REPO
 from flashdraft.cli import main
 from flashdraft.data.prepare import prepare
 from flashdraft.data.shards import read_token_shard
@@ -150,34 +152,6 @@ def test_cli_prepare_fails_when_no_sample_is_left_and_says_why(workdir, tmp_path
     assert rc == 1 and "no usable sample" in err and "raise --max-length or lower --min-supervised" in err
 
 
-STOPPABLE = """
-import json, multiprocessing as mp, os, signal, sys, threading, time
-from flashdraft.data.prepare import prepare
-from flashdraft.train.runtime import Stopped
-chats, tok, out, workers, stop_after = sys.argv[1:6]
-def stop(signum, frame):  # what `flashdraft bench` installs: raise wherever the signal lands
-    raise Stopped(signum, "")
-signal.signal(signal.SIGTERM, stop)
-if float(stop_after) > 0:
-    threading.Timer(float(stop_after), os.kill, (os.getpid(), signal.SIGTERM)).start()
-try:
-    s = prepare([chats], tok, out, max_length=512, num_workers=int(workers), progress=False, log=lambda *a: None)
-    print(json.dumps({"finished": s["samples_in"], "children": len(mp.active_children())}))
-except Stopped:
-    print(json.dumps({"stopped": True, "children": len(mp.active_children())}))
-"""
-
-
-def _run_stoppable(tmp_path, chats, tok, workers: int, stop_after: float) -> tuple[dict, str]:
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", STOPPABLE, str(chats), str(tok), str(tmp_path / f"out-{workers}"),
-                           str(workers), str(stop_after)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
-
-
 @pytest.mark.slow  # a fresh interpreter and its worker processes: multi-process, ~4 s each
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_stop_raised_by_a_signal_handler_ends_prepare_and_its_workers(workdir, tmp_path, workers):
@@ -221,6 +195,7 @@ def _run_stoppable(tmp_path, runs: list, tok, workers: int) -> tuple[list[dict],
 
     proc = subprocess.run([sys.executable, "-c", STOPPABLE, str(tok), str(tmp_path / f"out-{workers}"), str(workers),
                            json.dumps([[str(chats), stop_after] for chats, stop_after in runs])],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout, whatever is installed
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]], proc.stderr

@@ -12,7 +12,8 @@ from flashdraft.cli import main
 from flashdraft.evaluate import read_prompts, write_prompts
 from flashdraft.quickstart import SMOKE, SMOKE_TRAINING, quickstart
 
-pytestmark = pytest.mark.slow  # end to end: the whole smoke quickstart
+# end to end: the whole smoke quickstart, run once (the module fixture) on one pytest-xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("quickstart")]
 
 
 @pytest.fixture(scope="module")

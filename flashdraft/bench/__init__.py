@@ -23,7 +23,7 @@ SUBBENCHES: dict[str, str] = {
     "soak": "thousands of tiny CPU steps with checkpoints and evals: RSS, fds, threads over time",
     "gpu-pipeline": "GPU: the trainer sequential vs pipelined on a Qwen3-0.6B-shaped target (--smoke: on CPU)",
     "plan": "the memory plan of public targets' config.json files at several lengths and device sizes",
-    "gpu-check": "GPU: one part of benchmarks/gpu_checks.sh (the one-GPU check; --smoke: on CPU)",
+    "gpu-check": "GPU: parts of benchmarks/gpu_checks.sh (the one-GPU check; --smoke: on CPU)",
 }
 
 

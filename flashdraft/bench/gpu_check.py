@@ -1,10 +1,12 @@
 """The one-GPU check's parts (benchmarks/gpu_checks.sh), one function each, and the tools they share.
 
-    python -m flashdraft.bench.gpu_check PART --job DIR --out FILE [--smoke]
+    python -m flashdraft.bench.gpu_check PART [PART ...] --job DIR --out DIR [--smoke]
 
 Each part returns a JSON-able dict with ``ok`` (its assertions held) and its figures, written to
-FILE as soon as the part ends (the script runs each in its own process under its own time limit,
-so a timeout loses only that part); the exit status is 0 when ``ok``. The parts:
+OUT/PART.json as soon as the part ends; the parts run in the order given, in this process, and
+the exit status is 0 when every one is ``ok``. The script runs each part in its own process under
+its own time limit, so a timeout loses only that part; the CPU smoke test runs them all in one,
+sparing seven interpreter starts. The parts:
 
 - ``prepare``: the jobs the others train on, in DIR: a random-weight target at the Qwen3-8B
   widths (hidden 4096, vocab 151,936, 32 / 8 heads of 128, MLP 12,288; 6 layers, so not its
@@ -381,26 +383,34 @@ PARTS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("part", choices=list(PARTS))
+    parser.add_argument("parts", nargs="+", choices=list(PARTS), metavar="PART",
+                        help=f"the parts to run, in order: {', '.join(PARTS)}")
     parser.add_argument("--job", required=True, help="the jobs' directory (written by the prepare part)")
-    parser.add_argument("--out", required=True, help="this part's JSON")
+    parser.add_argument("--out", required=True, help="the results' directory: OUT/PART.json for each part")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes")
 
 
 def run(args) -> int:
-    """One part: its JSON written to ``args.out`` whatever happens inside; 0 when it passed."""
-    result = {"part": args.part, "smoke": args.smoke, "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.smoke else "cpu"}
+    """Each part in turn; 0 when every one passed."""
+    failed = [part for part in args.parts if not run_part(part, Path(args.job), Path(args.out), args.smoke)]
+    return 1 if failed else 0
+
+
+def run_part(part: str, job: Path, out: Path, smoke: bool) -> bool:
+    """One part: its JSON written to OUT/PART.json whatever happens inside; whether it passed."""
+    result = {"part": part, "smoke": smoke, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not smoke else "cpu"}
     t0 = time.perf_counter()
     try:
-        result.update(PARTS[args.part](Path(args.job), args.smoke))
+        result.update(PARTS[part](job, smoke))
     except Exception as exc:  # noqa: BLE001 - the part fails, the JSON says why, the other parts go on
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
     result["wall_s"] = time.perf_counter() - t0
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.json").write_text(json.dumps(result, indent=1, default=str))
     brief = {k: v for k, v in result.items() if k not in ("traceback", "torch", "device")}
-    print(f"{args.part}: {'PASS' if result['ok'] else 'FAIL'} {json.dumps(brief, default=str)[:1500]}", flush=True)
-    return 0 if result["ok"] else 1
+    print(f"{part}: {'PASS' if result['ok'] else 'FAIL'} {json.dumps(brief, default=str)[:1500]}", flush=True)
+    return bool(result["ok"])
 
 
 if __name__ == "__main__":  # what benchmarks/gpu_checks.sh runs (`flashdraft bench gpu-check` is the same)

@@ -28,8 +28,12 @@ before; the serving dtype); ``fp32`` is the CPU trainer's default, all fp32.
 
 Time: min over ``--repeat`` steps after a warm-up, the variants built in one process and
 stepped alternately (the min is robust to other processes on a shared host). Memory: every
-(point, variant) runs in a fresh subprocess: one warm-up step, then the peak extra memory of
-the next step. On CPU that is the RSS high-water mark (``VmHWM``, reset through
+(point, variant) runs in a process of its own, all of them before any timing: one warm-up
+step, then the peak extra memory of the next step. On CUDA that process is a fresh interpreter
+(CUDA cannot be forked once initialised); on CPU it is a fork of this process: the same clean
+high-water mark without the ~5 s of imports a fresh interpreter pays on a small CPU, measured
+on one thread (a fork cannot use the OpenMP threads of a parent that ran parallel ops).
+On CPU the figure is the RSS high-water mark (``VmHWM``, reset through
 /proc/self/clear_refs) minus the RSS just before the step, with glibc's mmap threshold fixed
 at 64 KiB so that freed tensors go back to the OS and RSS follows the live tensors (without
 it glibc keeps freed memory and the figure depends on what an earlier step left behind); the
@@ -45,12 +49,21 @@ import math
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import torch
+
+# at module level (only `flashdraft bench step` imports this module): the memory forks (run_point)
+# then start with everything a step needs already imported
+from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
+from flashdraft.drafter.dflash2 import DFlash2Modules
+from flashdraft.objective import Blocks, SelectorLoss, SlotLoss, block_labels_and_weights, default_gamma
+from flashdraft.toy import causal_lm_config
+from flashdraft.train.step import forward_backward
 
 # --precision -> (the step's low-precision dtype, autocast): the drafter's weights are fp32 under
 # autocast, else in that dtype; the target's features, embeddings and LM head always in it.
@@ -133,10 +146,6 @@ def build(point: dict):
     """Drafter, frozen target heads and one micro-batch's inputs for ``point`` (deterministic).
     The target is only a Qwen3 config (the drafter's shapes follow it); its features, embeddings
     and LM head are random tensors, so a Qwen3-8B-sized point needs no 8B weights."""
-    from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
-    from flashdraft.drafter.dflash2 import DFlash2Modules
-    from flashdraft.objective import Blocks, SelectorLoss, SlotLoss, block_labels_and_weights, default_gamma
-    from flashdraft.toy import causal_lm_config
 
     device, dtype = torch.device(point["device"]), getattr(torch, point["dtype"])
     hidden, seq, n, bs, vocab, b = (point["hidden"], point["seq"], point["anchors"], point["block"], point["vocab"],
@@ -189,7 +198,6 @@ def build(point: dict):
 def step_fn(point: dict, drafter, heads, inputs):
     """The timed step: the trainer's own micro-step (``forward_backward``) on ``inputs``. The
     reference variant turns off every saving (``drafter_forward``'s oracle switches)."""
-    from flashdraft.train.step import forward_backward
 
     fast = point["variant"] != "reference"
     features, blocks = inputs
@@ -339,7 +347,55 @@ def time_interleaved(points: list[dict]) -> list[list[float] | str]:
 
 
 def run_point(point: dict) -> dict:
-    """``measure`` in a fresh subprocess (clean RSS high-water); OOM / crash reported, not raised."""
+    """``measure`` in a process of its own (a clean RSS / CUDA high-water mark; module doc); an
+    out-of-memory or a crash there is reported, not raised. On CPU the process is a fork of this
+    one, measuring on one thread (``memory_threads``): a forked child that enters the OpenMP
+    pool of a parent which has run parallel ops hangs (libgomp is not fork-safe)."""
+    if point["device"] == "cuda":
+        return _in_fresh_interpreter(point)
+    import multiprocessing
+
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    threads = point["threads"] or torch.get_num_threads()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, send, leave without running the parent's exit handlers
+        try:
+            receive.close()
+            _fix_mmap_threshold()
+            try:  # one thread: a fork cannot use the OpenMP threads of a parent that ran ops (it hangs)
+                result = {**measure({**point, "threads": 1}), "threads": threads, "memory_threads": 1}
+            except BaseException as exc:  # noqa: BLE001 - out of memory, a stop: the row says so
+                result = {**point, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+            send.send(result)
+        finally:
+            os._exit(0)
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:  # the child died before sending (the OOM killer, a crash)
+        result = None
+    except BaseException:  # a stop or Ctrl-C here: the child goes too
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        _, status = os.waitpid(pid, 0)
+    if result is None:
+        return {**point, "error": f"rc {os.waitstatus_to_exitcode(status)}: the measuring process died"}
+    return result
+
+
+def _fix_mmap_threshold() -> None:
+    """glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_=65536 for a fresh
+    interpreter): freed tensors go back to the OS, so RSS follows the live ones."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: the allocator's own behaviour
+        pass
+
+
+def _in_fresh_interpreter(point: dict) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "flashdraft.bench.step", "--worker", json.dumps(point)],
         capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
@@ -434,18 +490,22 @@ def run(args) -> int:
           f"batch={args.batch} device={args.device} precision={resolve_precision(args)} "
           f"threads={args.threads or torch.get_num_threads()} "
           f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
-    results, seen = [], {}
+    # peak memory first, each (point, variant) in a process of its own (run_point: on CPU a fork
+    # of this process, forked before its timing has grown it)
+    seen = {}
+    for points in grid.values():
+        for seq, anchors, hidden in points:
+            for variant in variants:
+                if (seq, anchors, hidden, variant) not in seen:
+                    seen[seq, anchors, hidden, variant] = run_point(
+                        {**_point(args, seq, anchors, hidden, variant), "repeat": 0})
+    results = []
     for sweep, points in grid.items():
         if not single:
             print(f"\n[{sweep} sweep]")
         for seq, anchors, hidden in points:
             print(f"seq={seq} anchors={anchors} hidden={hidden} (load average {_loadavg()})", flush=True)
-            row = {}
-            for variant in variants:
-                key = (seq, anchors, hidden, variant)
-                if key not in seen:  # peak memory: fresh subprocess, one step
-                    seen[key] = run_point({**_point(args, seq, anchors, hidden, variant), "repeat": 0})
-                row[variant] = seen[key]
+            row = {variant: seen[seq, anchors, hidden, variant] for variant in variants}
             timed = [v for v in variants if "error" not in row[v] and "ms_min" not in row[v]]
             if timed:  # time: in-process, variants alternating (shared hosts are noisy)
                 for v, ms in zip(timed, time_interleaved([_point(args, seq, anchors, hidden, v) for v in timed])):
