@@ -18,10 +18,25 @@ else
 fi
 work="$OUT/sharded"
 mkdir -p "$work"
-python - "$work" <<'PY' || exit 1
-import json, sys
+args=(eval --target "$work/target" --prompts "$work/prompts.jsonl" --max-new-tokens 48
+      --device "$device" --no-eos --dtype float32)  # fp32: a sharded all-reduce's summation order cannot flip a near tie
+# the drafter, and the n-gram baseline (its drafts are often accepted: the verify path's other branch);
+# SMOKE: the baseline only (each launch costs seconds of imports on a small CPU)
+kinds=(drafter ngram); [ "${SMOKE:-0}" = 1 ] && kinds=(ngram)
+extra_for() {  # the eval's flags of one kind, in $extra
+  if [ "$1" = ngram ]; then extra=(--baseline ngram --block-size 8); else extra=(--drafter "$work/drafter"); fi
+}
+unsharded=()
+for kind in "${kinds[@]}"; do
+  extra_for "$kind"
+  unsharded+=("$(printf '%q ' "${args[@]}" "${extra[@]}" --output "$work/$kind-whole.json")")
+done
+# one process: the small target and drafter, then the unsharded evals (each a `flashdraft eval`, as the CLI runs it)
+python - "$work" "${unsharded[@]}" <<'PY' || exit 1
+import contextlib, io, json, shlex, sys
 from pathlib import Path
 import torch
+from flashdraft.cli import main
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.target import TargetModel
 from flashdraft.toy import tiny_causal_lm
@@ -34,28 +49,20 @@ drafter.save_pretrained(work / "drafter")
 g = torch.Generator().manual_seed(1)
 lines = [json.dumps({"input_ids": torch.randint(0, 500, (24,), generator=g).tolist()}) for _ in range(4)]
 (work / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-PY
-args=(eval --target "$work/target" --prompts "$work/prompts.jsonl" --max-new-tokens 48
-      --device "$device" --no-eos --dtype float32)  # fp32: a sharded all-reduce's summation order cannot flip a near tie
-# the drafter, and the n-gram baseline (its drafts are often accepted: the verify path's other branch);
-# SMOKE: the baseline only (each launch costs seconds of imports on a small CPU)
-kinds=(drafter ngram); [ "${SMOKE:-0}" = 1 ] && kinds=(ngram)
-unsharded=()
-for kind in "${kinds[@]}"; do
-  extra=(--drafter "$work/drafter"); [ "$kind" = ngram ] && extra=(--baseline ngram --block-size 8)
-  unsharded+=("$(printf '%q ' "${args[@]}" "${extra[@]}" --output "$work/$kind-whole.json")")
-  torchrun --standalone --nproc-per-node=2 -m flashdraft.cli "${args[@]}" "${extra[@]}" --tensor-parallel 2 \
-    --output "$work/$kind-tp2.json" > /dev/null || exit 1
-done
-# the unsharded evals (each a `flashdraft eval`, as the CLI runs it) and the comparison, in one process
-python - "$work" "${unsharded[@]}" <<'PY'
-import contextlib, io, json, shlex, sys
-from pathlib import Path
-from flashdraft.cli import main
 for cmd in sys.argv[2:]:
     with contextlib.redirect_stdout(io.StringIO()):
         if main(shlex.split(cmd)):
             sys.exit(1)
+PY
+for kind in "${kinds[@]}"; do
+  extra_for "$kind"
+  torchrun --standalone --nproc-per-node=2 -m flashdraft.cli "${args[@]}" "${extra[@]}" --tensor-parallel 2 \
+    --output "$work/$kind-tp2.json" > /dev/null || exit 1
+done
+# the comparison (JSON only: no torch import)
+python - "$work" <<'PY'
+import json, sys
+from pathlib import Path
 work, ok = Path(sys.argv[1]), True
 for kind in [k for k in ("drafter", "ngram") if (work / f"{k}-tp2.json").is_file()]:
     a, b = (json.loads((work / f"{kind}-{f}.json").read_text()) for f in ("whole", "tp2"))

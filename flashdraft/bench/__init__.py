@@ -11,8 +11,6 @@ import argparse
 import importlib
 import signal
 
-from flashdraft.train.runtime import Stopped
-
 # name -> one-line help; the benchmark's module is flashdraft.bench.<name, "-" read as "_">
 SUBBENCHES: dict[str, str] = {
     "data": "data path: seed-style HF dataset vs flashdraft shard (ready, gather+pad, plan, RSS)",
@@ -34,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from flashdraft.train.runtime import Stopped  # here: the package imports nothing heavy (bench.multi_check)
+
     doc = SUBBENCHES[args.name]
     module = importlib.import_module(f"{__name__}.{args.name.replace('-', '_')}")
     parser = argparse.ArgumentParser(prog=f"flashdraft bench {args.name}", description=doc)

@@ -7,7 +7,8 @@
     python -m flashdraft.bench.multi_check steps RUN N          # RUN's final checkpoint is step N
     python -m flashdraft.bench.multi_check same RUN_A RUN_B [RTOL]  # their final drafters are equal (to RTOL)
 
-Each check prints one ``<what>: PASS`` / ``FAIL`` line and exits non-zero on FAIL.
+Each check prints one ``<what>: PASS`` / ``FAIL`` line and exits non-zero on FAIL. torch and
+numpy are imported where a step needs them (``contexts`` reads JSON only: no 2 s torch import).
 
 CUDA contexts are read in the process itself, from the driver (``cuDevicePrimaryCtxGetState``
 per visible device), after the run: exact whatever the container's PID namespace (nvidia-smi's
@@ -22,15 +23,14 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-
 VOCAB, MASK_ID = 300, 299
 
 
 def cuda_contexts() -> list[int]:
     """The visible CUDA devices (torch's indices) on which this process holds a primary
     context; [] without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return []
     lib = ctypes.CDLL("libcuda.so.1")
@@ -51,6 +51,8 @@ def cuda_contexts() -> list[int]:
 
 def make_job(root: Path) -> None:
     """A tiny Qwen3 target (saved) and a data set of 32 random 40-token samples."""
+    import numpy as np
+
     from flashdraft.data.shards import write_token_shard
     from flashdraft.toy import tiny_causal_lm
 
@@ -103,6 +105,8 @@ def check_steps(run: Path, steps: int) -> bool:
 def check_same(a: Path, b: Path, rtol: float = 0.0) -> bool:
     """Run ``b`` (resumed) ends with the drafter of run ``a``: bitwise (``rtol`` 0: deterministic
     CPU kernels), else within ``rtol`` (GPU atomics reorder sums)."""
+    import torch
+
     (step_a, wa), (step_b, wb) = _final(a), _final(b)
     diff = max((float((wa[k].float() - wb[k].float()).abs().max()) for k in wa if k in wb), default=float("inf"))
     ok = step_a == step_b and wa.keys() == wb.keys() and all(
