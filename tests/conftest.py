@@ -210,7 +210,7 @@ def pytest_configure(config) -> None:
     threads): N workers on N cores each running 2 threads spin on each other's cores."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        threads = max(1, usable_cores() // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes this worker starts
         torch.set_num_threads(threads)
 
@@ -218,7 +218,12 @@ def pytest_configure(config) -> None:
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (addopts): a worker per core this process may use, at most 4: each worker holds
     its own fork server and session runs, and beyond 4 the engine check's one worker bounds the time."""
-    return max(1, min(len(os.sched_getaffinity(0)), 4))
+    return max(1, min(usable_cores(), 4))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, as on Linux)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @pytest.fixture

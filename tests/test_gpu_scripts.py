@@ -3,6 +3,7 @@ not spend them on a script that a renamed config field or flag has broken."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,18 @@ def run(cmd: list[str], out, **env_vars) -> subprocess.CompletedProcess:
 
 PARTS = ("prepare", "trainer_1024", "trainer_3072", "block_mask", "sinks", "deterministic", "graphs", "pipeline")
 IN_ONE_PROCESS = [part for part in PARTS if part != "deterministic"]  # deterministic: through the script below
+
+
+def test_the_script_runs_every_part_with_a_time_limit():
+    """gpu_checks.sh's default parts and its limits name exactly gpu_check's parts, in order: the
+    smoke tests run the script on two parts only, so a misspelt part there is caught here."""
+    from flashdraft.bench.gpu_check import PARTS as MODULE_PARTS
+
+    script = (REPO / "benchmarks/gpu_checks.sh").read_text()
+    limits = re.search(r"^limits=\(([^)]*)\)", script, re.M).group(1).split()
+    default = re.search(r'wanted=" \$\{PARTS:-([^}]*)\} "', script).group(1).split()
+    assert [entry.split(":")[0] for entry in limits] == default == list(MODULE_PARTS) == list(PARTS)
+    assert all(int(entry.split(":")[1]) > 0 for entry in limits)
 
 
 def test_gpu_check_parts_smoke(tmp_path):

@@ -196,6 +196,6 @@ def _run_stoppable(tmp_path, runs: list, tok, workers: int) -> tuple[list[dict],
     proc = subprocess.run([sys.executable, "-c", STOPPABLE, str(tok), str(tmp_path / f"out-{workers}"), str(workers),
                            json.dumps([[str(chats), stop_after] for chats, stop_after in runs])],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout, whatever is installed
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]], proc.stderr

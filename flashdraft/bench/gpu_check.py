@@ -5,8 +5,8 @@
 Each part returns a JSON-able dict with ``ok`` (its assertions held) and its figures, written to
 OUT/PART.json as soon as the part ends; the parts run in the order given, in this process, and
 the exit status is 0 when every one is ``ok``. The script runs each part in its own process under
-its own time limit, so a timeout loses only that part; the CPU smoke test runs them all in one,
-sparing seven interpreter starts. The parts:
+its own time limit, so a timeout loses only that part; the CPU smoke test runs most of them in
+one, sparing an interpreter start (~5 s on a small CPU) per part. The parts:
 
 - ``prepare``: the jobs the others train on, in DIR: a random-weight target at the Qwen3-8B
   widths (hidden 4096, vocab 151,936, 32 / 8 heads of 128, MLP 12,288; 6 layers, so not its

@@ -57,8 +57,8 @@ from types import SimpleNamespace
 
 import torch
 
-# at module level (only `flashdraft bench step` imports this module): the memory forks (run_point)
-# then start with everything a step needs already imported
+# at module level (the CLI imports this module only for `flashdraft bench step`): the memory
+# forks (run_point) then start with everything a step needs already imported
 from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.objective import Blocks, SelectorLoss, SlotLoss, block_labels_and_weights, default_gamma
@@ -351,7 +351,7 @@ def run_point(point: dict) -> dict:
     out-of-memory or a crash there is reported, not raised. On CPU the process is a fork of this
     one, measuring on one thread (``memory_threads``): a forked child that enters the OpenMP
     pool of a parent which has run parallel ops hangs (libgomp is not fork-safe)."""
-    if point["device"] == "cuda":
+    if torch.device(point["device"]).type != "cpu":  # CUDA (any device but the CPU): no fork
         return _in_fresh_interpreter(point)
     import multiprocessing
 
@@ -361,6 +361,7 @@ def run_point(point: dict) -> dict:
     if pid == 0:  # the child: measure, send, leave without running the parent's exit handlers
         try:
             receive.close()
+            _die_with_parent()
             _fix_mmap_threshold()
             try:  # one thread: a fork cannot use the OpenMP threads of a parent that ran ops (it hangs)
                 result = {**measure({**point, "threads": 1}), "threads": threads, "memory_threads": 1}
@@ -382,6 +383,17 @@ def run_point(point: dict) -> dict:
     if result is None:
         return {**point, "error": f"rc {os.waitstatus_to_exitcode(status)}: the measuring process died"}
     return result
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this fork when its parent dies (Linux prctl PR_SET_PDEATHSIG): a killed benchmark
+    leaves no measurement running."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux / glibc: the fork ends with its measurement
+        pass
 
 
 def _fix_mmap_threshold() -> None:
