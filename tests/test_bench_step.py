@@ -64,14 +64,15 @@ def test_the_memory_fork_of_a_process_that_ran_parallel_ops_measures_and_returns
     assert row["saved_mib"] > 0 and row["peak_mib"] >= 0 and row["memory_threads"] == 1 and row["threads"] == 2
 
 
-def bench_args(*extra: str):
+def bench_args():
+    """POINT's arguments, on 2 threads."""
     import argparse
 
     from flashdraft.bench import step as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    return parser.parse_args([*POINT[:-2], *extra])  # POINT without --threads 1
+    return parser.parse_args([*POINT, "--threads", "2"])
 
 
 def test_unknown_bench_step_variants_are_refused():

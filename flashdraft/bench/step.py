@@ -353,16 +353,15 @@ def run_point(point: dict) -> dict:
     pool of a parent which has run parallel ops hangs (libgomp is not fork-safe)."""
     if torch.device(point["device"]).type != "cpu":  # CUDA (any device but the CPU): no fork
         return _in_fresh_interpreter(point)
-    import multiprocessing
+    from multiprocessing import Pipe
 
-    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    receive, send = Pipe(duplex=False)
     threads = point["threads"] or torch.get_num_threads()
     pid = os.fork()
     if pid == 0:  # the child: measure, send, leave without running the parent's exit handlers
         try:
             receive.close()
-            _die_with_parent()
-            _fix_mmap_threshold()
+            _as_a_measuring_fork()
             try:  # one thread: a fork cannot use the OpenMP threads of a parent that ran ops (it hangs)
                 result = {**measure({**point, "threads": 1}), "threads": threads, "memory_threads": 1}
             except BaseException as exc:  # noqa: BLE001 - out of memory, a stop: the row says so
@@ -385,25 +384,18 @@ def run_point(point: dict) -> dict:
     return result
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this fork when its parent dies (Linux prctl PR_SET_PDEATHSIG): a killed benchmark
-    leaves no measurement running."""
+def _as_a_measuring_fork() -> None:
+    """Through glibc: SIGKILL this fork when its parent dies (prctl PR_SET_PDEATHSIG: a killed
+    benchmark leaves no measurement running), and fix the mmap threshold at 64 KiB
+    (MALLOC_MMAP_THRESHOLD_=65536 for a fresh interpreter: freed tensors go back to the OS, so
+    RSS follows the live ones). Elsewhere neither: the allocator's own behaviour."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux / glibc: the fork ends with its measurement
-        pass
-
-
-def _fix_mmap_threshold() -> None:
-    """glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_=65536 for a fresh
-    interpreter): freed tensors go back to the OS, so RSS follows the live ones."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: the allocator's own behaviour
+        libc = ctypes.CDLL("libc.so.6")
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
         pass
 
 
