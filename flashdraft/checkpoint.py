@@ -64,6 +64,8 @@ _REPLACED = ".replaced-"  # prefix of a step directory being replaced by a re-sa
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path."""
 
+    names_the_fix = True  # the command line reports it as one line (cli.entry)
+
 
 # --------------------------------------------------------------------------------------------
 # Generic state <-> (tensors, JSON skeleton)

@@ -23,7 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),
     "bench": ("flashdraft.bench",
               "benchmarks: flashdraft bench {data,prepare,step,train,pipeline,soak,gpu-pipeline,gpu-check} [options]"),
+    "env": ("flashdraft.cli", "the versions a bug report needs: Python, torch, the HF stack, the engine environment"),
 }
+# The packages `flashdraft env` reports, each against the range pyproject.toml declares for it.
+REPORTED = ("torch", "transformers", "tokenizers", "datasets", "pyarrow", "accelerate", "safetensors", "numpy",
+            "huggingface_hub")
 
 
 def _usage() -> str:
@@ -41,10 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from flashdraft import __version__
-
-        print(f"flashdraft {__version__}")
-        return 0
+        argv = ["env"]
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"flashdraft: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
@@ -64,7 +65,6 @@ def entry(argv: list[str] | None = None) -> int:
     the traceback of a mistake; anything else propagates as usual."""
     import os
 
-    from flashdraft.checkpoint import CheckpointError
     from flashdraft.train.runtime import Stopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -76,11 +76,77 @@ def entry(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which turns it into Stopped)
         print(f"flashdraft {command}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError) as exc:
-        if os.environ.get("FLASHDRAFT_TRACEBACK"):
+    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as exc:
+        # A RuntimeError is one line only where its class says it names the fix (``names_the_fix``:
+        # CheckpointError, target.rewind.RewindError).
+        if os.environ.get("FLASHDRAFT_TRACEBACK") or (isinstance(exc, RuntimeError)
+                                                      and not getattr(exc, "names_the_fix", False)):
             raise
         print(f"flashdraft {command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:  # `flashdraft env` takes none
+    parser.epilog = ("Paste its output into a bug report. A version outside the range flashdraft was tested on "
+                     "(pyproject.toml, docs/dependencies.md) is marked.")
+
+
+def run(args) -> int:
+    """`flashdraft env` (and `--version`): flashdraft's version and where it runs from, Python,
+    torch with its accelerator, each REPORTED package against its declared range, and the engine
+    environment's state and versions (engine.environment_versions)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    import torch
+
+    import flashdraft
+    from flashdraft.engine import environment_versions
+
+    declared = declared_ranges()
+    print(f"flashdraft {flashdraft.__version__} ({Path(flashdraft.__file__).parent})")
+    print(f"python {platform.python_version()} ({sys.executable}), {platform.system()} {platform.machine()}")
+    cuda = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+            if torch.cuda.is_available() else f"CUDA {torch.version.cuda or 'none'}, no GPU visible")
+    width = max(map(len, REPORTED))
+    for name in REPORTED:
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = None
+        mark = range_note(have, declared.get(name.lower()))
+        print(f"{name:<{width}}  {have or 'not installed'}{mark}" + (f"  ({cuda})" if name == "torch" else ""))
+    engine = environment_versions()
+    state = engine["state"] + (f": {engine['reason']}" if "reason" in engine else "")
+    print(f"engine environment (vLLM judge, its own pins): {engine['path']}: {state}")
+    for name, have in engine.get("packages", {}).items():
+        print(f"  {name:<{width}}  {have or 'not installed'}")
+    return 0
+
+
+def declared_ranges() -> dict:
+    """Each dependency flashdraft declares (its installed metadata, i.e. pyproject.toml), by
+    normalised name -> its SpecifierSet; extras' dependencies left out."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    ranges = {}
+    for spec in requires("flashdraft") or []:
+        req = Requirement(spec)
+        if req.marker is None:
+            ranges[req.name.lower().replace("-", "_")] = req.specifier
+    return ranges
+
+
+def range_note(have: str | None, wanted) -> str:
+    """How ``flashdraft env`` marks an installed version against its declared range."""
+    if wanted is None:
+        return ""
+    if have and wanted.contains(have, prereleases=True):
+        return f"  (tested: {wanted})"
+    return f"  OUTSIDE the tested range {wanted}"
 
 
 def stopped(command: str, exc) -> int:

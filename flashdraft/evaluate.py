@@ -72,10 +72,15 @@ def check_prompts_fit(prompts: list[list[int]], target_config, path, *, max_new_
 
 
 def _check_writable(path: Path) -> None:
+    """--output can be written (a file this creates to find out is removed: an empty report left
+    behind by a run that failed later would read as one)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
         with open(path, "a"):
             pass
+        if not existed:
+            path.unlink()
     except OSError as exc:
         raise ValueError(f"--output {path}: cannot write the report there ({exc.strerror or exc}); choose a "
                          "writable path") from None

@@ -111,7 +111,7 @@ class TargetShape:
 
 
 def target_config_path(target: str) -> Path:
-    from flashdraft.target import _model_dir
+    from flashdraft.target.model import _model_dir
 
     path = _model_dir(target) / "config.json"
     if not path.is_file():

@@ -34,7 +34,7 @@ import torch
 
 from flashdraft.config import MIN_TEMPERATURE
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.target import TargetModel, mark_cache, rewind_cache
+from flashdraft.target import TargetModel, check_rewind, mark_cache, rewind_cache
 
 
 @dataclass
@@ -209,6 +209,7 @@ def _draft_and_verify(target: TargetModel, prompt: list[int], max_new_tokens: in
     from (None when they are deterministic). ``on_verified(taps, accepted)`` receives the
     prefill taps (accepted None), then after each step the taps of x, d1..da (DFlash's context).
     """
+    check_rewind(target)  # once per target: a rewind that is not exact stops here, before any verdict
     eos_ids = set(eos_ids)
     device = target.device
     generator = _generator(device, sampling)

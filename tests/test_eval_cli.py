@@ -95,3 +95,27 @@ def test_sampled_eval_reports_tau_per_setting_and_is_reproducible(shallow_target
                        (["--top-k", "5"], "give a --temperature")):
         with pytest.raises(ValueError, match=match):
             main(base + bad)
+
+
+def test_eval_on_a_hybrid_target_whose_rewind_is_broken_stops_in_one_line_before_decoding(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """`flashdraft eval` runs the rewind self-check before its first decode: a rewind that forgets
+    the recurrent state (a wrong description, as a new transformers could make it) exits 2 with
+    one line naming the fix, and writes no report that could be read as a verdict."""
+    from conftest import tiny_qwen3_5
+    from flashdraft.cli import entry
+    from flashdraft.target import rewind
+
+    tiny_qwen3_5(seed=1).save_pretrained(tmp_path / "target")
+    write_prompts(tmp_path / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
+    monkeypatch.setattr(rewind, "LINEAR_STATE", tuple(f for f in rewind.LINEAR_STATE if f != "recurrent_states"))
+    monkeypatch.setattr(rewind, "LINEAR_INERT", rewind.LINEAR_INERT + ("recurrent_states",))
+    code = entry(["eval", "--target", str(tmp_path / "target"), "--baseline", "ngram", "--prompts",
+                  str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "6", "--block-size", "4", "--device", "cpu",
+                  "--output", str(tmp_path / "report.json")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("flashdraft")]  # not the loaders' progress bars
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("flashdraft eval: error: the target's KV-cache rewind is not exact on transformers")
+    assert "tested range (pyproject.toml)" in lines[0]
+    assert not (tmp_path / "report.json").exists()

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import flashdraft.target as target_mod
+import flashdraft.target.model as target_mod
 from conftest import REPO, WORKERS, free_port, overrides, read_log, results, run_ranks
 from flashdraft.checkpoint import CheckpointManager
 

@@ -5,7 +5,17 @@ import torch
 
 from conftest import VOCAB, tiny_llama, tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.target import TargetModel, crop_cache, default_target_layer_ids, mark_cache, rewind_cache
+from flashdraft.target import (
+    RewindError,
+    TargetModel,
+    UnsupportedCacheLayer,
+    cache_length,
+    check_rewind,
+    crop_cache,
+    default_target_layer_ids,
+    mark_cache,
+    rewind_cache,
+)
 
 
 def test_default_tap_ids_follow_dflash():
@@ -168,6 +178,73 @@ def test_hybrid_cache_cannot_be_cropped_so_rewinding_is_needed():
     target.forward_with_cache(ids, cache, 0)
     with pytest.raises(RuntimeError):
         crop_cache(cache, 12)
+
+
+def test_a_cache_layer_of_an_unknown_kind_is_refused_by_name():
+    """A layer class the rewind does not describe (here transformers' own StaticLayer) is refused,
+    naming the layer and its class, instead of being restored the wrong way."""
+    from transformers.cache_utils import StaticLayer
+
+    target = TargetModel(tiny_qwen3_5(seed=2), [1, 2])
+    cache = target.new_cache()
+    target.forward_with_cache(torch.randint(0, VOCAB, (1, 8)), cache, 0)
+    cache.layers[3] = StaticLayer(max_cache_len=32)
+    with pytest.raises(UnsupportedCacheLayer, match=r"cache layer 3 is a StaticLayer.*refused rather than done"):
+        mark_cache(cache)
+
+
+def test_a_linear_layer_holding_state_the_rewind_does_not_know_is_refused_by_name():
+    """transformers 5.25 added a field to LinearAttentionLayer (cumulative_length_linear) and the
+    old rewind, which restored vars() wholesale, went wrong without a word. A field that neither
+    LINEAR_STATE nor LINEAR_INERT names now stops the rewind, naming it and where to add it."""
+    target = TargetModel(tiny_qwen3_next(seed=2), [1, 2])
+    cache = target.new_cache()
+    target.forward_with_cache(torch.randint(0, VOCAB, (1, 8)), cache, 0)
+    cache.layers[0].positions_seen = torch.tensor(8)  # a future release's new state
+    with pytest.raises(UnsupportedCacheLayer, match=r"cache layer 0 \(LinearAttentionLayer, transformers .*"
+                                                   r"\['positions_seen'\].*LINEAR_STATE"):
+        mark_cache(cache)
+
+
+def test_the_cache_length_is_read_as_a_number_that_a_later_forward_cannot_move():
+    """The 5.25 break itself: DynamicCache.get_seq_length() returned the linear layers' live
+    counter, so a length kept at the mark grew with the verification forward."""
+    target = TargetModel(tiny_qwen3_5(seed=2), [1, 2])
+    cache = target.new_cache()
+    target.forward_with_cache(torch.randint(0, VOCAB, (1, 8)), cache, 0)
+    mark = mark_cache(cache)
+    target.forward_with_cache(torch.randint(0, VOCAB, (1, 5)), cache, 8)
+    assert (mark.length, cache_length(cache)) == (8, 13) and type(mark.length) is int
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_qwen3_5, tiny_qwen3_next],
+                         ids=["qwen3", "qwen3_5-hybrid", "qwen3_next-hybrid"])
+def test_the_rewind_self_check_passes_once_per_target(build):
+    target = TargetModel(build(seed=2), [1, 2])
+    assert not getattr(target, "rewind_checked", False)
+    check_rewind(target)
+    assert target.rewind_checked
+
+
+def test_a_rewind_broken_on_purpose_is_refused_before_anything_is_decoded(monkeypatch):
+    """The self-check in front of every decode: a rewind that forgets the recurrent state (its
+    field moved to the inert list, as a wrong description would) is refused by RewindError
+    with the size of the error, and the drafter never runs."""
+    from conftest import make_drafter
+    from flashdraft.speculative import speculative_generate
+    from flashdraft.target import rewind
+
+    monkeypatch.setattr(rewind, "LINEAR_STATE", tuple(f for f in rewind.LINEAR_STATE if f != "recurrent_states"))
+    monkeypatch.setattr(rewind, "LINEAR_INERT", rewind.LINEAR_INERT + ("recurrent_states",))
+    target = TargetModel(tiny_qwen3_5(seed=2), [1, 2])
+    drafter = make_drafter(target, num_layers=1, block_size=4)
+    calls = []
+    monkeypatch.setattr(drafter, "forward_block", lambda *a, **k: calls.append(a))
+    with pytest.raises(RewindError, match=r"rewind is not exact on transformers .* differs from one that never saw "
+                                          r"the rejected tokens \(layer 0 \(LinearAttentionLayer\) 'recurrent_states'"
+                                          r"(\]\[0)?: off by \S+ \(allowed .*not be lossless"):
+        speculative_generate(target, drafter, [1, 2, 3, 4, 5], 8)
+    assert calls == [] and not getattr(target, "rewind_checked", False)
 
 
 def test_drafter_of_a_hybrid_target_rotates_every_head_dim_as_its_config_says():

@@ -83,7 +83,7 @@ def test_a_rank_lost_in_a_target_group_fails_the_job_with_a_named_error(tiny_job
 
 
 def test_a_group_size_the_heads_do_not_divide_is_refused_with_the_sizes_that_fit():
-    from flashdraft.target import _check_divisible
+    from flashdraft.target.model import _check_divisible
     from flashdraft.toy import causal_lm_config
 
     config = causal_lm_config(VOCAB, arch="qwen3_moe", num_heads=8, num_kv_heads=2)

@@ -95,7 +95,7 @@ def check_drafter_sizes(cfg: Config, device=None) -> None:
         return
     from transformers import AutoConfig
 
-    from flashdraft.target import _model_dir
+    from flashdraft.target.model import _model_dir
 
     target = AutoConfig.from_pretrained(_model_dir(cfg.model.target), trust_remote_code=cfg.model.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target

@@ -12,7 +12,6 @@ import inspect
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -356,91 +355,3 @@ class TargetModel(nn.Module):
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Crop a DynamicCache to its first ``length`` positions, whatever crop()'s convention.
-
-    transformers 4.x takes the length to keep; 5.x takes ``tokens_to_remove`` as a NEGATIVE
-    count (a positive value raises in some releases). The parameter's name tells which; the
-    result is checked, so a new convention fails loudly instead of corrupting decoding.
-    """
-    current = cache.get_seq_length()
-    if length >= current:
-        return
-    names = list(inspect.signature(cache.crop).parameters)
-    if names and names[0] == "tokens_to_remove":
-        try:
-            cache.crop(length - current)
-        except ValueError:
-            cache.crop(current - length)
-    else:
-        cache.crop(length)
-    if cache.get_seq_length() != length:
-        raise RuntimeError(f"DynamicCache.crop left {cache.get_seq_length()} positions, expected {length}")
-
-
-def _crop_layer(layer, length: int) -> None:
-    """Crop one attention layer of a cache to ``length`` positions (5.x: a negative count)."""
-    current = layer.get_seq_length()
-    if length < current:
-        layer.crop(length - current)
-    if layer.get_seq_length() != length:
-        raise RuntimeError(f"{type(layer).__name__}.crop left {layer.get_seq_length()} positions, expected {length}")
-
-
-def _is_recurrent(layer) -> bool:
-    """A cache layer with fixed-size state that every forward overwrites in place (the conv and
-    recurrent states of linear attention: Qwen3-Next / Qwen3.5 gated delta nets, Mamba-style
-    layers). Such a state cannot be cropped back to an earlier position."""
-    return hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
-
-
-def _copy_state(value):
-    if torch.is_tensor(value):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _copy_state(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy_state(v) for v in value]
-    return value
-
-
-@dataclass
-class CacheMark:
-    """A decoding cache's state before a verification forward (see mark_cache)."""
-
-    length: int  # positions cached at the mark
-    states: dict[int, dict]  # recurrent layer index -> a copy of that layer's attributes
-
-
-def mark_cache(cache: DynamicCache) -> CacheMark:
-    """Remember what ``rewind_cache`` needs to undo the next forward: the length, which is all an
-    attention-only cache needs (it is cropped), and a copy of every recurrent layer's state
-    (conv / recurrent states are a few MB per layer, whatever the context length)."""
-    layers = getattr(cache, "layers", [])
-    return CacheMark(cache.get_seq_length(),
-                     {i: _copy_state(vars(layer)) for i, layer in enumerate(layers) if _is_recurrent(layer)})
-
-
-def rewind_cache(target: TargetModel, cache: DynamicCache, mark: CacheMark, kept: list[int]) -> None:
-    """Leave ``cache`` as if only ``kept`` had been fed after ``mark`` (a verification keeps the
-    accepted prefix of the tokens it ran on).
-
-    Attention-only caches are cropped. A hybrid target's recurrent layers hold one state for the
-    last position, so they are restored to the mark and the target runs again over ``kept``
-    (one extra forward of at most a block's tokens, only when a draft was rejected); its
-    attention layers are cropped back to the mark first. Exact: the result equals a cache that
-    never saw the rejected tokens (tests/test_target.py)."""
-    length = mark.length + len(kept)
-    if cache.get_seq_length() == length:  # everything fed since the mark is kept
-        return
-    if not mark.states:
-        crop_cache(cache, length)
-        return
-    for i, layer in enumerate(cache.layers):
-        if i in mark.states:
-            vars(layer).update(mark.states.pop(i))  # the mark is spent: its copies become the state
-        else:
-            _crop_layer(layer, mark.length)
-    target.forward_with_cache(torch.tensor([kept], device=target.device), cache, mark.length)
