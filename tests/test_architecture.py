@@ -98,6 +98,23 @@ def test_the_feed_never_imports_the_trainer():
     assert not found, found
 
 
+def test_the_trainer_sees_the_feed_through_its_face_only():
+    """One builder picks the topology (feed.open_feed / feed.serve): nothing in flashdraft.train
+    imports a module of flashdraft.feed, only the package's face (its ``__all__``)."""
+    import flashdraft.feed
+
+    graph = import_graph()
+    inside = [edge for edge in imports_of(graph, "flashdraft.train", "flashdraft.feed")
+              if not edge.endswith(" imports flashdraft.feed")]
+    assert not inside, inside
+    for name, tree in _modules().items():
+        if name.startswith("flashdraft.train"):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "flashdraft.feed":
+                    names = {a.name for a in node.names}
+                    assert names <= set(flashdraft.feed.__all__), (name, names)
+
+
 def test_the_feed_check_sees_function_level_and_type_checking_imports():
     modules = {"flashdraft.feed.x": None, "flashdraft.train": None, "flashdraft.train.runtime": None,
                "flashdraft.metrics": None}

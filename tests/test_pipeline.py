@@ -16,6 +16,7 @@ from conftest import overrides
 from flashdraft.checkpoint import CheckpointManager
 from flashdraft.config import load_config
 from flashdraft.feed.flow import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage, thread_device
+from flashdraft.feed.stages import FeatureStages
 from flashdraft.metrics import EventMeter, MeterTotals, StageTimer
 from flashdraft.train.runtime import Stopped
 from flashdraft.train.trainer import Trainer
@@ -341,37 +342,38 @@ def test_pipelined_trainer_equals_sequential(tiny_job, tmp_path):  # noqa: F811
 
 class Faulty:
     """Makes one stage of ``trainer`` raise at step 3 (after the step-2 checkpoint), by wrapping
-    that stage's function on the trainer's own parts."""
+    that stage's function: the feed's stages (FeatureStages, which the feed builds: patched on
+    the class with ``monkeypatch``) or the trainer's step."""
 
     raised_at = 0.0
 
-    def __init__(self, trainer, fail_in: str):
+    def __init__(self, trainer, fail_in: str, monkeypatch):
         self.trainer, self.fail_in, self.target_calls = trainer, fail_in, 0
-        stages, step_fn = trainer.stages, trainer.step_fn
+        step_fn = trainer.step_fn
         if fail_in == "data":
-            step_inputs = stages.step_inputs
+            step_inputs = FeatureStages.step_inputs
 
-            def faulty_step_inputs(sampler, pool, num_steps):
-                for n, item in enumerate(step_inputs(sampler, pool, num_steps)):
+            def faulty_step_inputs(stages, sampler, pool, num_steps):
+                for n, item in enumerate(step_inputs(stages, sampler, pool, num_steps)):
                     if n == 5:
                         while trainer.step < 3:  # the data thread runs ahead: fail once step 2 is checkpointed
                             time.sleep(0.005)
                         self._boom("data")
                     yield item
 
-            stages.step_inputs = faulty_step_inputs
+            monkeypatch.setattr(FeatureStages, "step_inputs", faulty_step_inputs)
         elif fail_in == "target":
-            forward = stages.forward
+            forward = FeatureStages.forward
 
-            def faulty_forward(item):
+            def faulty_forward(stages, item):
                 if self.target_calls == 3:
                     while trainer.step < 3:  # the target thread runs ahead too: fail once step 2 is checkpointed
                         time.sleep(0.005)
                     self._boom("target")
                 self.target_calls += 1
-                return forward(item)
+                return forward(stages, item)
 
-            stages.forward = faulty_forward
+            monkeypatch.setattr(FeatureStages, "forward", faulty_forward)
         else:
             def faulty_step(micro, step, position, stats):
                 if step == 3:
@@ -386,10 +388,11 @@ class Faulty:
 
 
 @pytest.mark.parametrize("stage", ["data", "target", "drafter"])
-def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage):  # noqa: F811
+def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage,  # noqa: F811
+                                                                           monkeypatch):
     out = tmp_path / "run"
     trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, train__save_every=2)))
-    Faulty(trainer, stage)
+    Faulty(trainer, stage, monkeypatch)
     with pytest.raises(RuntimeError, match=f"injected {stage} failure") as info:
         trainer.fit()
     assert time.monotonic() - Faulty.raised_at < 2

@@ -1,6 +1,8 @@
 """The feature producer: everything that makes a training step's inputs, up to the frozen
-target's features, behind one object the trainer iterates (``steps.Feed``).
+target's features, behind one object the trainer iterates (``Feed``).
 
+    __init__.py       open_feed / serve: the builders that pick a rank's placement
+    topology.py       Topology: threading, warm-up and the link's step header, decided once per job
     steps.py          StepInput / Micro (what a step consumes) and Feed (items, done, metrics, report, close)
     stages.py         FeatureStages: data -> h2d -> target forward (+ feature cache)
     cache.py          the byte-bounded cache of target features reused across epochs
@@ -9,5 +11,46 @@ target's features, behind one object the trainer iterates (``steps.Feed``).
     wire.py           the feature links' messages: kinds, the step header, HELLO, dtypes
     flow.py           the engine: threads, bounded channels, CUDA streams and events, buffer pools
 
-Nothing here imports flashdraft.train: the trainer consumes a Feed, never the other way round.
+This face is all the trainer sees (tests/test_architecture.py): ``open_feed``, ``serve``, ``Feed``,
+what a Feed yields and what it reports. Nothing here imports flashdraft.train.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flashdraft.config import Config
+from flashdraft.feed.cache import CacheStats
+from flashdraft.feed.colocated import ColocatedFeed
+from flashdraft.feed.disaggregated import DrafterFeed, serve_features
+from flashdraft.feed.flow import PipelineReport
+from flashdraft.feed.stages import FeatureStages
+from flashdraft.feed.steps import Feed, ListFeed, Micro, StepInput
+from flashdraft.feed.topology import Topology
+
+if TYPE_CHECKING:
+    from flashdraft.data.batching import BatchSampler
+    from flashdraft.distributed import Dist
+
+__all__ = ["CacheStats", "Feed", "ListFeed", "Micro", "PipelineReport", "StepInput", "open_feed", "serve"]
+
+
+def open_feed(config: Config, dist: Dist, *, target, dataset, sampler: BatchSampler, start_step: int,
+              total_steps: int, timer, stop) -> Feed:
+    """A training rank's Feed of the steps ``start_step`` .. ``total_steps``: its own data and target
+    stages (colocated), or the link to its target rank (a disaggregated drafter rank, whose
+    ``target`` holds the embedding and head only). ``sampler``: this rank's batch plan, at the
+    resumed cursor; ``timer``: the main thread's StageTimer; ``stop``: the run's GracefulStop."""
+    topology = Topology.of(config, dist)
+    if dist.role == "drafter":
+        return DrafterFeed(topology.header, dist, timer, sampler, start_step, total_steps, stop)
+    stages = FeatureStages(config, dataset, target, dist.device, timer)
+    topology.prepare(stages, total_steps - start_step)
+    return ColocatedFeed(stages, sampler, total_steps - start_step, topology.threaded, dist)
+
+
+def serve(config: Config, dist: Dist, *, target, dataset, timer, stop) -> dict:
+    """A disaggregated target rank's whole run: serve its drafter ranks their steps (the result
+    of ``serve_features``)."""
+    topology = Topology.of(config, dist)
+    return serve_features(FeatureStages(config, dataset, target, dist.device, timer), dist, topology, stop)

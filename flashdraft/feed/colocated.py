@@ -26,12 +26,11 @@ class ColocatedFeed(Feed):
     ``serve_features`` runs a sharded target inline for the same reason). Closing joins every
     thread, then closes the feature cache (its final counters: ``cache_stats``)."""
 
-    def __init__(self, stages: FeatureStages, sampler: BatchSampler, num_steps: int, dist: Dist):
+    def __init__(self, stages: FeatureStages, sampler: BatchSampler, num_steps: int, threaded: bool, dist: Dist):
+        """``threaded``: the stages run on threads of their own (feed.topology decides, and warms
+        the target up first)."""
         pcfg = stages.config.pipeline
-        threaded = pcfg.enabled and dist.tensor_size == 1
         pool = stages.buffer_pool()
-        if threaded and num_steps > 0:
-            stages.warm_up()
         stages.open_cache(dist.is_main, dist.world_size)
         self.stages, self._final_cache = stages, None
         super().__init__(Pipeline(stages.step_inputs(sampler, pool, num_steps), [stages.target_stage()],

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashdraft import distributed
-from flashdraft.config import Config
 from flashdraft.data.batching import BatchSampler, batch_sampler
 from flashdraft.data.collate import Batch
 from flashdraft.feed.flow import BufferPool, Pipeline, Stage, Watcher
@@ -55,6 +54,7 @@ from flashdraft.feed.wire import (
 
 if TYPE_CHECKING:
     from flashdraft.distributed import Dist
+    from flashdraft.feed.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,12 @@ class DrafterFeed(Feed):
     drain up to END, or ABORT when the consumer failed. ``stop``: the run's stop request (a GracefulStop),
     which a signal passed on by the target rank sets."""
 
-    def __init__(self, config: Config, dist: Dist, device: torch.device, timer, sampler: BatchSampler,
-                 start_step: int, total_steps: int, stop):
-        self.link = _DrafterLink(Header(config.train.grad_accum, config.data.max_batch_size), dist, device, timer,
-                                 stop)
+    def __init__(self, header: Header, dist: Dist, timer, sampler: BatchSampler, start_step: int, total_steps: int,
+                 stop):
+        """``header``: the link's step header (feed.topology.Topology)."""
+        self.link = _DrafterLink(header, dist, dist.device, timer, stop)
         self.link.hello(sampler.state_dict(), start_step, total_steps)
-        pool = BufferPool([[]], device)  # received tensors are fresh per step: the slot only paces
+        pool = BufferPool([[]], dist.device)  # received tensors are fresh per step: the slot only paces
         super().__init__(Pipeline(self.link.steps(pool, total_steps - start_step), [], capacity=1, threaded=False,
                                   source_name="recv", pools=[pool]), pool)
 
@@ -185,7 +185,7 @@ class _DrafterLink:
 # ---- target ranks ------------------------------------------------------------------------------
 
 
-def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
+def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, stop=None) -> dict:
     """Target rank: run the data and target stages for each served drafter rank and send every
     step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
 
@@ -198,21 +198,18 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
     logs the whole run's stage split."""
     cfg = stages.config
     sends = dist.tensor_rank == 0  # a tensor-parallel target group: its first rank talks, the others mirror it
-    links = _hello_links(cfg, stages, dist)
+    links = _hello_links(topology.header, stages, dist)
     num_steps = links[0].num_steps
     if any(link.num_steps != num_steps for link in links):
         raise RuntimeError(f"target rank {dist.global_rank}: its drafter ranks asked for different step counts "
                            f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
-    # A sharded target's ranks must run the same forwards and stop after the same one: inline
-    # (a read-ahead forward one rank started and another did not would wait for the timeout).
-    threaded = cfg.pipeline.enabled and dist.tensor_size == 1
     pool = stages.buffer_pool(extra_slots=cfg.pipeline.capacity * len(links))  # + the steps links hold unreceived
-    if threaded and num_steps > 0:
-        stages.warm_up()
+    topology.prepare(stages, num_steps)
     target = Stage("target", lambda pair: (pair[0], stages.forward(pair[1])), device=stages.device,
                    h2d=lambda pair: (pair[0], stages.h2d(pair[1])))
     pipe = Pipeline(_step_inputs(stages, links, pool, num_steps), [target], capacity=cfg.pipeline.capacity,
-                    threaded=threaded, consumer_name="send", pools=[pool], join_timeout_s=cfg.pipeline.join_timeout_s)
+                    threaded=topology.threaded, consumer_name="send", pools=[pool],
+                    join_timeout_s=cfg.pipeline.join_timeout_s)
     sent, stopped_early = 0, False  # steps sent to every link
     try:
         # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP):
@@ -258,19 +255,19 @@ def serve_features(stages: FeatureStages, dist: Dist, stop=None) -> dict:
     return {"steps": sent, "stopped": stopped_early}
 
 
-def _hello_links(config: Config, stages: FeatureStages, dist: Dist) -> list[_TargetLink]:
+def _hello_links(header: Header, stages: FeatureStages, dist: Dist) -> list[_TargetLink]:
     """The links of this rank's drafter ranks, their HELLOs received. In a tensor-parallel
     target group the first rank receives them and passes them on to the others, whose links
     only plan (they send nothing): every rank of the group runs the same batches."""
     if dist.tensor_size == 1:
-        links = [_TargetLink(config, stages, d) for d in dist.peers]
+        links = [_TargetLink(header, stages, d) for d in dist.peers]
         for link in links:
             link.start(link.receive_hello())
         return links
     device = stages.device  # NCCL groups take no host tensors
     count = int(distributed.target_group_broadcast(torch.tensor([len(dist.peers)], device=device)).item())
-    links = [_TargetLink(config, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
-        [_TargetLink(config, stages, None) for _ in range(count)]
+    links = [_TargetLink(header, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
+        [_TargetLink(header, stages, None) for _ in range(count)]
     hellos = torch.stack([link.receive_hello() for link in links]).to(device) if dist.tensor_rank == 0 else \
         torch.empty(count, HELLO_SIZE, dtype=torch.int64, device=device)
     for link, msg in zip(links, distributed.target_group_broadcast(hellos).cpu()):
@@ -299,12 +296,11 @@ def _step_inputs(stages: FeatureStages, links: list[_TargetLink], pool: BufferPo
 class _TargetLink:
     """A target rank's end of its link to one drafter rank (main thread only)."""
 
-    def __init__(self, config: Config, stages: FeatureStages, peer: int | None):
+    def __init__(self, header: Header, stages: FeatureStages, peer: int | None):
         """``peer`` None: a mirror, on a rank of a tensor-parallel target group that computes
         the features its group's first rank sends (it plans the same batches, sends nothing)."""
-        self.config, self.stages, self.peer = config, stages, peer
-        self.capacity = config.pipeline.capacity
-        self.header = Header(config.train.grad_accum, config.data.max_batch_size)
+        self.config, self.stages, self.peer, self.header = stages.config, stages, peer, header
+        self.capacity = stages.config.pipeline.capacity
         self.pending: deque = deque()  # (transfers, item, header) sent but not yet received, oldest first
         self.control = torch.zeros(1, dtype=torch.int64)  # on the control channel: host memory
         self.control_watch: Watcher | None = None  # the wait for the drafter rank's control message

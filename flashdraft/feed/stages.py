@@ -3,7 +3,7 @@
     data (plan + collate into pooled pinned buffers)  ->  h2d  ->  target forward (+ feature cache)
 
 :class:`FeatureStages` holds what these stages share (the dataset, the frozen target, the
-feature cache, the lock that serialises target forwards) and gives each stage as a plain
+feature cache) and gives each stage as a plain
 method; the placements (flashdraft.feed.colocated, flashdraft.feed.disaggregated) wire them
 into a Pipeline (flashdraft.feed.flow), which owns the threads. Each stage runs exactly once per
 micro-batch.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -35,9 +34,6 @@ class FeatureStages:
 
     def __init__(self, config: Config, dataset, target, device: torch.device, timer):
         self.config, self.dataset, self.target, self.device, self.timer = config, dataset, target, device, timer
-        # Serialises target forwards across threads: training forwards (target thread) vs eval
-        # (main thread). Its hooks are per-module, and Triton autotuners (fla) are not thread-safe.
-        self.target_lock = threading.Lock()
         self.cache: FeatureCache | None = None  # open while a colocated feed runs (open_cache / close_cache)
 
     def buffer_pool(self, extra_slots: int = 0) -> BufferPool:
@@ -95,7 +91,7 @@ class FeatureStages:
         ColocatedFeed), never one over the job."""
         op = "tensor-parallel target forward (a rank of this target group died or hung)"
         for m in item.micro:
-            with self.target_lock, self.timer.stage("target"), distributed.collective_errors(op):
+            with self.target.lock, self.timer.stage("target"), distributed.collective_errors(op):
                 if m.cached is not None:  # the cache's rows; the target runs on the rest, if any
                     m.features = self.cache.complete(m.cached, self.target, m.device_batch, m.sample_ids,
                                                      m.batch.lengths)
@@ -110,10 +106,10 @@ class FeatureStages:
     def warm_up(self) -> None:
         """One target forward on this thread before the target thread starts: kernel autotuning
         (Triton / flash-linear-attention autotuners are not thread-safe) and lazy init happen
-        here, serially. Later forwards are also serialised by ``target_lock``."""
+        here, serially. Later forwards are also serialised by the target's ``lock``."""
         n = int(min(self.dataset.lengths.max(), 64))
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-        with self.target_lock:
+        with self.target.lock:
             self.target.features(ids, torch.ones_like(ids))
 
     # ---- the feature cache -----------------------------------------------------------------

@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from flashdraft.data.collate import Batch, CollateBuffers
+from flashdraft.feed.flow import BufferPool, Pipeline
 
 if TYPE_CHECKING:
     from flashdraft.feed.cache import CacheLookup, CacheStats
-    from flashdraft.feed.flow import BufferPool, Pipeline, PipelineReport
+    from flashdraft.feed.flow import PipelineReport
 
 
 @dataclass
@@ -113,3 +114,19 @@ class Feed:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc)
+
+
+class ListFeed(Feed):
+    """A Feed of given step inputs whose micro-batches already hold their device tensors and
+    features (``device_batch``, ``device_ids``, ``features``): no target, no thread. The loop and
+    the step can be driven by it in a test, and it is the Feed protocol at its simplest."""
+
+    def __init__(self, items: list[StepInput], device: torch.device | str = "cpu"):
+        pool = BufferPool([item.slot for item in items], device)
+        super().__init__(Pipeline(self._items(items, pool), [], threaded=False, pools=[pool]), pool)
+
+    @staticmethod
+    def _items(items: list[StepInput], pool):
+        for item in items:
+            pool.acquire()  # each item's slot goes back with done(): the source paces like a placement's
+            yield item

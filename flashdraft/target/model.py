@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -231,6 +232,10 @@ class TargetModel(nn.Module):
             self.embed = _replicated(self.embed, nn.Embedding)
             self.lm_head = _replicated(self.lm_head, nn.Linear)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # Held around every forward run from more than one thread (the feed's target thread, the
+        # eval on the main thread): forward hooks are per module, and Triton autotuners (fla) are
+        # not thread-safe.
+        self.lock = threading.Lock()
 
     @classmethod
     def from_pretrained(

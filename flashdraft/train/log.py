@@ -9,7 +9,7 @@ from dataclasses import asdict
 import torch
 
 from flashdraft import distributed
-from flashdraft.feed.cache import CacheStats
+from flashdraft.feed import CacheStats
 from flashdraft.metrics import Progress, Throughput, format_line, open_metrics, peak_memory_bytes
 from flashdraft.train.step import StepStats
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import signal
 
+from flashdraft import feed
 from flashdraft.config import Config
 from flashdraft.distributed import Dist
-from flashdraft.feed.disaggregated import serve_features
-from flashdraft.feed.stages import FeatureStages
 from flashdraft.metrics import StageTimer
 from flashdraft.train import checks, startup
 from flashdraft.train.runtime import GracefulStop, Stopped
@@ -30,9 +29,8 @@ class TargetRank:
         startup.check_run(cfg, device)
         target = startup.load_target(cfg, dist)
         mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
-        data = startup.open_data(cfg, dist, target, mask_token_id)
+        self.target, self.dataset = target, startup.open_data(cfg, dist, target, mask_token_id).dataset
         startup.meet()  # where the drafter ranks meet it, once they have built their parts
-        self.stages = FeatureStages(cfg, data.dataset, target, device, StageTimer(device, owner_only=True))
 
     def serve(self) -> dict:
         """Serve the drafter ranks; returns ``{"steps": steps sent to each drafter rank,
@@ -41,7 +39,8 @@ class TargetRank:
         # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP);
         # this rank passes it on and keeps serving until they do.
         with GracefulStop() as stop:
-            result = serve_features(self.stages, self.dist, stop)
+            result = feed.serve(self.config, self.dist, target=self.target, dataset=self.dataset,
+                                timer=StageTimer(self.dist.device, owner_only=True), stop=stop)
         if result["stopped"]:
             raise Stopped(stop.signum or signal.SIGTERM,
                           f"target rank {self.dist.global_rank} stopped after {result['steps']} steps (a stop "

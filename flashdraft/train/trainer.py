@@ -31,10 +31,7 @@ from flashdraft.data.batching import batch_sampler, steps_left
 from flashdraft.distributed import Dist
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.dflash2 import DFlash2Modules
-from flashdraft.feed.colocated import ColocatedFeed
-from flashdraft.feed.disaggregated import DrafterFeed
-from flashdraft.feed.stages import FeatureStages
-from flashdraft.feed.steps import Feed
+from flashdraft.feed import Feed, open_feed
 from flashdraft.metrics import StageTimer
 from flashdraft.objective import default_gamma
 from flashdraft.train import checks, startup
@@ -47,8 +44,7 @@ from flashdraft.train.target_rank import TargetRank
 from flashdraft.train.validation import Validator
 
 if TYPE_CHECKING:
-    from flashdraft.feed.cache import CacheStats
-    from flashdraft.feed.flow import PipelineReport
+    from flashdraft.feed import CacheStats, PipelineReport
     from flashdraft.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -120,13 +116,12 @@ class Trainer:
         model = self._wrap(self.drafter)
         self.timer = StageTimer(self.device, owner_only=True)  # main thread; the feed reports the rest
         self.autocast = autocast_for(self.device, self.target.dtype)
-        self.stages = FeatureStages(cfg, self.dataset, self.target, self.device, self.timer)
         self.stop = GracefulStop()  # its handlers are installed while the loop runs (_fit)
         self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
                                    self.timer, self.autocast, self.dist.world_size,
                                    (self.dist.tensor_rank, self.dist.tensor_size), stop=self.stop)
         self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
-                                   self.device, self.autocast, self.stages.target_lock, self.dist.is_main,
+                                   self.device, self.autocast, self.target.lock, self.dist.is_main,
                                    runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.feed: Feed | None = None  # this run's, once fit starts
         self.log: TrainLog | None = None
@@ -283,11 +278,8 @@ class Trainer:
         """The remaining steps' inputs from this rank's placement (kept for the run's report)."""
         state = self.state
         state.cursor = self.sampler.state_dict()  # before the data thread moves the sampler
-        if self.dist.role == "drafter":
-            self.feed = DrafterFeed(self.config, self.dist, self.device, self.timer, self.sampler, state.step,
-                                    self.total_steps, stop)
-        else:
-            self.feed = ColocatedFeed(self.stages, self.sampler, self.total_steps - state.step, self.dist)
+        self.feed = open_feed(self.config, self.dist, target=self.target, dataset=self.dataset, sampler=self.sampler,
+                              start_step=state.step, total_steps=self.total_steps, timer=self.timer, stop=stop)
         return self.feed
 
     def _stop_agreed(self, stop: GracefulStop) -> int:
