@@ -308,8 +308,8 @@ def dflash_loss(
     if not slot_loss.plain:
         slots = shape[2] - skip
 
-        def rows_fn(ce: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # rows [B * N blocks, slots], block-major
-            return slot_loss.rows(ce, w, slots)
+        def rows_fn(base: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return slot_loss.rows(base, w, slots)  # rows [B * N blocks, slots], block-major; base is the CE here
     top_k = selector.top_k if selector is not None and selector_loss is not None else 0
     total, correct, ce, top = head_ce(h, head_weight, y, w, chunk_size, rows_fn, top_k,
                                       top_k and selector_loss.stop_gradient)
