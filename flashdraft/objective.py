@@ -50,6 +50,21 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
     return (c.double() @ suffix).float() * valid
 
 
+def accept_until_fail(correct: torch.Tensor, scored: torch.Tensor, factor: float = 0.0) -> torch.Tensor:
+    """Accept-until-fail weights [blocks, n] (detached, float32) of each block's slots from their
+    correctness (the drafter's argmax equals the label) and scored-ness, [blocks, n] bool.
+
+    At serving time a slot after the block's first rejected draft is never accepted, whatever it
+    predicts: its loss teaches nothing that decoding will use. So each scored slot strictly after
+    the block's first scored miss weighs ``factor`` (0: dropped), every other slot 1; the miss
+    itself keeps its weight (it is the slot that ended the block). Unscored slots do not end a
+    block (they weigh 0 in the loss anyway). (Spec-AUF, arXiv 2607.01893.)"""
+    misses = (scored & ~correct).to(torch.int32)
+    after_first_miss = (misses.cumsum(-1) - misses) > 0
+    return torch.where(after_first_miss, torch.full_like(correct, factor, dtype=torch.float32),
+                       torch.ones_like(correct, dtype=torch.float32))
+
+
 @dataclass(frozen=True)
 class SlotLoss:
     """What each scored slot contributes, from its CE against the hard label (DFLASH2.md 5.1):

@@ -329,3 +329,16 @@ def test_the_steps_blocks_carry_no_more_rows_than_the_plan_assumed(data, num_anc
         assert blk.input_ids.shape[:2].numel() * block_size <= rows.budget
         eligible = torch.tensor([int(masks[i][: max(0, lengths[i] - 1)].sum()) for i in batch.tolist()])
         assert blk.valid.sum(1).tolist() == torch.clamp(eligible, max=num_anchors).tolist()
+
+
+def test_accept_until_fail_drops_the_slots_after_a_blocks_first_miss():
+    """Constructed blocks, weights by hand: all right, the first slot wrong, a middle slot wrong,
+    an unscored miss (it does not end the block) and a factor instead of 0."""
+    from flashdraft.objective import accept_until_fail
+
+    T, F_ = True, False
+    correct = torch.tensor([[T, T, T, T], [F_, T, T, T], [T, T, F_, T], [T, F_, T, F_]])
+    scored = torch.tensor([[T, T, T, T], [T, T, T, T], [T, T, T, T], [T, F_, T, T]])
+    assert accept_until_fail(correct, scored).tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert accept_until_fail(correct, scored, 0.25).tolist() == [[1, 1, 1, 1], [1, .25, .25, .25], [1, 1, 1, .25],
+                                                                 [1, 1, 1, 1]]
