@@ -200,7 +200,7 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
     trainer = Trainer(config)
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
     layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
-    blocks, steps, make_blocks = [], [], trainer.step_fn.blocks
+    blocks, steps, make_blocks = [], [], trainer.strategy.blocks
 
     def counted(micro, step, position):  # made once per optimizer step, before the step's vote
         ids = sorted(int(i) for m in micro for i in m.sample_ids)
@@ -211,7 +211,7 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
         blocks.append(int(sum(int(b.valid.sum()) for b in made)))  # the valid anchored blocks this rank trains on
         return made
 
-    trainer.step_fn.blocks = counted
+    trainer.strategy.blocks = counted
     stopped = False
     try:
         trainer.fit(on_step=check)
