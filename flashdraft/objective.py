@@ -266,6 +266,12 @@ class LossOutput:
     selector_total: torch.Tensor | None = None  # DFlash2: the selector term's sum, detached, before its alpha
     recall: torch.Tensor | None = None  # DFlash2: [B, N, bs] bool, the label among the slot's candidates
 
+    @property
+    def terms_total(self) -> torch.Tensor:
+        """Every term's detached sum added up (DFlash2's selector term before its alpha): finite
+        exactly when each term is (scalar, on the device)."""
+        return self.total if self.selector_total is None else self.total + self.selector_total
+
     def position_accuracy(self) -> torch.Tensor:
         """[bs - 1] accuracy of slots 1..bs-1 over scored slots (stays on device)."""
         hits = (self.correct & self.scored).flatten(0, 1).sum(0)[1:].float()

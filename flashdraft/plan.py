@@ -34,7 +34,7 @@ import logging
 import math
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -175,7 +175,7 @@ def anchors_per_pass(cfg: Config, seq_len: int) -> int:
 
 
 class _HeadsStub:
-    """The target's embedding and LM head as the step reads them (train/step.py ``forward_loss``);
+    """The target's embedding and LM head as the step reads them (train/strategy.py ``forward_loss``);
     plain tensors, not modules, so the tracker counts their outputs but not their weights (the
     target's, counted with it)."""
 
@@ -327,8 +327,10 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
     from flashdraft.drafter.attention import resolve_attention
     from flashdraft.objective import Blocks, SelectorLoss, SlotLoss
     from flashdraft.target import resolve_dtype
+    from flashdraft.train.backend import Backend
     from flashdraft.train.optim import build_optimizer
     from flashdraft.train.step import forward_backward
+    from flashdraft.train.strategy import freeze_untrained, strategy_for
 
     dev = torch.device(device)
     dtype = resolve_dtype(cfg.model.dtype, dev)
@@ -344,8 +346,7 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
     with FakeTensorMode(allow_non_fake_inputs=False), _attention_stand_in(impl):
         drafter = DFlashDrafter(config, attention=cfg.model.drafter_attention,
                                 activation_checkpointing=cfg.model.activation_checkpointing)
-        if drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
-            drafter.candidate_selector.requires_grad_(False)
+        freeze_untrained(drafter, cfg.objective)
         heads = _HeadsStub(shape.vocab, shape.hidden, dtype, host)
         optimizer, _ = build_optimizer(drafter.parameters(), cfg.optim, 10, dev)
         trainable = [p for p in drafter.parameters() if p.requires_grad]
@@ -367,8 +368,9 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
             blocks = Blocks(torch.zeros(batch, anchors, dtype=torch.long, device=host),
                             torch.ones(batch, anchors, dtype=torch.bool, device=host), ids, ids,
                             torch.ones(batch, anchors, bs, device=host), SlotLoss.of(cfg.objective), selector)
-            forward_backward(drafter, heads, features, blocks, chunk_size=cfg.objective.loss_chunk_size,
-                             autocast=autocast)
+            # one pass of ``anchors`` blocks (anchors_per_pass has applied objective.anchors_per_microbatch)
+            strategy = strategy_for(drafter, heads, replace(cfg.objective, anchors_per_microbatch=0))
+            forward_backward(strategy, Backend(drafter), features, blocks, autocast=autocast)
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -200,7 +200,7 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
     trainer = Trainer(config)
     target_in_ddp = any(p is q for p in trainer.model.parameters() for q in trainer.target.parameters())
     layers_loaded = not any(p.is_meta for p in trainer.target.layers.parameters())
-    blocks, steps, make_blocks = [], [], trainer.step_fn.blocks
+    blocks, steps, make_blocks = [], [], trainer.strategy.blocks
 
     def counted(micro, step, position):  # made once per optimizer step, before the step's vote
         ids = sorted(int(i) for m in micro for i in m.sample_ids)
@@ -211,7 +211,7 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
         blocks.append(int(sum(int(b.valid.sum()) for b in made)))  # the valid anchored blocks this rank trains on
         return made
 
-    trainer.step_fn.blocks = counted
+    trainer.strategy.blocks = counted
     stopped = False
     try:
         trainer.fit(on_step=check)
@@ -549,11 +549,82 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
     D.teardown()
 
 
+def backend_ranks() -> None:
+    """The Backend on every gloo rank: a DDP-wrapped drafter (the same init everywhere), its own
+    data per rank, plain SGD. Reports the global normaliser; digests of the gradients after a
+    backward under accumulating(sync=False) and after the synced one, and whether the latter are
+    the mean over ranks of each rank's two micro-batches (a bare replica's); then a step in which
+    rank 1's loss is non-finite and rank 0 asks to stop, and a normal step."""
+    import copy
+    import hashlib
+
+    from flashdraft.config import ObjectiveConfig
+    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.objective import make_blocks
+    from flashdraft.target import TargetModel
+    from flashdraft.toy import tiny_causal_lm
+    from flashdraft.train.backend import Backend
+    from flashdraft.train.step import forward_backward
+    from flashdraft.train.strategy import strategy_for
+
+    d = D.init_distributed("cpu", timeout_s=60)
+    target = TargetModel(tiny_causal_lm(300, num_layers=2, hidden=32, seed=0), [0, 1])
+    drafter = DFlashDrafter.for_target(target, num_layers=1, block_size=4, mask_token_id=299)
+    drafter.reset_parameters(0.02, torch.Generator().manual_seed(0))
+    bare = copy.deepcopy(drafter)
+    g = torch.Generator().manual_seed(100 + d.rank)
+    inputs = []
+    for k in range(3):
+        ids = torch.randint(0, 299, (2, 24), generator=g)
+        with torch.no_grad():
+            features = target.features(ids, torch.ones_like(ids))
+        inputs.append((features, make_blocks(ids, torch.ones_like(ids), torch.full((2,), 24), block_size=4,
+                                             mask_token_id=299, num_anchors=4, gamma=None, seed=k)))
+
+    def grads(model):
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def digest(tensor):
+        return hashlib.sha256(tensor.detach().numpy().tobytes()).hexdigest()
+
+    objective = ObjectiveConfig(num_anchors=4)
+    optimizer = torch.optim.SGD(drafter.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    backend = Backend(drafter, optimizer, scheduler, grad_clip=1.0, world_size=d.world_size)
+    strategy = strategy_for(drafter, target, objective)
+    out = {"ddp": backend.model is not drafter,
+           "normalizer": float(backend.normalizer([torch.tensor(float(d.rank + 1)), torch.tensor(10.0)]))}
+    forward_backward(strategy, backend, *inputs[0], sync=False)
+    out["local"] = digest(grads(drafter))
+    forward_backward(strategy, backend, *inputs[1], sync=True)
+    out["synced"] = digest(grads(drafter))
+    alone = Backend(bare)
+    for features, blocks in inputs[:2]:
+        forward_backward(strategy_for(bare, target, objective), alone, features, blocks)
+    mean = torch.stack(D.all_gather_object(grads(bare))).mean(0)
+    out["synced_is_the_ranks_mean"] = bool(torch.allclose(grads(drafter), mean, rtol=1e-5, atol=1e-8))
+    def weights():
+        return torch.cat([p.detach().flatten() for p in drafter.parameters()]).clone()
+
+    def outcome(update, before):
+        unchanged = bool(torch.equal(weights(), before))
+        return {"applied": update.applied, "stop": update.stop, "unchanged": unchanged}
+
+    before = weights()
+    out["skipped"] = outcome(backend.step(torch.tensor(d.rank != 1), stop=15 if d.rank == 0 else 0), before)
+    forward_backward(strategy, backend, *inputs[2])
+    out["applied"] = outcome(backend.step(torch.tensor(True)), before)
+    out["weights"] = digest(weights())
+    result(out)
+    backend.release()
+    D.teardown()
+
+
 SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
                                      train_target_raises, sharded_features,
                                      train_collectives, train_slow_loader, convert_once,
-                                     resume_reads)}
+                                     resume_reads, backend_ranks)}
 
 
 def serve(*preload: str) -> None:

@@ -34,8 +34,10 @@ def measure(libc, target: str, seq_len: int, overrides: list[str]) -> dict:
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.objective import default_gamma, make_blocks
     from flashdraft.plan import _drafter_config, _target_shape, anchors_per_pass, batch_size_at, target_config_path
+    from flashdraft.train.backend import Backend
     from flashdraft.train.optim import build_optimizer
     from flashdraft.train.step import forward_backward
+    from flashdraft.train.strategy import strategy_for
 
     cfg = load_config(None, [f"model.target={target}", "train.device=cpu", *overrides])
     shape = _target_shape(str(target_config_path(target)), False)
@@ -62,9 +64,9 @@ def measure(libc, target: str, seq_len: int, overrides: list[str]) -> dict:
     drafter = DFlashDrafter(config, attention=cfg.model.drafter_attention)
     drafter.reset_parameters(0.02, gen)
     optimizer, _ = build_optimizer(drafter.parameters(), cfg.optim, 10, torch.device("cpu"))
+    strategy, backend = strategy_for(drafter, heads, cfg.objective), Backend(drafter)
     for blk in blocks:
-        forward_backward(drafter, heads, features, blk, chunk_size=cfg.objective.loss_chunk_size,
-                         anchors_per_slice=cfg.objective.anchors_per_microbatch)
+        forward_backward(strategy, backend, features, blk)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -175,3 +175,80 @@ def test_the_config_import_check_finds_package_imports():
     assert outside_imports(ast.parse(source)) == [
         "line 3: flashdraft.objective", "line 4: .", "line 6: flashdraft.drafter", "line 7: torch",
         "line 8: importlib.import_module('x') (a dynamic import)"]
+
+
+def identifiers(tree: ast.Module) -> set[str]:
+    """Every name ``tree`` uses or defines: variables, attributes, imports, functions, classes,
+    arguments and keywords (comments and strings aside)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found |= {*node.name.split("."), node.asname or node.name}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= set(node.module.split("."))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.add(node.arg)
+    return found
+
+
+def naming(modules: dict[str, ast.Module], names: list[str], words: tuple[str, ...]) -> list[str]:
+    """'module: identifier' for each identifier of ``names``' modules containing one of ``words``
+    (case-insensitive)."""
+    return sorted(f"{name}: {ident}" for name in names for ident in identifiers(modules[name])
+                  if any(w in ident.lower() for w in words))
+
+
+# The training path: everything a step or an eval runs through but the strategy
+STEP_PATH = ["flashdraft.train.step", "flashdraft.train.backend", "flashdraft.train.validation",
+             "flashdraft.train.log"]
+
+
+def test_only_the_strategy_names_dflash2s_selector_on_the_training_path():
+    """The selector term (its schedule, its loss, its stats, the freeze of a selector no objective
+    trains) lives in train/strategy.py; the step, the backend, the validator, the log and the loop
+    are handed a strategy."""
+    modules = _modules()
+    assert naming(modules, ["flashdraft.train.strategy"], ("selector",))  # the check sees the strategy's
+    found = naming(modules, [*STEP_PATH, "flashdraft.train.trainer"], ("selector",))
+    assert not found, found
+
+
+def test_the_step_the_backend_the_validator_and_the_log_never_pick_a_drafter_family():
+    """The family is picked once (strategy_for, called by the trainer): none of these names a
+    family, its strategy or its modules."""
+    modules = _modules()
+    found = naming(modules, STEP_PATH, ("dflash2", "strategy_for", "candidate"))
+    assert not found, found
+    graph = import_graph()
+    assert not [edge for m in STEP_PATH for edge in imports_of(graph, m, "flashdraft.drafter.dflash2")]
+
+
+def test_the_backend_knows_no_loss_and_the_strategy_no_ddp():
+    """One owner per concern: the backend (DDP, the optimizer) imports neither the objective, the
+    strategy nor the drafter; the strategy (blocks, loss) neither the backend nor DDP."""
+    graph = import_graph()
+    found = [e for pkg in ("flashdraft.objective", "flashdraft.train.strategy", "flashdraft.drafter")
+             for e in imports_of(graph, "flashdraft.train.backend", pkg)]
+    found += imports_of(graph, "flashdraft.train.strategy", "flashdraft.train.backend")
+    assert not found, found
+    assert "DistributedDataParallel" in identifiers(_modules()["flashdraft.train.backend"])
+    strategy = identifiers(_modules()["flashdraft.train.strategy"])
+    assert not strategy & {"DistributedDataParallel", "DDP", "no_sync"}
+
+
+def test_the_identifier_check_sees_attributes_keywords_imports_and_arguments():
+    source = ("from flashdraft.drafter.dflash2 import DFlash2Modules as M\n"
+              "def f(selector_loss, x=None):\n    return g(x.candidate_selector, alpha=x.SelectorLoss)\n"
+              "# a selector in a comment\ny = 'selector'\n")
+    assert identifiers(ast.parse(source)) >= {"dflash2", "DFlash2Modules", "M", "selector_loss",
+                                              "candidate_selector", "alpha", "SelectorLoss", "f", "g", "x", "y"}
+    assert naming({"m": ast.parse(source)}, ["m"], ("selector",)) == [
+        "m: SelectorLoss", "m: candidate_selector", "m: selector_loss"]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from test_step_equivalence import assert_same, batch, grads_of, make
 
+from flashdraft.config import ObjectiveConfig
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.dflash2 import CandidateSelector, DFlash2Modules, GroupedDynamicConv
 from flashdraft.objective import (
@@ -23,7 +24,7 @@ from flashdraft.objective import (
     selector_schedule,
 )
 from flashdraft.speculative import greedy_generate, speculative_generate
-from flashdraft.train.step import forward_loss
+from flashdraft.train.strategy import strategy_for
 
 SIZES = DFlash2Modules(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
 
@@ -327,8 +328,9 @@ def test_stop_gradient_leaves_the_backbone_exactly_as_the_unary_only_run():
 
     def grads(selector: SelectorLoss | None, chunk: int):
         drafter.zero_grad(set_to_none=True)
-        out = forward_loss(drafter, target, features, Blocks(anchors, valid, block_ids, labels, weights,
-                                                             selector=selector), chunk_size=chunk)
+        strategy = strategy_for(drafter, target, ObjectiveConfig(loss_chunk_size=chunk))
+        out = strategy.forward_loss(drafter, features, Blocks(anchors, valid, block_ids, labels, weights,
+                                                              selector=selector))
         out.loss.backward()
         return {k: None if p.grad is None else p.grad.clone() for k, p in drafter.named_parameters()}
 

@@ -9,12 +9,15 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from flashdraft.bench.step import Heads
+from flashdraft.config import ObjectiveConfig
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.kernels import RMSNorm, apply_rope, swiglu
 from flashdraft.drafter.serving import DFlash2Modules
 from flashdraft.objective import Blocks, SelectorLoss, block_input_ids, block_labels_and_weights, sample_anchors
 from flashdraft.toy import causal_lm_config
+from flashdraft.train.backend import Backend
 from flashdraft.train.step import forward_backward
+from flashdraft.train.strategy import strategy_for
 
 BF16 = torch.bfloat16
 
@@ -104,6 +107,13 @@ def drafter_step(dflash2: bool):
     return drafter, heads, features, blocks
 
 
+def micro_step(drafter, heads, features, blocks, *, autocast: bool):
+    """The trainer's micro-step (``forward_backward``, LM head chunks of 16 slots, one process)."""
+    strategy = strategy_for(drafter, heads, ObjectiveConfig(loss_chunk_size=16))
+    return forward_backward(strategy, Backend(drafter), features, blocks,
+                            autocast=torch.autocast("cpu", dtype=BF16, enabled=autocast))
+
+
 def step_grads(drafter, heads, features, blocks, *, lean: bool, precision: str):
     """The trainer's micro-step: "trainer" (fp32 weights, bf16 autocast, bf16 features and head),
     "bf16" (everything bf16, no autocast) or "fp64" (no autocast); (loss, gradients in fp64)."""
@@ -111,8 +121,7 @@ def step_grads(drafter, heads, features, blocks, *, lean: bool, precision: str):
     drafter = copy.deepcopy(drafter).to(torch.float32 if precision == "trainer" else dtype)
     heads = copy.deepcopy(heads).to(dtype)
     drafter.set_lean(lean)
-    outs = forward_backward(drafter, heads, features.to(dtype), blocks, chunk_size=16,
-                            autocast=torch.autocast("cpu", dtype=BF16, enabled=precision == "trainer"))
+    outs = micro_step(drafter, heads, features.to(dtype), blocks, autocast=precision == "trainer")
     loss = sum(float(o.loss) for o in outs)
     return loss, {n: p.grad.double() for n, p in drafter.named_parameters() if p.grad is not None}
 
@@ -146,8 +155,7 @@ def saved_activation_bytes(drafter, heads, features, blocks, precision: str) -> 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward_backward(drafter, heads, features.to(BF16), blocks, chunk_size=16,
-                         autocast=torch.autocast("cpu", dtype=BF16, enabled=precision == "trainer"))
+        micro_step(drafter, heads, features.to(BF16), blocks, autocast=precision == "trainer")
     return sum(seen.values())
 
 

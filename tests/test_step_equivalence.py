@@ -7,12 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flashdraft.config import ObjectiveConfig
 from flashdraft.drafter import DFlashDrafter, resolve_attention
 from flashdraft.drafter.attention import dense_block_mask
 from flashdraft.objective import Blocks, block_input_ids, block_labels_and_weights, dflash_loss, sample_anchors
 from flashdraft.target import TargetModel
 from flashdraft.toy import tiny_causal_lm
+from flashdraft.train.backend import Backend
 from flashdraft.train.step import forward_backward
+from flashdraft.train.strategy import strategy_for
 
 VOCAB, MASK = 300, 299
 
@@ -55,13 +58,14 @@ def grads_of(drafter, target, inputs, **kw):
     fast = kw.get("attention") != "dense"
     kw.setdefault("scored_only", fast)
     kw.setdefault("distinct_rows", fast)
-    kw["anchors_per_slice"] = kw.pop("anchors_per_microbatch", 0)
+    objective = ObjectiveConfig(loss_chunk_size=kw.pop("chunk_size", 0),
+                                anchors_per_microbatch=kw.pop("anchors_per_microbatch", 0))
     selector = kw.pop("selector", None)  # DFlash2's selector term (objective.SelectorLoss)
     features, _, anchors, valid, labels, weights, block_ids = inputs
     drafter.zero_grad(set_to_none=True)
     drafter.set_lean(fast)  # the oracle runs transformers' stock RMSNorm / RoPE / MLP
     try:
-        outs = forward_backward(drafter, target, features,
+        outs = forward_backward(strategy_for(drafter, target, objective), Backend(drafter), features,
                                 Blocks(anchors, valid, block_ids, labels, weights, selector=selector), **kw)
     finally:
         drafter.set_lean(True)

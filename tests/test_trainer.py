@@ -79,14 +79,14 @@ def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, t
                                           train__eval_max_new_tokens=8, train__eval_temperature="1.0", **DFLASH2))
     trainer = Trainer(cfg)
     alphas = []
-    trainer_step = trainer.step_fn.blocks
+    trainer_step = trainer.strategy.blocks
 
     def record(micro, step, position):
         blocks = trainer_step(micro, step, position)
         alphas.append(blocks[0].selector.alpha)
         return blocks
 
-    trainer.step_fn.blocks = record
+    trainer.strategy.blocks = record
     result = trainer.fit()
     # SpecForge's edges (docs: selector schedule): exactly the 4 warm-up steps at 0, the ramp's 4
     # steps end on alpha

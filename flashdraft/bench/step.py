@@ -19,7 +19,7 @@ identical weights and inputs:
   [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
   computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
   RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``); the step's oracle
-  switches (``drafter_forward``'s ``scored_only=False, distinct_rows=False``).
+  switches (``Strategy.drafter_forward``'s ``scored_only=False, distinct_rows=False``).
 
 Precision (``--precision``): ``trainer`` (the default) is how the trainer runs on CUDA: fp32
 master weights under bf16 autocast, the target's features, embeddings and LM head in bf16;
@@ -59,11 +59,14 @@ import torch
 
 # at module level (the CLI imports this module only for `flashdraft bench step`): the memory
 # forks (run_point) then start with everything a step needs already imported
+from flashdraft.config import ObjectiveConfig
 from flashdraft.drafter import DFlashDrafter, drafter_config_from_target
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.objective import Blocks, SelectorLoss, SlotLoss, block_labels_and_weights, default_gamma
 from flashdraft.toy import causal_lm_config
+from flashdraft.train.backend import Backend
 from flashdraft.train.step import forward_backward
+from flashdraft.train.strategy import strategy_for
 
 # --precision -> (the step's low-precision dtype, autocast): the drafter's weights are fp32 under
 # autocast, else in that dtype; the target's features, embeddings and LM head always in it.
@@ -196,20 +199,22 @@ def build(point: dict):
 
 
 def step_fn(point: dict, drafter, heads, inputs):
-    """The timed step: the trainer's own micro-step (``forward_backward``) on ``inputs``. The
-    reference variant turns off every saving (``drafter_forward``'s oracle switches)."""
+    """The timed step: the trainer's own micro-step (``forward_backward``) on ``inputs``, with the
+    strategy of the drafter's family and a one-process backend. The reference variant turns off
+    every saving (``Strategy.drafter_forward``'s oracle switches)."""
 
     fast = point["variant"] != "reference"
     features, blocks = inputs
     autocast = torch.autocast(point["device"], dtype=getattr(torch, point["dtype"]),
                               enabled=bool(point.get("autocast")))
     options = {} if fast else {"scored_only": False, "distinct_rows": False}  # the reference: every slot, in full
+    objective = ObjectiveConfig(loss_chunk_size=point["chunk"] if fast else 0,
+                                anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0)
+    strategy, backend = strategy_for(drafter, heads, objective), Backend(drafter)
 
     def step():
         drafter.zero_grad(set_to_none=True)
-        outs = forward_backward(drafter, heads, features, blocks, chunk_size=point["chunk"] if fast else 0,
-                                anchors_per_slice=point["anchors_per_microbatch"] if fast else 0, autocast=autocast,
-                                **options)
+        outs = forward_backward(strategy, backend, features, blocks, autocast=autocast, **options)
         return SimpleNamespace(loss=torch.stack([o.loss.detach() for o in outs]).sum())
 
     return step

@@ -11,24 +11,26 @@ import torch
 from flashdraft import distributed
 from flashdraft.feed import CacheStats
 from flashdraft.metrics import Progress, Throughput, format_line, open_metrics, peak_memory_bytes
-from flashdraft.train.step import StepStats
+from flashdraft.train.strategy import Strategy
 
 
 class TrainLog:
     """Accumulates on the device between log lines (no host sync per step); ``after_step``
     decides when to reduce over ranks and write: metrics.jsonl (and the other sinks) on the main
     rank, a human line through ``Progress``, and ``history``, the recent records for callers and
-    tests (bounded, so a days-long run's memory stays flat; metrics.jsonl holds them all)."""
+    tests (bounded, so a days-long run's memory stays flat; metrics.jsonl holds them all). The
+    loss statistics are the sums the run's ``strategy`` keeps of its losses (Strategy.new_stats)."""
 
-    def __init__(self, config, dist, device: torch.device, timer, block_size: int, total_steps: int, start_step: int):
+    def __init__(self, config, dist, device: torch.device, timer, strategy: Strategy, total_steps: int,
+                 start_step: int):
         self.config, self.dist, self.device, self.timer = config, dist, device, timer
-        self.block_size, self.total_steps = block_size, total_steps
+        self.strategy, self.total_steps = strategy, total_steps
         self.metrics = open_metrics(config.train.output_dir, config.train.metrics, is_main=dist.is_main,
                                     config=config.to_dict(), start_step=start_step)
         self.progress = Progress(total_steps, start_step, enabled=dist.is_main)
         self.speed = Throughput()
         self.speed.update(start_step)
-        self.stats = StepStats.zeros(block_size, device)
+        self.stats = strategy.new_stats(device)
         self.history: collections.deque[dict] = collections.deque(maxlen=1000)
         self.record: dict = {}  # the last log record
         self.last_eval: dict = {}  # the last evaluation's result (main rank)
@@ -40,7 +42,7 @@ class TrainLog:
         self.progress.update(step)
         if step % self.config.train.log_every == 0 or step >= self.total_steps:
             self.record = self._log(step, grad_norm, lr, skipped_steps, feed)
-            self.stats = StepStats.zeros(self.block_size, self.device)
+            self.stats = self.strategy.new_stats(self.device)
 
     def _log(self, step: int, grad_norm, lr: float, skipped_steps: int, feed) -> dict:
         values = self.stats.reduce()  # deliberate sync: log time only

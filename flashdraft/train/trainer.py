@@ -4,16 +4,16 @@
 serves features (flashdraft.train.target_rank) and every other rank trains: ``Trainer(config)``
 builds the run's parts; ``fit()`` is the loop. Each optimizer step the rank's Feed
 (flashdraft.feed) delivers ``grad_accum`` micro-batches with the frozen target's features, and
-``DrafterStep`` (flashdraft.train.step) trains the drafter on them. Every "when" has its owner:
-the log decides when to write, the validator when to evaluate, the checkpoints when to save;
-the loop asks them in that order. It returns a ``TrainResult``.
+``DrafterStep`` (flashdraft.train.step) trains the drafter on them: the run's strategy (the
+drafter family's blocks and loss), then its backend (DDP, the optimizer). Every "when" has its
+owner: the log decides when to write, the validator when to evaluate, the checkpoints when to
+save; the loop asks them in that order. It returns a ``TrainResult``.
 One code path for 1 process and N (torchrun); the frozen target never enters a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashdraft import distributed
 from flashdraft.checkpoint import step_dir_name
@@ -33,13 +32,14 @@ from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.feed import Feed, open_feed
 from flashdraft.metrics import StageTimer
-from flashdraft.objective import default_gamma
 from flashdraft.train import checks, startup
+from flashdraft.train.backend import Backend
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
 from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, output_lock
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
+from flashdraft.train.strategy import freeze_untrained, strategy_for
 from flashdraft.train.target_rank import TargetRank
 from flashdraft.train.validation import Validator
 
@@ -75,8 +75,7 @@ def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
         attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
     )
     drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
-    if drafter.candidate_selector is not None and cfg.objective.selector_alpha == 0:
-        drafter.candidate_selector.requires_grad_(False)  # frozen: no selector term, not optimised
+    freeze_untrained(drafter, cfg.objective)
     return drafter
 
 
@@ -113,41 +112,32 @@ class Trainer:
         if self.dist.is_main:  # the slow part of a resume (hashing every file), before the ranks meet
             self.checkpoints.verify_ahead()
         startup.meet()  # where a disaggregated target rank meets it too (TargetRank)
-        model = self._wrap(self.drafter)
+        self.strategy = strategy_for(self.drafter, self.target, cfg.objective, seed=cfg.train.seed,
+                                     shard=(self.dist.tensor_rank, self.dist.tensor_size))
+        # DDP over the drafter ranks: its constructor broadcasts the weights (a device collective)
+        self.backend = Backend(self.drafter, self.optimizer, self.scheduler, grad_clip=cfg.optim.grad_clip,
+                               world_size=self.dist.world_size)
         self.timer = StageTimer(self.device, owner_only=True)  # main thread; the feed reports the rest
         self.autocast = autocast_for(self.device, self.target.dtype)
         self.stop = GracefulStop()  # its handlers are installed while the loop runs (_fit)
-        self.step_fn = DrafterStep(model, self.drafter, self.target, self.optimizer, self.scheduler, cfg, self.gamma,
-                                   self.timer, self.autocast, self.dist.world_size,
-                                   (self.dist.tensor_rank, self.dist.tensor_size), stop=self.stop)
-        self.validator = Validator(cfg, self.drafter, self.target, self.eval_dataset, self.eval_prompt_ids, self.gamma,
-                                   self.device, self.autocast, self.target.lock, self.dist.is_main,
+        self.step_fn = DrafterStep(self.strategy, self.backend, self.timer, self.autocast, stop=self.stop)
+        self.validator = Validator(cfg, self.strategy, self.eval_dataset, self.eval_prompt_ids, self.device,
+                                   self.autocast, self.target.lock, self.dist.is_main,
                                    runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.feed: Feed | None = None  # this run's, once fit starts
         self.log: TrainLog | None = None
 
     def _build_models(self) -> None:
         """The frozen target and the drafter (fp32 master weights, on this rank's device)."""
-        cfg, bs = self.config, self.config.model.block_size
+        cfg = self.config
         self.target = startup.load_target(cfg, self.dist)
-        self.gamma = default_gamma(bs) if cfg.objective.gamma == 0 else cfg.objective.gamma
         self.drafter = initial_drafter(cfg, self.target)
         self.drafter.to(self.device)  # fp32 master weights; bf16 compute under autocast on GPU
-
-    def _wrap(self, drafter: DFlashDrafter) -> torch.nn.Module:
-        """The module the step trains: the drafter, DDP-wrapped over the drafter ranks in a
-        multi-rank job (DDP's constructor broadcasts the weights: a device collective)."""
-        if self.dist.world_size == 1:
-            return drafter
-        # broadcast_buffers=False: the drafter's only buffers are constant RoPE tables; broadcasting
-        # them would add a collective to every forward. process_group: the drafter ranks only.
-        return DDP(drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   gradient_as_bucket_view=True, broadcast_buffers=False, process_group=distributed.group())
 
     @property
     def model(self):
         """The drafter as the step trains it: DDP-wrapped in a multi-rank job, else the drafter."""
-        return self.step_fn.model
+        return self.backend.model
 
     @property
     def feature_cache_stats(self):
@@ -188,7 +178,7 @@ class Trainer:
         if main:
             self.output.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output / "config.yaml")
-        self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.drafter.block_size, self.total_steps,
+        self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.strategy, self.total_steps,
                             state.step)
         stopping = 0
         self.drafter.train()
@@ -285,7 +275,7 @@ class Trainer:
     def _stop_agreed(self, stop: GracefulStop) -> int:
         """The signal any rank was asked to stop by, else 0 (every rank stops at the same step).
         A collective of its own: asked only after an eval (each step's vote carries the stop
-        otherwise, DrafterStep._vote)."""
+        otherwise, Backend._vote)."""
         if self.dist.world_size == 1:
             return stop.signum
         # on the device: an NCCL group takes no host tensors
@@ -311,12 +301,9 @@ class Trainer:
         log.warning(msg)
 
     def release_ddp(self) -> None:
-        """Drop the DDP wrapper while the process group is still alive. Call before
-        ``distributed.teardown()``: a DDP reducer that outlives the group and is the last owner of
-        a gloo group destroys it from its destructor while holding the GIL, and a gloo thread it
-        joins waits for the GIL -- the process hangs at exit (seen in ~1 of 3 two-rank CPU runs)."""
-        self.step_fn.model = self.drafter
-        gc.collect()
+        """Drop the DDP wrapper while the process group is still alive (Backend.release): call
+        before ``distributed.teardown()``."""
+        self.backend.release()
 
 
 @dataclass(frozen=True)

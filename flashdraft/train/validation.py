@@ -11,23 +11,23 @@ from flashdraft.data.batching import BatchSampler, DrafterRows
 from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.evaluate import eos_ids_of, evaluate_tau
-from flashdraft.objective import SelectorLoss, SlotLoss, make_blocks
 from flashdraft.speculative import Sampling
-from flashdraft.train.step import StepStats, forward_loss
+from flashdraft.train.strategy import Strategy
 
 
 class Validator:
     """Runs on the main rank (the others wait at a barrier) under ``target_lock`` (no target
     forward of the pipeline's target thread runs meanwhile)."""
 
-    def __init__(self, config: Config, drafter: DFlashDrafter, target, eval_dataset, prompts: list[list[int]],
-                 gamma: float | None, device: torch.device, autocast, target_lock, is_main: bool,
-                 runs_eval: bool | None = None):
-        """``runs_eval``: this rank computes the evaluation (default: the main rank only; with a
+    def __init__(self, config: Config, strategy: Strategy, eval_dataset, prompts: list[list[int]],
+                 device: torch.device, autocast, target_lock, is_main: bool, runs_eval: bool | None = None):
+        """``strategy``: the run's (its drafter and target, the eval loss's blocks and loss);
+        ``runs_eval``: this rank computes the evaluation (default: the main rank only; with a
         tensor-parallel target every rank of the main rank's target group, whose forwards need
         them all, in lockstep: same drafter, same prompts, same draws); the main rank reports it."""
-        self.config, self.drafter, self.target = config, drafter, target
-        self.eval_dataset, self.prompts, self.gamma = eval_dataset, prompts, gamma
+        self.config, self.strategy = config, strategy
+        self.drafter, self.target = strategy.drafter, strategy.target
+        self.eval_dataset, self.prompts = eval_dataset, prompts
         self.device, self.autocast, self.target_lock, self.is_main = device, autocast, target_lock, is_main
         self.runs_eval = is_main if runs_eval is None else runs_eval
 
@@ -82,12 +82,10 @@ class Validator:
         return shipped.eval()
 
     def eval_loss(self, max_batches: int = 8) -> dict:
-        """The training loss (objective.loss, weighted as in training) / accuracy / simulated tau on
-        the held-out set (fixed anchors: seed 0); DFlash2: the accuracy of the selector's picks."""
-        cfg, bs = self.config, self.drafter.block_size
-        stats = StepStats.zeros(bs, self.device)
-        # DFlash2: the selector term at its full weight (its schedule's end), so evals compare across the run
-        selector = SelectorLoss.of(cfg.objective, 1.0, 1.0) if self.drafter.candidate_selector is not None else None
+        """The training loss (weighted as in training) / accuracy / simulated tau on the held-out set,
+        with the strategy's eval blocks (fixed anchors, every term at its full weight)."""
+        cfg, strategy = self.config, self.strategy
+        stats = strategy.new_stats(self.device)
         plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
                             max_batch_size=cfg.data.max_batch_size, seed=0, rows=DrafterRows.of(cfg))
         buffers = CollateBuffers()
@@ -95,12 +93,9 @@ class Validator:
             if n >= min(max_batches, plan.batches_per_epoch):
                 break
             batch = pad_batch(self.eval_dataset, idx, buffers=buffers).to(self.device)
-            blk = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, block_size=bs,
-                              mask_token_id=self.drafter.mask_token_id, num_anchors=cfg.objective.num_anchors,
-                              gamma=self.gamma, loss=SlotLoss.of(cfg.objective), seed=0,
-                              sample_ids=torch.from_numpy(idx).to(self.device), selector=selector)
+            blocks = strategy.eval_blocks(batch, torch.from_numpy(idx).to(self.device))
             with self.autocast:
                 features = self.target.features(batch.input_ids, batch.attention_mask)
-                out = forward_loss(self.drafter, self.target, features, blk, chunk_size=cfg.objective.loss_chunk_size)
+                out = strategy.forward_loss(self.drafter, features, blocks)
             stats.add(out)
         return {f"eval_{k}": v for k, v in stats.reduce_local().items()}
