@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from flashdraft.feed.steps import Micro
+    from flashdraft.feed import Micro
     from flashdraft.objective import Blocks, LossOutput
     from flashdraft.train.backend import Backend
     from flashdraft.train.optim import SchedulePosition

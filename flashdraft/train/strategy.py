@@ -40,7 +40,7 @@ from flashdraft.objective import (
 if TYPE_CHECKING:
     from flashdraft.data.collate import Batch
     from flashdraft.drafter import DFlashDrafter
-    from flashdraft.feed.steps import Micro
+    from flashdraft.feed import Micro
     from flashdraft.train.optim import SchedulePosition
 
 
