@@ -189,6 +189,11 @@ class ObjectiveConfig:
     lk_kl_decay: float = 1.0  # lk_lambda: how fast lambda falls as the drafter gets confident
     loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
     anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes ctx KV
+    # soft labels: the share of each slot's loss that is the KL from the target's own distribution
+    kd_weight: float = 0.0  # (1 - kd_weight) * CE + kd_weight * T^2 * KL(target || drafter); 0: hard labels only
+    kd_temperature: float = 1.0  # soft labels: the temperature T of both distributions in the KL
+    accept_until_fail: bool = False  # weigh a block's slots after its first missed slot by auf_factor (Spec-AUF)
+    auf_factor: float = 0.0  # accept_until_fail: the weight of those slots (0: dropped; 1: off)
     # dflash2: weight of the selector's CE over its candidates (0: selector frozen)
     selector_alpha: float = _marked(1.0, DFLASH2)
     # dflash2: the selector term is off for this share of the steps ...
@@ -212,6 +217,18 @@ class ObjectiveConfig:
         _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
         _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch", f"{self.anchors_per_microbatch}",
                "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
+        _check(0 <= self.kd_weight <= 1, "objective.kd_weight", f"{self.kd_weight}",
+               "use a share in [0, 1]: 0 trains on hard labels only, 1 on the target's distribution only")
+        _check(self.kd_weight == 0 or self.loss == "ce", "objective.loss", self.loss,
+               "soft labels (objective.kd_weight > 0) mix the KL with CE: use objective.loss=ce with them")
+        _check(self.kd_temperature >= MIN_TEMPERATURE, "objective.kd_temperature", f"{self.kd_temperature}",
+               f"use a temperature of at least {MIN_TEMPERATURE:g}, e.g. 1.0 (the serving temperature's scale)")
+        _check(0 <= self.auf_factor <= 1, "objective.auf_factor", f"{self.auf_factor}",
+               "use a weight in [0, 1] for the slots after a block's first miss (0: dropped)")
+        _refuse_unselected([(self, "objective", ("kd_temperature",))], self.kd_weight > 0,
+                           "the soft labels' temperature", "set objective.kd_weight above 0 too")
+        _refuse_unselected([(self, "objective", ("auf_factor",))], self.accept_until_fail,
+                           "accept-until-fail's weight", "set objective.accept_until_fail=true too")
         _check(self.selector_alpha >= 0, "objective.selector_alpha", f"{self.selector_alpha}",
                "use 0 (selector frozen) or a positive weight (1.0: SpecForge's and speculators')")
         _check(min(self.selector_warmup_frac, self.selector_ramp_frac) >= 0

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from flashdraft.config import ObjectiveConfig
 from flashdraft.data.batching import anchor_slots
-from flashdraft.drafter.head_kernels import head_ce
+from flashdraft.drafter.head_kernels import Teacher, head_ce
 
 
 def default_gamma(block_size: int) -> float:
@@ -84,18 +84,20 @@ class SlotLoss:
     dpace_alpha: float | None = None
     kl_scale: float = 1.0
     kl_decay: float = 1.0
+    auf_factor: float | None = None  # accept-until-fail: the weight of a block's slots after its first miss
 
     @classmethod
     def of(cls, objective: ObjectiveConfig) -> SlotLoss:
         """The slot loss a run's ``objective`` config sets (objective.loss, D-PACE's alpha when
-        objective.weighting=dpace, the LK mix's scale and decay)."""
+        objective.weighting=dpace, the LK mix's scale and decay, accept-until-fail's factor)."""
         dpace_alpha = objective.dpace_alpha if objective.weighting == "dpace" else None
-        return cls(objective.loss, dpace_alpha, objective.lk_kl_scale, objective.lk_kl_decay)
+        auf_factor = objective.auf_factor if objective.accept_until_fail else None
+        return cls(objective.loss, dpace_alpha, objective.lk_kl_scale, objective.lk_kl_decay, auf_factor)
 
     @property
     def plain(self) -> bool:
-        """Fixed weights times CE: the chunked head's single-pass path."""
-        return self.kind == "ce" and self.dpace_alpha is None
+        """Fixed weights times the base loss: the chunked head's single-pass path."""
+        return self.kind == "ce" and self.dpace_alpha is None and self.auf_factor is None
 
     def slot_weights(self, ce: torch.Tensor, weights: torch.Tensor, slots: int) -> torch.Tensor:
         """Each row's weight [R] (float32): ``weights`` itself, or under D-PACE the detached
@@ -104,11 +106,18 @@ class SlotLoss:
             return weights.float()
         return dpace_weights(ce.view(-1, slots), weights.view(-1, slots), self.dpace_alpha).view(-1)
 
-    def rows(self, ce: torch.Tensor, weights: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, base: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor, weights: torch.Tensor,
+             slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's loss [R] and its derivative by the row's ``base`` loss (CE, or the soft-label
+        mix), from the rows' CE and argmax correctness [R], for rows of ``slots`` slots per block.
+        TV and LK are functions of the CE, so their ``base`` is the CE."""
         fixed = ce.detach()
         w = self.slot_weights(fixed, weights, slots)
+        if self.auf_factor is not None:  # from the head's argmax: known only after its pass
+            w = w * accept_until_fail(correct.view(-1, slots), (weights > 0).view(-1, slots), self.auf_factor).view(-1)
         if self.kind == "ce":
-            return w * ce, w
+            return w * base, w
+        ce = base
         q = torch.exp(-fixed)
         tv = w * (1 - torch.exp(-ce))
         if self.kind == "tv":
@@ -116,6 +125,31 @@ class SlotLoss:
         scored = (weights > 0).float()  # a: the plain mean of q(y) over the scored slots (DFLASH2.md 5.1)
         lam = self.kl_scale * torch.exp(-self.kl_decay * (scored * q).sum() / scored.sum().clamp(min=1))
         return lam * w * ce + (1 - lam) * tv, w * (lam + (1 - lam) * q)
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """Soft labels from the target (objective.kd_weight, kd_temperature): each scored slot's loss
+    is (1 - weight) * CE + weight * T^2 * KL(p || q) of the target's distribution p over the
+    slot's token (its logits one position before it, from its final normed hidden state through
+    the shared LM head: ``teacher_rows``) against the drafter's q, both at temperature T."""
+
+    weight: float
+    temperature: float = 1.0
+
+    @classmethod
+    def of(cls, objective: ObjectiveConfig) -> SoftLabels | None:
+        return cls(objective.kd_weight, objective.kd_temperature) if objective.kd_weight > 0 else None
+
+    def teacher(self, states: torch.Tensor, anchors: torch.Tensor, block_size: int, skip: int) -> Teacher:
+        """The head kernel's Teacher for rows [B * N * (bs - skip)] of slots skip .. bs - 1 of the
+        blocks at ``anchors`` [B, N]: the target's final states [B, S, H] one position before each
+        slot's label (slot k of the block at a is labelled with the token at a + k, which the
+        target predicted at a + k - 1; positions past the sample are clamped: those slots weigh 0)."""
+        b, s, h = states.shape
+        positions = anchors.unsqueeze(-1) + torch.arange(skip - 1, block_size - 1, device=anchors.device)
+        index = positions.clamp(0, s - 1).reshape(b, -1, 1).expand(-1, -1, h)
+        return Teacher(states.gather(1, index).reshape(-1, h), self.temperature, self.weight)
 
 
 @dataclass(frozen=True)
@@ -293,6 +327,7 @@ def dflash_loss(
     slot_loss: SlotLoss | None = None,
     selector=None,
     selector_loss: SelectorLoss | None = None,
+    teacher: Teacher | None = None,
 ) -> LossOutput:
     """Weighted CE of the target's LM head over block slots: sum(w * CE) / normalizer.
 
@@ -300,7 +335,11 @@ def dflash_loss(
     ``dpace_alpha`` the ``weights`` are each slot's 0/1 validity and the loss is weighted by the
     detached D-PACE weights of its block (``dpace_weights``); the default normalizer,
     sum(weights), is then the count of scored slots -- known before the forward, so the
-    trainer's global normaliser keeps every split of a batch exact.
+    trainer's global normaliser keeps every split of a batch exact. Its ``auf_factor``
+    (accept-until-fail) weighs each block's slots after its first miss by that factor, from the
+    head's argmax; the normaliser stays the weight sum before it (known before the forward).
+    ``teacher`` (SoftLabels.teacher, rows aligned with ``hidden``'s slots) makes each slot's
+    base loss the soft-label mix of CE and the KL from the target's distribution.
 
     hidden [B, N, bs, H] (drafter output after its final norm), or [B, N, bs - 1, H] for
     slots 1..bs-1 only (``drafter(..., scored_only=True)``: slot 0's weight is always 0, so
@@ -330,10 +369,10 @@ def dflash_loss(
         slots = shape[2] - skip
 
         def rows_fn(base: torch.Tensor, ce: torch.Tensor, correct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return slot_loss.rows(base, w, slots)  # rows [B * N blocks, slots], block-major; base is the CE here
+            return slot_loss.rows(base, ce, correct, w, slots)  # rows [B * N blocks, slots], block-major
     top_k = selector.top_k if selector is not None and selector_loss is not None else 0
     total, correct, ce, top = head_ce(h, head_weight, y, w, chunk_size, rows_fn, top_k,
-                                      top_k and selector_loss.stop_gradient)
+                                      top_k and selector_loss.stop_gradient, teacher)
     selector_total = recall = None
     base = total
     if top_k:

@@ -136,6 +136,8 @@ def test_every_choice_the_config_offers_has_its_own_implementation():
     masks = {layer_attention({"num_hidden_layers": 1, "layer_types": [t], "sliding_window": 4})[0] for t in LAYER_TYPES}
     assert len(masks) == len(LAYER_TYPES)
     ce, weights = torch.tensor([0.5, 1.0, 2.0]), torch.ones(3)
-    assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, weights, 3)[0].sum().item() for kind in LOSSES}) == len(LOSSES)
+    correct = torch.ones(3, dtype=torch.bool)
+    assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, ce, correct, weights, 3)[0].sum().item() for kind in LOSSES}) \
+        == len(LOSSES)
     assert len({SlotLoss.of(ObjectiveConfig(weighting=w)) for w in WEIGHTINGS}) == len(WEIGHTINGS)
     assert len({DFlash2Modules.of(ModelConfig(drafter=d)) for d in DRAFTERS}) == len(DRAFTERS)

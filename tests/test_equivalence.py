@@ -20,6 +20,9 @@ from p2p_model import assert_one_way_and_nccl_safe
 DFLASH2 = {"model__drafter": "dflash2", "model__conv_group_size": 8, "model__selector_rank": 8,
            "model__selector_top_k": 8}
 DISAGGREGATED = {"pipeline__placement": "disaggregated", "pipeline__target_ranks": 1, "train__collective_timeout_s": 60}
+# soft labels (the target's final states travel with its taps) and accept-until-fail (per-row weights)
+SOFT = {"objective__kd_weight": 0.5, "objective__kd_temperature": 2.0, "objective__accept_until_fail": "true",
+        "objective__auf_factor": 0.5}
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,10 @@ LAYOUTS = {
     "disaggregated_from_a_tp2_group": Layout(
         Run(4, {**TP2, "pipeline__placement": "disaggregated", "pipeline__target_ranks": 2}, p2p=True),
         Run(1, {"train__grad_accum": 2}), _from_a_sharded_target_group, drafters=2),
+    "disaggregated_soft_labels": Layout(
+        Run(3, {**DISAGGREGATED, **SOFT, "train__max_steps": 8, "train__save_every": 4}, p2p=True),
+        Run(2, {**SOFT, "train__max_steps": 8}), _disaggregated, drafters=2, steps=8),
+    "ddp_soft_labels": Layout(Run(2, SOFT), Run(1, {"train__grad_accum": 2, **SOFT}), _ddp),
     "disaggregated_1_target_2_drafters": Layout(
         Run(3, {**DISAGGREGATED, "train__max_steps": 8, "train__save_every": 4}, p2p=True),
         Run(2, {"train__max_steps": 8}), _disaggregated, drafters=2, steps=8),

@@ -206,8 +206,10 @@ class TargetModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, target_layer_ids: list[int] | None = None, num_taps: int = 5,
-                 sharded: bool = False):
-        """``sharded``: ``model`` is this rank's shard of a tensor-parallel target (_load_sharded)."""
+                 sharded: bool = False, final_state: bool = False):
+        """``sharded``: ``model`` is this rank's shard of a tensor-parallel target (_load_sharded).
+        ``final_state``: ``features`` also returns the final normed hidden state after the taps (soft
+        labels: the target's distribution is its LM head over it); the forward then runs every layer."""
         super().__init__()
         model.eval()
         model.requires_grad_(False)
@@ -224,6 +226,7 @@ class TargetModel(nn.Module):
                 f"use distinct ids in [0, {self.num_layers - 1}] (layer i is the output of decoder layer i)"
             )
         self.layer_ids = ids
+        self.final_state = final_state
         self.hidden_size = int(self.config.hidden_size)
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
@@ -251,6 +254,7 @@ class TargetModel(nn.Module):
         heads_only: bool = False,
         tensor_parallel: int = 1,
         expert_parallel: bool = False,
+        final_state: bool = False,
     ) -> TargetModel:
         """Load a local Hugging Face causal LM directory, frozen, in eval mode.
 
@@ -262,17 +266,18 @@ class TargetModel(nn.Module):
         ``tensor_parallel`` > 1: this rank holds 1/T of the target, sharded by the model's own
         transformers plan over this rank's target group (distributed.target_mesh(), which
         init_distributed(tensor_parallel=T) built); ``expert_parallel``: its experts split over
-        the group instead (a MoE target with an expert plan). See _load_sharded."""
+        the group instead (a MoE target with an expert plan). See _load_sharded. ``final_state``:
+        the training features end in the final normed hidden state (soft labels; TargetModel)."""
         path = _model_dir(path)
         device = torch.device(device)
         torch_dtype = resolve_dtype(dtype, device)
         if tensor_parallel > 1:
             model = _load_sharded(path, device, torch_dtype, attn_implementation, trust_remote_code, tensor_parallel,
                                   expert_parallel)
-            return cls(model, target_layer_ids, num_taps, sharded=True)
+            return cls(model, target_layer_ids, num_taps, sharded=True, final_state=final_state)
         model = _heads_only_model(path, device, torch_dtype, trust_remote_code) if heads_only else None
         if model is not None:
-            target = cls(model, target_layer_ids, num_taps)
+            target = cls(model, target_layer_ids, num_taps, final_state=final_state)
             target.heads_only = True
             return target
         # Each tensor straight from the (memory-mapped) files onto this rank's device: no whole
@@ -284,7 +289,7 @@ class TargetModel(nn.Module):
             trust_remote_code=trust_remote_code,
             device_map=device,
         )
-        return cls(model, target_layer_ids, num_taps)
+        return cls(model, target_layer_ids, num_taps, final_state=final_state)
 
     heads_only = False  # True: only embed / lm_head hold weights (from_pretrained(heads_only=True))
 
@@ -307,31 +312,36 @@ class TargetModel(nn.Module):
 
     @property
     def feature_size(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
+        """Width of ``features``: K taps of H, and H more for the final state (``final_state``)."""
+        return (len(self.layer_ids) + self.final_state) * self.hidden_size
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed taps [B, S, K*H] in tap order, stopping after the last tapped layer.
+        """Packed taps [B, S, K*H] in tap order, stopping after the last tapped layer; with
+        ``final_state``, [B, S, (K+1)*H]: the final normed hidden state appended, after every layer.
 
-        Exactly ``cat([hidden_states[i + 1] for i in layer_ids], -1)`` of a full forward.
+        Exactly ``cat([hidden_states[i + 1] for i in layer_ids] (+ [hidden_states[-1]]), -1)`` of a
+        full forward.
         """
         if self.heads_only:
             raise RuntimeError("this TargetModel holds only the target's embedding and LM head (heads_only): "
                                "its forward runs on the target ranks")
         taps: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
+        stop_after = None if self.final_state else last
 
         def hook(index: int):
             def capture(module, args, output):
                 taps[index] = _layer_output(output)
-                if index == last:
+                if index == stop_after:
                     raise _StopForward
 
             return capture
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        out = None
         try:
-            self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
         finally:
@@ -339,7 +349,8 @@ class TargetModel(nn.Module):
                 handle.remove()
         if last == self.num_layers - 1:  # HF's last hidden_states entry is after the final norm
             taps[last] = _final_norm(self.model)(taps[last])
-        return torch.cat([taps[i] for i in self.layer_ids], dim=-1)
+        final = [out.last_hidden_state] if self.final_state else []  # the decoder's output is normed
+        return torch.cat([taps[i] for i in self.layer_ids] + final, dim=-1)
 
     def pack_hidden_states(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Taps [B, S, K*H] from a full ``output_hidden_states`` forward (used when decoding)."""

@@ -58,6 +58,7 @@ def load_target(config: Config, dist: Dist) -> TargetModel:
         cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
         device=dist.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code, heads_only=dist.role == "drafter" and not evaluates,
+        final_state=cfg.objective.kd_weight > 0,  # soft labels: the target's final states follow its taps
         **({} if dist.role == "drafter" else  # a disaggregated drafter rank: the (whole) heads only
            {"tensor_parallel": cfg.model.tensor_parallel, "expert_parallel": cfg.model.expert_parallel}),
     )

@@ -9,7 +9,8 @@ test the family. A strategy owns:
   loss terms of its step: the training step's seed, schedule position and tensor-group share, or
   the validator's fixed seed and full weights;
 - ``forward_loss``: the drafter's forward on the blocks (``drafter_forward``), then the loss of
-  its hidden states (objective.dflash_loss);
+  its hidden states (objective.dflash_loss), with soft labels from the target's final states
+  when the objective asks for them (objective.SoftLabels);
 - ``new_stats``: the device-side sums the log keeps of its LossOutputs (``StepStats``).
 
 ``Strategy`` is DFlash's; ``DFlash2Strategy`` adds the selector term: its scheduled weight in the
@@ -32,6 +33,7 @@ from flashdraft.objective import (
     LossOutput,
     SelectorLoss,
     SlotLoss,
+    SoftLabels,
     default_gamma,
     dflash_loss,
     make_blocks,
@@ -85,6 +87,7 @@ class Strategy:
         self.drafter, self.target, self.objective = drafter, target, objective
         self.seed, self.shard = seed, shard
         self.slot_loss = SlotLoss.of(objective)
+        self.soft = SoftLabels.of(objective)  # the target's features then end in its final states [.., H]
         self.gamma = default_gamma(drafter.block_size) if objective.gamma == 0 else objective.gamma
 
     # ---- the blocks ---------------------------------------------------------------------------
@@ -147,10 +150,15 @@ class Strategy:
         oracle switches), then the loss of its hidden states under the target's LM head
         (objective.dflash_loss, in chunks of objective.loss_chunk_size slots), divided by
         ``normalizer`` (default: the blocks' weight sum). The loss never calls the drafter."""
-        hidden = self.drafter_forward(model, features, blocks, **options)
+        taps = features[..., :self.drafter.fc.in_features]  # with soft labels the target's final states follow
+        hidden = self.drafter_forward(model, taps, blocks, **options)
+        teacher = None
+        if self.soft is not None:
+            bs = self.drafter.block_size
+            teacher = self.soft.teacher(features[..., taps.shape[-1]:], blocks.anchors, bs, bs - hidden.shape[2])
         return dflash_loss(hidden, self.target.lm_head.weight, blocks.labels, blocks.weights,
                            self.objective.loss_chunk_size, normalizer, slot_loss=blocks.loss,
-                           selector=self.selector, selector_loss=blocks.selector)
+                           selector=self.selector, selector_loss=blocks.selector, teacher=teacher)
 
     def new_stats(self, device: torch.device) -> StepStats:
         """Empty sums of this strategy's LossOutputs, on ``device``."""
