@@ -98,6 +98,9 @@ class ModelConfig:
     selector_rank: int = _marked(256, RESUME, DFLASH2)
     # dflash2: candidates per slot the selector re-ranks (the head's top-k)
     selector_top_k: int = _marked(16, RESUME, DFLASH2)
+    # start from a released drafter (its serving-format directory: a flashdraft export, z-lab's, SpecForge's);
+    # its shape comes from its config.json, and a model.* key set otherwise is refused ("": random init)
+    init_from: str = _marked("", RESUME)
     tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
     expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
 

@@ -7,13 +7,14 @@ before the ranks meet (``meet``) and long before any weights move or a step runs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from flashdraft import distributed, plan
-from flashdraft.config import Config
+from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist
 from flashdraft.engine import last_layer_warning
@@ -38,6 +39,48 @@ def start_process(config: Config) -> Dist:
     if dist.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
         log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
     return dist
+
+
+def with_init_from(config: Config) -> Config:
+    """``config`` with its drafter's shape taken from the released drafter it starts from
+    (model.init_from; unchanged without one): its taps, layers, block, MASK id, attention and
+    family (drafter.serving.model_fields). A model.* key set to another value than the export's is
+    refused by name, and so is an export made for another target (hidden size, vocabulary, depth),
+    before any weights load."""
+    init_from = config.model.init_from
+    if not init_from:
+        return config
+    from transformers import AutoConfig
+
+    from flashdraft.drafter import serving
+    from flashdraft.target.model import _model_dir
+
+    export = serving.read_config(init_from)
+    try:
+        fields = serving.model_fields(export)
+    except ValueError as exc:
+        raise ValueError(f"model.init_from={init_from}: {exc}") from None
+    defaults = ModelConfig()
+    for key, value in fields.items():
+        mine = getattr(config.model, key)
+        if mine != getattr(defaults, key) and mine != value:
+            raise ValueError(f"model.{key}={_shown(mine)} disagrees with the drafter in model.init_from={init_from} "
+                             f"({_shown(value)}): drop model.{key}, the drafter's shape comes from model.init_from")
+    target = AutoConfig.from_pretrained(_model_dir(config.model.target),
+                                        trust_remote_code=config.model.trust_remote_code)
+    target = target.get_text_config() if hasattr(target, "get_text_config") else target
+    wanted = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+              "num_target_layers": target.num_hidden_layers}
+    diffs = [f"{k} {export.get(k)} vs {v}" for k, v in wanted.items() if export.get(k) not in (None, v)]
+    if diffs:
+        raise ValueError(f"model.init_from={init_from} was trained for another target than model.target="
+                         f"{config.model.target} ({', '.join(diffs)}: drafter vs target); start from a drafter of "
+                         "this target, or from scratch (model.init_from='')")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **fields))
+
+
+def _shown(value) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
 def check_run(config: Config, device: torch.device) -> None:

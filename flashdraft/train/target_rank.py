@@ -24,7 +24,7 @@ class TargetRank:
     barrier); ``serve()`` feeds its drafter ranks to the end of the run."""
 
     def __init__(self, config: Config, dist: Dist):
-        cfg, device = config, dist.device
+        cfg, device = startup.with_init_from(config), dist.device  # the drafter's shape: the data's block size
         self.config, self.dist = cfg, dist
         startup.check_run(cfg, device)
         target = startup.load_target(cfg, dist)

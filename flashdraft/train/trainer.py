@@ -28,7 +28,7 @@ from flashdraft.checkpoint import step_dir_name
 from flashdraft.config import Config, save_config
 from flashdraft.data.batching import batch_sampler, steps_left
 from flashdraft.distributed import Dist
-from flashdraft.drafter import DFlashDrafter
+from flashdraft.drafter import DFlashDrafter, serving
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.feed import Feed, open_feed
 from flashdraft.metrics import StageTimer
@@ -65,8 +65,10 @@ def autocast_for(device: torch.device, target_dtype: torch.dtype):
 
 def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
     """The run's drafter before its first step, on the host: built for ``target`` as the config
-    says and drawn from the seeded init (``train.seed``). The trainer starts from it, and anyone can
-    rebuild a run's starting weights without a Trainer (the quickstart's untrained baseline)."""
+    says and drawn from the seeded init (``train.seed``), or holding the weights of the released
+    drafter it starts from (model.init_from, whose shape the config already took:
+    startup.with_init_from). The trainer starts from it, and anyone can rebuild a run's starting
+    weights without a Trainer (the quickstart's untrained baseline)."""
     drafter = DFlashDrafter.for_target(
         target, num_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size,
         mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
@@ -74,7 +76,16 @@ def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
         causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model), sinks=cfg.model.drafter_attention_sink,
         attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
     )
-    drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
+    if cfg.model.init_from:
+        released = serving.read_weights(cfg.model.init_from)
+        try:
+            drafter.load_state_dict({k: v.float() for k, v in released.items()})
+        except RuntimeError as exc:  # names or shapes its config.json does not describe
+            raise ValueError(f"model.init_from={cfg.model.init_from}: its model.safetensors does not fit its "
+                             f"config.json ({str(exc).splitlines()[0]}); give an export as written by flashdraft "
+                             "export, z-lab or SpecForge") from None
+    else:
+        drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
     freeze_untrained(drafter, cfg.objective)
     return drafter
 
@@ -85,7 +96,7 @@ class Trainer:
     or colocated rank: a disaggregated target rank serves features instead (``train``)."""
 
     def __init__(self, config: Config, dist: Dist | None = None):
-        cfg = self.config = config
+        cfg = self.config = startup.with_init_from(config)
         self.dist = dist if dist is not None else startup.start_process(cfg)
         if self.dist.role == "target":
             raise ValueError("a disaggregated target rank trains nothing: start it with "
@@ -180,6 +191,8 @@ class Trainer:
             save_config(cfg, self.output / "config.yaml")
         self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.strategy, self.total_steps,
                             state.step)
+        if cfg.model.init_from and state.step == 0 and (cfg.data.eval_path or cfg.data.eval_prompts):
+            self._validate()  # step 0 (every rank): the released drafter's own tau, the fine-tuning's baseline
         stopping = 0
         self.drafter.train()
         with self.stop as stop:
