@@ -418,6 +418,39 @@ def pace_checkpoint_writes(seconds: float) -> None:
     checkpoint._write_part = paced
 
 
+def pace_evals(seconds: float) -> None:
+    """Make every eval of this process last ``seconds`` longer on the ranks that compute it (the
+    others wait for it at the eval's barrier)."""
+    if seconds <= 0:
+        return
+    from flashdraft.train.validation import Validator
+
+    run = Validator.run
+
+    def paced(self):
+        if self.runs_eval:
+            time.sleep(seconds)
+        return run(self)
+
+    Validator.run = paced
+
+
+def pace_hello(seconds: float) -> None:
+    """Make a disaggregated drafter rank of this process send its HELLO ``seconds`` late (a slow
+    resume: its target rank, and the rest of its target group, wait for it)."""
+    if seconds <= 0:
+        return
+    from flashdraft.feed import disaggregated
+
+    hello = disaggregated._DrafterLink.hello
+
+    def paced(self, *args, **kwargs):
+        time.sleep(seconds)
+        return hello(self, *args, **kwargs)
+
+    disaggregated._DrafterLink.hello = paced
+
+
 def cli(*argv: str) -> None:
     """``flashdraft ARGV...`` exactly as the console script runs it; exits with its status."""
     import signal
@@ -429,6 +462,8 @@ def cli(*argv: str) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     pace_steps(float(os.environ.get("FLASHDRAFT_TEST_STEP_SLEEP", "0")))
     pace_checkpoint_writes(float(os.environ.get("FLASHDRAFT_TEST_WRITE_SLEEP", "0")))
+    pace_evals(float(os.environ.get("FLASHDRAFT_TEST_EVAL_SLEEP", "0")))
+    pace_hello(float(os.environ.get("FLASHDRAFT_TEST_HELLO_SLEEP", "0")))
     try:
         code = main(list(argv))
     except Stopped as exc:  # as the console script reports it (flashdraft.cli.entry)

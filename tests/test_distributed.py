@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import read_log, results, run_ranks
-from flashdraft.distributed import Dist
+from flashdraft.distributed import WATCH_S, Clocks, Dist
 
 
 def test_single_process_needs_no_process_group(fresh_dist):
     D = fresh_dist
     d = D.init_distributed("cpu")
-    assert d == Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None, timeout_s=600.0)
+    assert d == Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None, clocks=Clocks())
     assert d.is_main and not torch.distributed.is_initialized()
     assert D.init_distributed("cpu") is d  # idempotent
     assert D.get_dist() is d and D.get_rank() == 0 and D.get_world_size() == 1
@@ -60,6 +60,18 @@ def test_cuda_requested_without_gpu_is_a_clear_error(fresh_dist):
         fresh_dist.init_distributed("cuda")
 
 
+def test_each_wait_has_its_clock_and_names_the_field_that_sets_it():
+    """The link clock is a step plus a drafter rank's pause; a receive posted for the whole run
+    waits a year (a dead peer fails it at once, not the clock)."""
+    clocks = Clocks(collective_s=5, startup_s=60, pause_s=30)
+    assert [clocks.seconds(w) for w in ("collective", "startup", "pause", "link", "watch")] == [5, 60, 30, 35, WATCH_S]
+    assert WATCH_S >= 365 * 86400
+    assert clocks.describe("link") == "train.collective_timeout_s + train.pause_timeout_s = 35 s"
+    assert clocks.describe("pause") == "train.pause_timeout_s = 30 s"
+    with pytest.raises(ValueError, match="positive"):
+        Clocks(pause_s=0)
+
+
 def test_all_reduce_rejects_unknown_op(fresh_dist):
     with pytest.raises(ValueError, match="mean, sum, max or min"):
         fresh_dist.all_reduce(torch.ones(1), "avg")  # type: ignore[arg-type]
@@ -85,7 +97,8 @@ def test_two_gloo_ranks_collectives_then_hung_peer_times_out(forkserver):
     assert r0["is_main"] and not r1["is_main"]
     assert r0["gather"] == ["r0", "r1"] and r1["gather"] is None
     # Rank 1 never reached the second barrier: rank 0 must fail after ~timeout_s, not hang.
-    assert r0["error"] and "barrier failed on rank 0/2" in r0["error"] and f"timeout {timeout_s} s" in r0["error"]
+    assert r0["error"] and "barrier failed on rank 0/2" in r0["error"]
+    assert f"train.collective_timeout_s = {timeout_s} s" in r0["error"]
     assert timeout_s * 0.8 <= r0["waited_s"] <= timeout_s + 10
 
 

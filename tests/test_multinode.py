@@ -33,11 +33,16 @@ def test_each_step_votes_skip_and_stop_in_one_all_reduce(tiny_job, tmp_path, for
             assert ops == [["all_reduce", 1], ["all_reduce", 2]], f"step {step}: {ops}"
 
 
-def test_a_rank_loading_slower_than_the_collective_timeout_still_trains(tiny_job, tmp_path, forkserver):
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_a_rank_loading_slower_than_the_collective_timeout_still_trains(tiny_job, tmp_path, forkserver,
+                                                                       tensor_parallel):
     """Rank 1 reads its target 8 s late, past train.collective_timeout_s=4: the ranks meet at the
     start-up barrier (train.startup_timeout_s) before DDP's first broadcast, and both train.
-    Before the barrier, rank 0's broadcast failed after 4 s."""
-    args = overrides(tiny_job, tmp_path / "run", train__max_steps=2, train__collective_timeout_s=4)
+    Before the barrier, rank 0's broadcast failed after 4 s. Sharded over both ranks, the target
+    is gathered (its embedding and head) right after loading: the ranks meet first, host-side on
+    the start-up clock (before, rank 0's gather failed after 4 s)."""
+    args = overrides(tiny_job, tmp_path / "run", train__max_steps=2, train__collective_timeout_s=4,
+                     model__tensor_parallel=tensor_parallel)
     ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(args), "8", timeout=240))
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 2), (None, 2)]
 
@@ -62,7 +67,7 @@ def test_a_rank_later_than_the_startup_timeout_fails_the_job_with_a_named_error(
     ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(args), "12", timeout=240))
     for r in ranks:
         assert r["error"] is not None and r["error"].startswith("StartupError: start-up barrier after loading"), r
-        assert "train.startup_timeout_s=2 s" in r["error"]
+        assert "train.startup_timeout_s = 2 s" in r["error"]
     assert "1" in ranks[0]["error"].split("(", 1)[1]  # rank 0 names the missing rank
 
 

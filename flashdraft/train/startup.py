@@ -34,7 +34,8 @@ def start_process(config: Config) -> Dist:
     dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
                                         num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
                                         tensor_parallel=cfg.model.tensor_parallel,
-                                        startup_timeout_s=cfg.train.startup_timeout_s)
+                                        startup_timeout_s=cfg.train.startup_timeout_s,
+                                        pause_timeout_s=cfg.train.pause_timeout_s)
     if dist.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
         log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
     return dist
