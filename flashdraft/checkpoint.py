@@ -669,8 +669,8 @@ class CheckpointManager:
 
     def _load_verified(self, path: Path, rank: int | None, shared: bool = False) -> Loaded:
         """``shared`` (collective, every rank loads ``path``): the parts every rank shares are
-        read once, by rank 0, and broadcast (host memory, under the start-up timeout); each
-        rank reads its own per-rank parts."""
+        read once, by rank 0, and streamed to the others (host memory, under the start-up clock:
+        ``_shared_parts``); each rank reads its own per-rank parts."""
         rank = distributed.get_rank() if rank is None else rank
         try:
             manifest = json.loads((path / MANIFEST).read_text())
@@ -696,22 +696,27 @@ class CheckpointManager:
     @staticmethod
     def _shared_parts(path: Path, manifest: dict) -> dict[str, Any]:
         """The replicated parts of ``path``: read by rank 0 alone (one read of shared storage
-        per job instead of one per rank) and broadcast, one part at a time (a rank holds one
-        part's bytes beside the parts already parsed); a read error on rank 0 is raised on every
-        rank."""
-        parts = {}
+        per job instead of one per rank) and streamed to the others in bounded messages
+        (``distributed.host_broadcast_bytes``), one part at a time. Host memory per rank: the
+        parts' files' bytes once -- each part's tensors are views of the bytes received, nothing
+        is pickled or copied on the way -- plus one part's JSON skeleton. A read error on rank 0
+        is raised on every rank."""
+        parts, rank0 = {}, distributed.get_rank() == 0
         for name in manifest["parts"]:
-            files: Any = None
-            if distributed.get_rank() == 0:
+            data, head = None, None  # head: (the tensors file's size, its skeleton JSON), or why rank 0 could not
+            if rank0:
                 try:
-                    files = _read_part_files(path, name)
+                    data, skeleton = _read_part_files(path, name)
+                    head = (len(data), skeleton)
                 except OSError as exc:
-                    files = f"{path}: cannot load on rank 0 ({type(exc).__name__}: {exc})"
-            files = distributed.host_broadcast_object(files)
-            if isinstance(files, str):
-                raise CheckpointError(files)
+                    head = f"{path}: cannot load on rank 0 ({type(exc).__name__}: {exc})"
+            head = distributed.host_broadcast_object(head)
+            if isinstance(head, str):
+                raise CheckpointError(head)
+            size, skeleton = head
+            data = distributed.host_broadcast_bytes(data, size)
             try:
-                parts[name] = _parse_part(*files)
+                parts[name] = _parse_part(data, skeleton)
             except (ValueError, KeyError, safetensors.SafetensorError) as exc:
                 raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
         return parts

@@ -597,10 +597,10 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def host_broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` (rank within the role group) on every rank of the role, through host
-    memory on gloo with the start-up timeout: for start-up data too big for the device or too
-    slow to read for the collective timeout (a resumed checkpoint's replicated parts). Host
-    sync. Identity without a process group; on a group made outside init_distributed (a test
-    harness's), ``broadcast_object``."""
+    memory on gloo with the start-up clock: small start-up data (a checkpoint part's size and
+    skeleton; bytes of real size go through ``host_broadcast_bytes``, pickling copies them).
+    Host sync. Identity without a process group; on a group made outside init_distributed (a
+    test harness's), ``broadcast_object``."""
     if not _active():
         return obj
     box = [obj]
@@ -609,6 +609,33 @@ def host_broadcast_object(obj: Any) -> Any:
     except RuntimeError as exc:
         raise _fail("host_broadcast_object", exc, "startup") from exc
     return box[0]
+
+
+# One message of a streamed host broadcast: no gloo message of GBs (or over 4 GB), and nothing
+# of the data's size is copied on the way.
+HOST_CHUNK_BYTES = 64 * 2**20
+
+
+def host_broadcast_bytes(data: bytearray | None, size: int) -> bytearray:
+    """Rank 0's ``data`` (``size`` bytes; None on the other ranks, who know ``size``) on every rank
+    of the role, streamed through host memory on gloo with the start-up clock in messages of at
+    most ``HOST_CHUNK_BYTES``, each received straight into its place in the returned buffer: a
+    rank holds the data once, plus nothing of its size (the resume's replicated checkpoint parts,
+    GBs at real sizes). Host sync. ``data`` itself without a process group."""
+    if not _active():
+        return data
+    buffer = data if get_rank() == 0 else bytearray(size)
+    if len(buffer) != size:
+        raise ValueError(f"host_broadcast_bytes: rank 0 has {len(buffer)} bytes, the others expect {size}")
+    group = _HOST if _HOST is not None else _GROUP
+    try:
+        for offset in range(0, size, HOST_CHUNK_BYTES):
+            chunk = torch.frombuffer(buffer, dtype=torch.uint8, count=min(HOST_CHUNK_BYTES, size - offset),
+                                     offset=offset)  # a view: gloo reads or writes the buffer in place
+            tdist.broadcast(chunk, group=group, group_src=0)
+    except RuntimeError as exc:
+        raise _fail("host_broadcast_bytes", exc, "startup") from exc
+    return buffer
 
 
 def all_gather_object(obj: Any) -> list[Any]:

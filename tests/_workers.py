@@ -384,6 +384,40 @@ def resume_reads(root: str) -> None:
     D.teardown()
 
 
+def _memory_kib() -> dict[str, int]:
+    """This process's resident set now and its peak since the last reset (Linux /proc), KiB."""
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                found[line.split(":")[0]] = int(line.split()[1])
+    return found
+
+
+def resume_peak_rss(root: str) -> None:
+    """Every rank loads the newest checkpoint under ``root`` as a resume does (load_latest: rank 0
+    reads the replicated parts once and broadcasts them; its verification is taken as done), and
+    reports the peak of its resident set over the load above the resident set before it, and a
+    sha256 of every tensor it got, per part."""
+    import hashlib
+
+    from flashdraft.checkpoint import CheckpointManager
+
+    D.init_distributed("cpu", timeout_s=120)
+    manager = CheckpointManager(root)
+    verified = manager.checkpoints()[0] if D.get_rank() == 0 else None
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the resident set now
+        f.write("5")
+    before = _memory_kib()["VmRSS"]
+    loaded = manager.load_latest(verified=verified)
+    peak = _memory_kib()["VmHWM"]
+    digests = {name: {k: hashlib.sha256(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())).hexdigest()
+                      for k, t in part.items()} for name, part in loaded.parts.items()}
+    result({"rank": D.get_rank(), "peak_above_mib": (peak - before) / 1024, "digests": digests,
+            "step": loaded.step})
+    D.teardown()
+
+
 def pace_steps(seconds: float) -> None:
     """Make every optimizer step of this process last ``seconds`` longer, so that a test's kill
     lands at a chosen moment of a run (the trainer itself has no test hook)."""
@@ -588,7 +622,7 @@ SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, ch
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
                                      train_target_raises, sharded_features,
                                      train_collectives, train_slow_loader, convert_once,
-                                     resume_reads)}
+                                     resume_reads, resume_peak_rss)}
 
 
 def serve(*preload: str) -> None:
