@@ -27,7 +27,7 @@ class TargetRank:
     def __init__(self, config: Config, dist: Dist):
         cfg, device = config, dist.device
         self.config, self.dist = cfg, dist
-        startup.check_run(cfg, device)
+        startup.check_run(cfg, dist)
         target = startup.load_target(cfg, dist)
         mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
         data = startup.open_data(cfg, dist, target, mask_token_id)
