@@ -57,8 +57,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
+import json
 import os
 import re
+import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -128,6 +132,14 @@ class CollectiveError(RuntimeError):
 
 class StartupError(CollectiveError):
     """A rank did not reach a start-up barrier within ``startup_timeout_s`` (or died before it)."""
+
+
+class GlooAddressError(StartupError):
+    """A multi-node job's gloo groups would bind an address the other nodes cannot reach (a
+    hostname that resolves to a loopback address, a management NIC): the message names the
+    address, where it came from and GLOO_SOCKET_IFNAME."""
+
+    names_the_fix = True  # the command line reports it as one line (cli.entry)
 
 
 @dataclass(frozen=True)
@@ -343,11 +355,127 @@ def _join(device: torch.device, rank: int, world_size: int, clocks: Clocks, defa
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
-    tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                             timeout=datetime.timedelta(seconds=clocks.seconds(default_wait)), **kwargs)
+    timeout = datetime.timedelta(seconds=clocks.seconds(default_wait))
+    # torchrun's rendezvous, as init_process_group's env:// makes it: the store first, so that the
+    # gloo addresses are checked before any gloo group (start-up, control, host: NCCL jobs too)
+    # tries to connect to them, which fails only after its timeout, naming no cause
+    store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    check_gloo_addresses(tdist.PrefixStore("flashdraft/gloo", store), rank, world_size,
+                         _env_int("LOCAL_WORLD_SIZE", world_size))
+    tdist.init_process_group(backend=backend, store=tdist.PrefixStore("default_pg", store), rank=rank,
+                             world_size=world_size, timeout=timeout, **kwargs)
     _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=clocks.startup_s))
     _HOST = _STARTUP
     return backend
+
+
+# ---- gloo's address on a multi-node job -----------------------------------------------------
+
+# How long a TCP connect to another node's gloo address may take (a firewall that drops the
+# packets is reported after this, not after the collective timeout).
+GLOO_PROBE_S = 20.0
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def _interface_ipv4(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux); OSError when it has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _interfaces() -> dict[str, str]:
+    """Every network interface with an IPv4 address: name -> address (Linux)."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        with contextlib.suppress(OSError):
+            found[name] = _interface_ipv4(name)
+    return found
+
+
+def gloo_address() -> tuple[str, str]:
+    """(the address this process's gloo groups bind to, where it comes from), as torch's
+    ProcessGroupGloo picks it: the first interface GLOO_SOCKET_IFNAME names, else the first
+    address this machine's hostname resolves to that a socket can bind, else the loopback
+    address. GlooAddressError when GLOO_SOCKET_IFNAME names an interface without an IPv4
+    address."""
+    named = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if named:
+        try:
+            return _interface_ipv4(named), f"GLOO_SOCKET_IFNAME={named}"
+        except OSError as exc:
+            raise GlooAddressError(
+                f"GLOO_SOCKET_IFNAME={named}: this machine has no interface of that name with an IPv4 address "
+                f"({exc}); set it to one of {', '.join(f'{k} ({v})' for k, v in _interfaces().items())}") from None
+    host = socket.gethostname()
+    try:
+        candidates = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        candidates = []
+    for family, kind, proto, _, address in candidates:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind(address)
+            except OSError:
+                continue
+        return address[0], f"the hostname {host!r} resolves to it"
+    return "127.0.0.1", f"the hostname {host!r} resolves to no address of this machine: gloo falls back to loopback"
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def check_gloo_addresses(store: Any, rank: int, world_size: int, local_world_size: int) -> None:
+    """Before any gloo group exists: on a job whose ranks run on several hosts, check that this
+    rank's gloo address (``gloo_address``) is one the other hosts can reach. Every rank
+    publishes its host and address in ``store`` and listens there; rank r probes rank
+    (r + ``local_world_size``) mod ``world_size`` -- the same local rank on the next node, as
+    torchrun numbers them -- when that rank runs on another host: a loopback address there is
+    refused outright, any other must accept a TCP connection within ``GLOO_PROBE_S``. The probed
+    rank learns the verdict through the store, so both ends of a bad pair raise
+    :class:`GlooAddressError`, naming the address, where it came from, and GLOO_SOCKET_IFNAME
+    (with the interfaces this machine has). One connection per rank; single-host jobs (a
+    loopback address is fine there) make none. Waits on the store under the collective clock."""
+    if sys.platform != "linux":  # the interface lookup is Linux's; multi-node GPU jobs run there
+        return
+    address, source = gloo_address()
+    host = socket.gethostname()
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((address, 0))
+        listener.listen(16)
+        store.set(f"addr/{rank}", json.dumps([host, address, listener.getsockname()[1], source]))
+        peer = (rank + local_world_size) % world_size
+        peer_host, peer_address, peer_port, peer_source = json.loads(store.get(f"addr/{peer}"))
+        verdict = ""
+        if peer_host != host:
+            verdict = _probe(peer_address, peer_port)
+            if verdict:
+                verdict = (f"rank {peer} (host {peer_host}) binds gloo to {peer_address} ({peer_source}), which rank "
+                           f"{rank} on host {host} cannot reach: {verdict}")
+        store.set(f"probe/{peer}", verdict)
+        mine = store.get(f"probe/{rank}").decode()  # from the rank that probes this one
+    if verdict or mine:
+        fix = ("set GLOO_SOCKET_IFNAME on every node to the interface its nodes reach each other through (this "
+               f"machine has {', '.join(f'{k} ({v})' for k, v in _interfaces().items())}), or map each hostname to "
+               "that interface's address in /etc/hosts. gloo carries the start-up barrier and a disaggregated job's "
+               "control messages in NCCL jobs too (docs/distributed.md)")
+        raise GlooAddressError(f"{'; '.join(v for v in (mine, verdict) if v)}; {fix}")
+
+
+def _probe(address: str, port: int) -> str:
+    """"" when a TCP connection to ``address``:``port`` opens within GLOO_PROBE_S, else why not."""
+    if _is_loopback(address):
+        return "a loopback address, which on another host is that host itself"
+    try:
+        with socket.create_connection((address, port), timeout=GLOO_PROBE_S):
+            return ""
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _make_target_mesh(device: torch.device, backend: str, ranks: list[int], tensor_parallel: int,

@@ -66,6 +66,31 @@ def peer_exits(timeout_s: str) -> None:
     os._exit(0)
 
 
+def gloo_on_two_hosts(case: str, interface: str) -> None:
+    """Rank 1 poses as a second host (its hostname, an RFC 6761 name that never resolves) of a
+    job launched one process per node (LOCAL_WORLD_SIZE=1); every rank reports the error its
+    start-up raised. ``case`` "loopback": rank 1's hostname resolves to nothing, so its gloo
+    address falls back to 127.0.0.1. "unreachable": both bind gloo to ``interface``
+    (GLOO_SOCKET_IFNAME) and rank 1's port refuses connections, as a firewall that resets them
+    would (its probe socket never listens)."""
+    import socket
+
+    rank = int(os.environ["RANK"])
+    if case == "unreachable":
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if rank == 1:
+        socket.gethostname = lambda: "flashdraft-test-node1.invalid"
+        if case == "unreachable":
+            socket.socket.listen = lambda self, *args: None
+    try:
+        D.init_distributed("cpu", timeout_s=30)
+        err = None
+    except D.StartupError as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    result({"rank": rank, "error": err})
+    os._exit(0)
+
+
 def checkpoint_per_rank_rng(root: str) -> None:
     """Each rank saves its own RNG state; after scrambling, load_latest gives each its own back."""
     import numpy as np
@@ -618,7 +643,8 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
     D.teardown()
 
 
-SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
+SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, gloo_on_two_hosts,
+                                     checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
                                      train_target_raises, sharded_features,
                                      train_collectives, train_slow_loader, convert_once,

@@ -127,3 +127,49 @@ def test_the_multi_gpu_check_fails_on_a_context_on_another_gpu(tmp_path, capsys)
     assert not check_contexts(tmp_path)
     assert "ddp rank 1 (pid 1, LOCAL_RANK 1): contexts on GPUs [0, 1]" in capsys.readouterr().out
     assert not check_contexts(tmp_path / "empty")  # no process recorded: never a PASS
+
+
+def test_gloo_binds_the_interface_named_else_the_hostnames_address_else_loopback(monkeypatch):
+    """torch's choice of gloo's address, read the same way: GLOO_SOCKET_IFNAME's interface; an
+    interface without an IPv4 address is named with those the machine has; a hostname that
+    resolves to nothing falls back to loopback."""
+    from flashdraft import distributed
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert distributed.gloo_address() == ("127.0.0.1", "GLOO_SOCKET_IFNAME=lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(distributed.GlooAddressError, match=r"GLOO_SOCKET_IFNAME=nosuch0: .* set it to one of lo \(127"):
+        distributed.gloo_address()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr("socket.gethostname", lambda: "flashdraft-test.invalid")
+    address, source = distributed.gloo_address()
+    assert address == "127.0.0.1" and "resolves to no address" in source
+
+
+def _routable_interface() -> str | None:
+    from flashdraft.distributed import _interfaces, _is_loopback
+
+    return next((name for name, address in _interfaces().items() if not _is_loopback(address)), None)
+
+
+@pytest.mark.parametrize("case", ["loopback", "unreachable"])
+def test_a_gloo_address_another_host_cannot_reach_stops_the_start_with_the_variable_to_set(forkserver, case):
+    """2 ranks, the second posing as another host: a hostname that falls back to loopback, or a
+    port that refuses the other host's connection. Every rank stops at start-up with
+    GlooAddressError naming the address, its source and GLOO_SOCKET_IFNAME, in seconds; before,
+    gloo bound the address and a real second node then failed (or hung) only at the first gloo
+    group's connect, after its timeout. One host (the other tests) makes no probe at all."""
+    interface = _routable_interface()
+    if case == "unreachable" and interface is None:
+        pytest.skip("this machine has no non-loopback IPv4 interface to bind gloo to")
+    workers = run_ranks(forkserver, "gloo_on_two_hosts", case, interface or "", timeout=60,
+                        env={"LOCAL_WORLD_SIZE": "1"})
+    errors = [r["error"] for r in results(workers)]
+    assert all(e and e.startswith("GlooAddressError: ") and "set GLOO_SOCKET_IFNAME" in e for e in errors), errors
+    assert all("rank 1 (host flashdraft-test-node1.invalid) binds gloo to" in e for e in errors), errors
+    if case == "loopback":
+        assert all("127.0.0.1 (the hostname 'flashdraft-test-node1.invalid' resolves to no address" in e
+                   and "a loopback address" in e for e in errors), errors
+    else:
+        assert all(f"(GLOO_SOCKET_IFNAME={interface}), which rank 0" in e and "ConnectionRefusedError" in e
+                   for e in errors), errors
