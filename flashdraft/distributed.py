@@ -511,6 +511,24 @@ def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
     return c10d.Backend.Options(backend, timeout)
 
 
+def group_timeouts() -> dict[str, float]:
+    """The timeout, in seconds, of each process group this rank belongs to, by its use: what NCCL's
+    watchdog applies to every op posted on it (the rule the clocks keep: a group's timeout bounds
+    the longest wait posted there, module doc). Empty without a process group."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return {}
+    groups = {"default": tdist.group.WORLD, "role": _GROUP, "control": _CONTROL, "startup": _STARTUP,
+              "host": _HOST, "target mesh": target_group()}
+    return {name: _backend_of(group).options._timeout.total_seconds() for name, group in groups.items()
+            if group is not None}
+
+
+def _backend_of(group: Any) -> Any:
+    device = torch.device("cuda") if get_dist().backend == "nccl" and group not in (_CONTROL, _STARTUP, _HOST) \
+        else torch.device("cpu")
+    return group._get_backend(device)
+
+
 def target_mesh() -> tuple[Any, Any] | None:
     """(dense mesh, expert mesh) of a tensor-parallel target (module doc); None when unsharded."""
     return _TARGET_MESH

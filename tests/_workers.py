@@ -66,6 +66,15 @@ def peer_exits(timeout_s: str) -> None:
     os._exit(0)
 
 
+def group_clocks(target_ranks: str, tensor_parallel: str) -> None:
+    """Start a job with clocks collective 5 s, start-up 60 s, pause 30 s (``target_ranks`` > 0:
+    disaggregated) and report each of this rank's process groups' timeouts, and its role."""
+    d = D.init_distributed("cpu", timeout_s=5, num_target_ranks=int(target_ranks),
+                           tensor_parallel=int(tensor_parallel), startup_timeout_s=60, pause_timeout_s=30)
+    result({"role": d.role, "timeouts": D.group_timeouts()})
+    D.teardown()
+
+
 def gloo_on_two_hosts(case: str, interface: str) -> None:
     """Rank 1 poses as a second host (its hostname, an RFC 6761 name that never resolves) of a
     job launched one process per node (LOCAL_WORLD_SIZE=1); every rank reports the error its
@@ -643,7 +652,7 @@ def sharded_features(cases_json: str, tensor_parallel: str) -> None:
     D.teardown()
 
 
-SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, gloo_on_two_hosts,
+SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, gloo_on_two_hosts, group_clocks,
                                      checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
                                      train_target_raises, sharded_features,

@@ -72,6 +72,25 @@ def test_each_wait_has_its_clock_and_names_the_field_that_sets_it():
         Clocks(pause_s=0)
 
 
+def test_every_group_is_made_with_the_clock_of_the_longest_wait_posted_on_it(forkserver):
+    """NCCL's watchdog times every op posted on a group by the group's timeout, whatever wait()
+    is told, so each group gets the clock of its longest wait (the rule, kept on gloo's groups
+    here; clocks: collective 5, start-up 60, pause 30). Colocated: the default group carries the
+    step's collectives. Disaggregated (1 drafter rank, one target group of 2): the default group
+    carries only the data channel, whose sends wait for a drafter rank's step and pause (link: 35),
+    and so does the target group's mesh (its forward waits while its first rank's send does); the
+    role groups carry the step's collectives; the gloo groups' waits carry their own clocks."""
+    colocated = results(run_ranks(forkserver, "group_clocks", "0", "1", timeout=60))
+    for r in colocated:
+        assert r["timeouts"] == {"default": 5, "startup": 60, "host": 60}, r
+    disaggregated = results(run_ranks(forkserver, "group_clocks", "2", "2", world_size=3, timeout=60))
+    assert [r["role"] for r in disaggregated] == ["drafter", "target", "target"]
+    assert disaggregated[0]["timeouts"] == {"default": 35, "role": 5, "control": 5, "startup": 60, "host": 60}
+    for r in disaggregated[1:]:
+        assert r["timeouts"] == {"default": 35, "role": 5, "control": 5, "startup": 60, "host": 60,
+                                 "target mesh": 35}, r
+
+
 def test_all_reduce_rejects_unknown_op(fresh_dist):
     with pytest.raises(ValueError, match="mean, sum, max or min"):
         fresh_dist.all_reduce(torch.ones(1), "avg")  # type: ignore[arg-type]
