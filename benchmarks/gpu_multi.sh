@@ -8,12 +8,15 @@
 #      from the driver: flashdraft/bench/multi_check.py)
 #   4. a tensor-parallel-2 eval equals the unsharded one (benchmarks/gpu_sharded.sh;
 #      MULTI_SHARDED=0 leaves it out)
-# Skips (exit 0) with fewer than 2 GPUs. SMOKE=1 runs it on 2 CPU ranks (gloo) at toy sizes, to
+# Ends in a verdict naming every part: PASS (exit 0) only when all four ran and passed; FAIL
+# (exit 1); with fewer than 2 GPUs, or MULTI_SHARDED=0, the parts not run are SKIPs named with
+# their reason, never a pass (exit 3). SMOKE=1 runs it on 2 CPU ranks (gloo) at toy sizes, to
 # check the script itself.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_results} PYTHONPATH=$PWD
 limit=${MULTI_TIMEOUT:-120}
+parts="disaggregated ddp_resume contexts sharded_eval"
 # CPU: deterministic kernels, so the resumed run must end bitwise equal; GPU: atomics reorder
 # sums (and deterministic mode refuses some kernels), so equal to a relative 1e-4
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -22,8 +25,8 @@ else
   device=cuda deterministic=false rtol=1e-4
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   if [ "$gpus" -lt 2 ]; then
-    echo "multi-GPU check skipped: $gpus GPU(s) here, it needs 2"
-    exit 0
+    echo "multi-GPU check: INCOMPLETE: SKIP: ${parts// /, } need 2 GPUs, $gpus here"
+    exit 3
   fi
 fi
 work="$OUT/multi"
@@ -57,8 +60,18 @@ launch ddp train.output_dir="$work/ddp" train.max_steps=6 train.save_every=3 \
        train.resume="$work/ddp/checkpoints/step_00000003" \
   && { python -m flashdraft.bench.multi_check same "$work/ddp" "$work/resumed" "$rtol" || failed=1; }
 python -m flashdraft.bench.multi_check contexts "$work/ranks" || failed=1
+skipped=""
 if [ "${MULTI_SHARDED:-1}" = 1 ]; then
   bash benchmarks/gpu_sharded.sh || { echo "tensor-parallel-2 eval vs unsharded: FAIL"; failed=1; }
+else
+  skipped="sharded_eval (MULTI_SHARDED=0)"
 fi
-[ $failed = 0 ] && echo "multi-GPU check: PASS" || echo "multi-GPU check: FAIL"
+if [ $failed = 1 ]; then
+  echo "multi-GPU check: FAIL"
+elif [ -n "$skipped" ]; then
+  echo "multi-GPU check: INCOMPLETE: SKIP: $skipped"
+  exit 3
+else
+  echo "multi-GPU check: PASS: ${parts// /, } ran and passed"
+fi
 exit $failed

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A tensor-parallel target on 2 GPUs (NCCL, DTensor): `flashdraft eval --tensor-parallel 2` on a
 # small saved target and drafter against the same eval unsharded. PASS when both are lossless
-# and give the same tau and per-slot acceptance. Skips (exit 0) on a machine with fewer than 2
-# GPUs. SMOKE=1 runs it on 2 CPU ranks (gloo) instead, to check the script itself.
+# and give the same tau and per-slot acceptance. On a machine with fewer than 2 GPUs it says
+# SKIP and exits 3 (never 0: it checked nothing). SMOKE=1 runs it on 2 CPU ranks (gloo) instead,
+# to check the script itself.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-gpu_results} PYTHONPATH=$PWD
@@ -12,8 +13,8 @@ else
   device=cuda
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   if [ "$gpus" -lt 2 ]; then
-    echo "sharded-target check skipped: $gpus GPU(s) here, it needs 2"
-    exit 0
+    echo "sharded-target check: SKIP: sharded_eval needs 2 GPUs, $gpus here"
+    exit 3
   fi
 fi
 work="$OUT/sharded"

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -391,6 +392,15 @@ class Loaded:
         return iter((self.step, self.parts, self.config))
 
 
+def _warn_if_slow(seconds: float, path: Path) -> None:
+    """Warn when a save took over half of the pause clock the other ranks wait for it under, so
+    the clock is raised before a save outgrows it (a larger drafter, slower storage)."""
+    limit = distributed.clock("pause")
+    if distributed.get_world_size() > 1 and seconds > limit / 2:
+        log.warning("saving %s took %.0f s, over half of the %s the other ranks wait for it: raise it before a "
+                    "slower save fails the job", path, seconds, distributed.describe_clock("pause"))
+
+
 class CheckpointManager:
     """Saves and restores training state under ``root``, keeping the last ``keep_last``.
 
@@ -428,8 +438,10 @@ class CheckpointManager:
         files (e.g. ``tmp_dir / "export"``); they are covered by the manifest.
 
         Collective and a host sync: returns on every rank only after rank 0 has finished
-        (so no rank runs ahead of a half-written checkpoint). On failure every rank raises
-        CheckpointError naming the path; earlier checkpoints and ``latest`` are untouched.
+        (so no rank runs ahead of a half-written checkpoint); the others wait for it host-side,
+        up to train.pause_timeout_s (``distributed.host_barrier``), never on the collective
+        timeout. On failure every rank raises CheckpointError naming the path; earlier
+        checkpoints and ``latest`` are untouched.
         """
         if step < 0:
             raise ValueError(f"step={step} is invalid: use a non-negative step")
@@ -450,18 +462,24 @@ class CheckpointManager:
         gathered = distributed.gather_object(payload, dst=0)
 
         error: str | None = None
+        unexpected: Exception | None = None  # not an I/O failure: re-raised as itself on rank 0
         if rank == 0:
+            started = time.monotonic()
             try:
                 self._write(step, final, parts, gathered or [payload], world, config, export_fn)
             except Exception as exc:  # reported to every rank below, then raised everywhere
                 error = f"{type(exc).__name__}: {exc}"
                 log.error("checkpoint save of step %d to %s failed: %s", step, final, error)
                 if not isinstance(exc, (OSError, CheckpointError)):
-                    distributed.broadcast_object(error, src=0)
-                    raise
-        # The broadcast doubles as the end-of-save barrier: other ranks block here until rank 0
-        # has renamed the checkpoint into place (or failed).
+                    unexpected = exc
+            _warn_if_slow(time.monotonic() - started, final)
+        # The end-of-save barrier: other ranks wait here until rank 0 has renamed the checkpoint
+        # into place (or failed) -- host-side, under the pause clock: writing, hashing and exporting
+        # GBs outlasts a step's collective. Then rank 0's outcome reaches every rank at once.
+        distributed.host_barrier(f"rank 0's save of checkpoint step {step}", "pause")
         error = distributed.broadcast_object(error, src=0)
+        if unexpected is not None:
+            raise unexpected
         if error is not None:
             raise CheckpointError(f"could not save checkpoint step {step} to {final}: {error}. "
                                   "Previous checkpoints and 'latest' are unchanged; free disk space or fix "
@@ -651,8 +669,8 @@ class CheckpointManager:
 
     def _load_verified(self, path: Path, rank: int | None, shared: bool = False) -> Loaded:
         """``shared`` (collective, every rank loads ``path``): the parts every rank shares are
-        read once, by rank 0, and broadcast (host memory, under the start-up timeout); each
-        rank reads its own per-rank parts."""
+        read once, by rank 0, and streamed to the others (host memory, under the start-up clock:
+        ``_shared_parts``); each rank reads its own per-rank parts."""
         rank = distributed.get_rank() if rank is None else rank
         try:
             manifest = json.loads((path / MANIFEST).read_text())
@@ -678,22 +696,27 @@ class CheckpointManager:
     @staticmethod
     def _shared_parts(path: Path, manifest: dict) -> dict[str, Any]:
         """The replicated parts of ``path``: read by rank 0 alone (one read of shared storage
-        per job instead of one per rank) and broadcast, one part at a time (a rank holds one
-        part's bytes beside the parts already parsed); a read error on rank 0 is raised on every
-        rank."""
-        parts = {}
+        per job instead of one per rank) and streamed to the others in bounded messages
+        (``distributed.host_broadcast_bytes``), one part at a time. Host memory per rank: the
+        parts' files' bytes once -- each part's tensors are views of the bytes received, nothing
+        is pickled or copied on the way -- plus one part's JSON skeleton. A read error on rank 0
+        is raised on every rank."""
+        parts, rank0 = {}, distributed.get_rank() == 0
         for name in manifest["parts"]:
-            files: Any = None
-            if distributed.get_rank() == 0:
+            data, head = None, None  # head: (the tensors file's size, its skeleton JSON), or why rank 0 could not
+            if rank0:
                 try:
-                    files = _read_part_files(path, name)
+                    data, skeleton = _read_part_files(path, name)
+                    head = (len(data), skeleton)
                 except OSError as exc:
-                    files = f"{path}: cannot load on rank 0 ({type(exc).__name__}: {exc})"
-            files = distributed.host_broadcast_object(files)
-            if isinstance(files, str):
-                raise CheckpointError(files)
+                    head = f"{path}: cannot load on rank 0 ({type(exc).__name__}: {exc})"
+            head = distributed.host_broadcast_object(head)
+            if isinstance(head, str):
+                raise CheckpointError(head)
+            size, skeleton = head
+            data = distributed.host_broadcast_bytes(data, size)
             try:
-                parts[name] = _parse_part(*files)
+                parts[name] = _parse_part(data, skeleton)
             except (ValueError, KeyError, safetensors.SafetensorError) as exc:
                 raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
         return parts

@@ -297,6 +297,7 @@ class TrainConfig:
     keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse (false: glibc default)
     memory_check: bool = True  # CUDA: refuse a run the memory plan (`flashdraft plan`) says cannot fit (false: try)
     startup_timeout_s: float = 3600.0  # how long ranks wait for each other at start-up (loading, data, resume)
+    pause_timeout_s: float = 3600.0  # how long ranks wait for rank 0's checkpoint save (write, hash, export) or eval
 
     def __post_init__(self):
         _check_finite(self, "train")
@@ -329,6 +330,8 @@ class TrainConfig:
                "use a positive number of seconds")
         _check(self.startup_timeout_s > 0, "train.startup_timeout_s", f"{self.startup_timeout_s}",
                "use a positive number of seconds (e.g. 3600: loading a large target from shared storage)")
+        _check(self.pause_timeout_s > 0, "train.pause_timeout_s", f"{self.pause_timeout_s}",
+               "use a positive number of seconds (e.g. 3600: writing and hashing a checkpoint of tens of GB)")
 
 
 @dataclass(frozen=True)

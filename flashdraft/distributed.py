@@ -38,19 +38,31 @@ group of its own, with its own (long) ``startup_timeout_s``, before the first de
 collective; a rank that never arrives fails the job there with :class:`StartupError`, naming
 it and what the ranks were doing.
 
-Failure contract: the process group is created with ``timeout_s``. When a peer dies or hangs,
-a collective on a live rank raises :class:`CollectiveError` (naming the operation, the rank
-and the timeout) instead of blocking forever. With gloo the timeout is enforced per
-operation; with NCCL the watchdog aborts the communicator after the timeout (PyTorch's
-default TORCH_NCCL_ASYNC_ERROR_HANDLING=3 then tears the process down, which torchrun sees).
+A clock for every wait (:class:`Clocks`): each wait of a job is bounded by the clock of what it
+waits for -- a step's collective, start-up, a drafter rank's pause (a checkpoint save, an eval),
+a feature link's send, a receive posted for the whole run -- never by the collective timeout
+by accident. A wait that outlasts a step (a pause, start-up) is host-side, on gloo, where each
+wait carries its own timeout; a device group carries only waits its own timeout bounds, since
+NCCL's watchdog applies a group's timeout to every op posted on it, whatever ``wait()`` is told.
+
+Failure contract: when a peer dies or hangs, a wait on a live rank raises
+:class:`CollectiveError` (naming the operation, the rank, its clock and the config field that
+sets it) instead of blocking forever. With gloo the timeout is enforced per wait, and a dead
+peer fails a pending wait at once (its connection closes); with NCCL the watchdog aborts the
+communicator after the group's timeout (PyTorch's default TORCH_NCCL_ASYNC_ERROR_HANDLING=3
+then tears the process down, which torchrun sees).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
+import json
 import os
 import re
+import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,6 +72,58 @@ import torch.distributed as tdist
 from flashdraft.config import DEVICES
 
 ReduceOpName = Literal["mean", "sum", "max", "min"]
+Wait = Literal["collective", "startup", "pause", "link", "watch"]
+
+# A receive posted for the whole run (a feature link's DONE / STOP / ABORT) must still be waited
+# with a finite clock: gloo gives a wait told no timeout the group's, and an expired wait closes
+# every connection of the group. A year outlasts any run; a dead peer fails the wait at once.
+WATCH_S = 365 * 86400.0
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """How long each kind of wait of a job may last (docs/distributed.md, "A clock for every
+    wait"): ``seconds(wait)``, and ``knob(wait)`` the config field(s) that set it.
+
+    - ``collective``: a step's collectives, and a feature link's receives (the target rank sends
+      each step as soon as it is computed): every rank gets there within a step, so only a dead
+      or hung peer makes one wait longer. train.collective_timeout_s.
+    - ``startup``: start-up, where each rank reads shared storage at its own pace: the start-up
+      barrier, a sharded target's first gather, a link's HELLO (sent once the drafter rank has
+      resumed), the resume's broadcast of the checkpoint. train.startup_timeout_s.
+    - ``pause``: a drafter rank's pause between two steps, which the other ranks of its role
+      wait for: rank 0's checkpoint save (write, fsync, hash, export) or an eval.
+      train.pause_timeout_s.
+    - ``link``: a feature link's send, which completes only when its drafter rank takes it: a
+      step, plus the pause that drafter rank may be in (collective + pause). It is also the
+      timeout of every device group whose ops a pending send can hold up (a disaggregated job's
+      data channel, its target groups' meshes), since NCCL's watchdog times the ops posted there.
+    - ``watch``: a receive posted for the whole run (``WATCH_S``); a dead peer still fails it at once.
+    """
+
+    collective_s: float = 600.0
+    startup_s: float = 3600.0
+    pause_s: float = 3600.0
+
+    def __post_init__(self):
+        if min(self.collective_s, self.startup_s, self.pause_s) <= 0:
+            raise ValueError(f"clocks {self}: use positive numbers of seconds")
+
+    def seconds(self, wait: Wait) -> float:
+        return {"collective": self.collective_s, "startup": self.startup_s, "pause": self.pause_s,
+                "link": self.collective_s + self.pause_s, "watch": WATCH_S}[wait]
+
+    @staticmethod
+    def knob(wait: Wait) -> str:
+        """What sets the clock of ``wait``, for error messages."""
+        return {"collective": "train.collective_timeout_s", "startup": "train.startup_timeout_s",
+                "pause": "train.pause_timeout_s",
+                "link": "train.collective_timeout_s + train.pause_timeout_s",
+                "watch": "flashdraft.distributed.WATCH_S"}[wait]
+
+    def describe(self, wait: Wait) -> str:
+        """E.g. "train.pause_timeout_s = 3600 s"."""
+        return f"{self.knob(wait)} = {self.seconds(wait):g} s"
 
 
 class CollectiveError(RuntimeError):
@@ -68,6 +132,14 @@ class CollectiveError(RuntimeError):
 
 class StartupError(CollectiveError):
     """A rank did not reach a start-up barrier within ``startup_timeout_s`` (or died before it)."""
+
+
+class GlooAddressError(StartupError):
+    """A multi-node job's gloo groups would bind an address the other nodes cannot reach (a
+    hostname that resolves to a loopback address, a management NIC): the message names the
+    address, where it came from and GLOO_SOCKET_IFNAME."""
+
+    names_the_fix = True  # the command line reports it as one line (cli.entry)
 
 
 @dataclass(frozen=True)
@@ -79,11 +151,17 @@ class Dist:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
-    timeout_s: float = 600.0
+    clocks: Clocks = field(default_factory=Clocks)  # how long each kind of wait may last
     role: Literal["both", "drafter", "target"] = "both"  # both: colocated; else disaggregated
     global_rank: int = 0  # rank in the whole job (rank / world_size are within the role's group)
     peers: tuple[int, ...] = ()  # global ranks of the other role this rank talks to (disaggregated)
     tensor_size: int = 1  # ranks per target group: the target's tensor-parallel size
+    job_world_size: int = 1  # ranks in the whole job (both roles)
+
+    @property
+    def timeout_s(self) -> float:
+        """The collective timeout (train.collective_timeout_s)."""
+        return self.clocks.collective_s
 
     @property
     def tensor_rank(self) -> int:
@@ -112,18 +190,20 @@ _STATE: Dist | None = None
 # This rank's role group (disaggregated placement), which every helper runs in; None: the world.
 _GROUP: Any = None
 # Tensor-parallel targets: (the dense and the expert mesh transformers shards over); None when
-# the target is not sharded.
+# the target is not sharded. _MESH_WAIT: the clock its groups were made with.
 _TARGET_MESH: Any = None
+_MESH_WAIT: Wait = "collective"
 # Disaggregated placement: the gloo group over the whole job that carries the feature links'
 # control messages (module doc); None otherwise. Its own group, not the start-up group: a control
 # receive stays posted for the whole run, and must never match another protocol's message.
 _CONTROL: Any = None
 # The start-up group: gloo over the whole job with the start-up timeout (startup_barrier).
 _STARTUP: Any = None
-# This rank's role group on gloo with the start-up timeout (host_broadcast_object): the start-up
-# group itself when colocated.
+# This rank's role group on gloo with the start-up timeout (host_barrier, host_broadcast_*): the
+# start-up group itself when colocated.
 _HOST: Any = None
-_STARTUP_TIMEOUT_S = 3600.0
+# The job's clocks, from the start of init_distributed (the groups are made with them).
+_CLOCKS = Clocks()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -189,24 +269,23 @@ def _peers(rank: int, drafters: list[int], targets: list[int], tensor_parallel: 
 
 
 def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_target_ranks: int = 0,
-                     tensor_parallel: int = 1, startup_timeout_s: float = 3600.0) -> Dist:
+                     tensor_parallel: int = 1, startup_timeout_s: float = 3600.0, pause_timeout_s: float = 3600.0
+                     ) -> Dist:
     """Read the torchrun environment, pick the device and (when WORLD_SIZE > 1) join the group.
 
     ``device_type``: "auto" (CUDA when available, else CPU), "cuda" or "cpu". On CUDA this
     process uses ``cuda:LOCAL_RANK`` and calls ``torch.cuda.set_device`` so NCCL and default
-    allocations land on it. ``timeout_s`` bounds every collective (see module doc).
-    Idempotent: a second call returns the existing topology. Blocks until all WORLD_SIZE
-    ranks have joined the rendezvous (or ``timeout_s`` passes). ``num_target_ranks > 0``
+    allocations land on it. ``timeout_s``, ``startup_timeout_s`` and ``pause_timeout_s`` are the
+    job's clocks (:class:`Clocks`: collective, startup, pause), which every wait and group takes
+    its timeout from. Idempotent: a second call returns the existing topology. Blocks until all
+    WORLD_SIZE ranks have joined the rendezvous (or ``timeout_s`` passes). ``num_target_ranks > 0``
     splits the job into drafter and target roles (module doc); it needs WORLD_SIZE > 1.
     ``tensor_parallel`` > 1 groups the ranks into target groups of that many (module doc).
-    ``startup_timeout_s`` bounds each ``startup_barrier`` (module doc).
     """
-    global _STATE, _GROUP, _CONTROL, _HOST
+    global _STATE, _GROUP, _CONTROL, _HOST, _CLOCKS
     if _STATE is not None:
         return _STATE
-    if timeout_s <= 0 or startup_timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}: use positive numbers of "
-                         "seconds")
+    clocks = Clocks(float(timeout_s), float(startup_timeout_s), float(pause_timeout_s))
     world_size = _env_int("WORLD_SIZE", 1)
     sharded_ranks = num_target_ranks or world_size  # the ranks that run the target
     if tensor_parallel > 1 and sharded_ranks % tensor_parallel:
@@ -221,47 +300,53 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     local_rank = _env_int("LOCAL_RANK", 0)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} WORLD_SIZE={world_size} is inconsistent; launch with torchrun")
+    if num_target_ranks and world_size == 1:
+        raise ValueError("pipeline.placement=disaggregated needs separate target and drafter processes: launch with "
+                         "torchrun --nproc-per-node=2 or more (docs/pipeline.md), or use pipeline.placement=colocated")
     device = _pick_device(device_type, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = _join(device, rank, world_size, timeout_s, startup_timeout_s) if world_size > 1 else None
+    _CLOCKS = clocks
+    # In a disaggregated job the default group carries only the data channel, whose sends wait for
+    # a drafter rank's step and pause: its timeout is the link clock (NCCL's watchdog times them).
+    backend = _join(device, rank, world_size, clocks, "link" if num_target_ranks else "collective") \
+        if world_size > 1 else None
     if num_target_ranks == 0:
         if tensor_parallel > 1:
-            _make_target_mesh(device, backend, list(range(world_size)), tensor_parallel, timeout_s)
+            _make_target_mesh(device, backend, list(range(world_size)), tensor_parallel, "collective")
         _STATE = Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
-                      timeout_s=float(timeout_s), global_rank=rank, tensor_size=tensor_parallel)
+                      clocks=clocks, global_rank=rank, tensor_size=tensor_parallel, job_world_size=world_size)
         return _STATE
-    if world_size == 1:
-        raise ValueError("pipeline.placement=disaggregated needs separate target and drafter processes: launch with "
-                         "torchrun --nproc-per-node=2 or more (docs/pipeline.md), or use pipeline.placement=colocated")
     drafters, targets = role_layout(world_size, num_target_ranks, tensor_parallel)
     # new_group is collective over the whole world: every rank creates both groups, in this order.
-    timeout = datetime.timedelta(seconds=timeout_s)
-    groups = {"drafter": tdist.new_group(drafters, timeout=timeout),
-              "target": tdist.new_group(targets, timeout=timeout)}
-    # The links' control channel: gloo whatever the device backend (module doc), the job's timeout.
-    _CONTROL = tdist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
+    collective = datetime.timedelta(seconds=clocks.collective_s)
+    groups = {"drafter": tdist.new_group(drafters, timeout=collective),
+              "target": tdist.new_group(targets, timeout=collective)}
+    # The links' control channel: gloo whatever the device backend (module doc); each wait on it
+    # carries its own clock (Transfer), the group's timeout is only gloo's default.
+    _CONTROL = tdist.new_group(list(range(world_size)), timeout=collective, backend="gloo")
     if tensor_parallel > 1:  # also collective over the world: drafter ranks take part, outside the mesh
-        _make_target_mesh(device, backend, targets, tensor_parallel, timeout_s)
+        # a target group's forward waits while its first rank's send waits for a paused drafter rank
+        _make_target_mesh(device, backend, targets, tensor_parallel, "link")
     role = "drafter" if rank in drafters else "target"
     members = drafters if role == "drafter" else targets
     _GROUP = groups[role]
-    startup = datetime.timedelta(seconds=startup_timeout_s)
+    startup = datetime.timedelta(seconds=clocks.startup_s)
     host = {"drafter": tdist.new_group(drafters, backend="gloo", timeout=startup),
             "target": tdist.new_group(targets, backend="gloo", timeout=startup)}
     _HOST = host[role]
     _STATE = Dist(rank=members.index(rank), world_size=len(members), local_rank=local_rank, device=device,
-                  backend=backend, timeout_s=float(timeout_s), role=role, global_rank=rank,
+                  backend=backend, clocks=clocks, role=role, global_rank=rank,
                   peers=_peers(rank, drafters, targets, tensor_parallel),
-                  tensor_size=tensor_parallel if role == "target" else 1)
+                  tensor_size=tensor_parallel if role == "target" else 1, job_world_size=world_size)
     return _STATE
 
 
-def _join(device: torch.device, rank: int, world_size: int, timeout_s: float, startup_timeout_s: float) -> str:
-    """Join the job's process group (NCCL on CUDA, else gloo), then create the gloo start-up group
-    (first, in the same order on every rank: new_group is collective over the world). Returns the
-    backend."""
-    global _STARTUP, _STARTUP_TIMEOUT_S, _HOST
+def _join(device: torch.device, rank: int, world_size: int, clocks: Clocks, default_wait: Wait) -> str:
+    """Join the job's process group (NCCL on CUDA, else gloo) with the clock of ``default_wait``,
+    then create the gloo start-up group (first, in the same order on every rank: new_group is
+    collective over the world). Returns the backend."""
+    global _STARTUP, _HOST
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise ValueError(f"WORLD_SIZE={world_size} but {', '.join(missing)} unset; launch with torchrun "
@@ -270,27 +355,145 @@ def _join(device: torch.device, rank: int, world_size: int, timeout_s: float, st
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
-    tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
-    _STARTUP_TIMEOUT_S = float(startup_timeout_s)
+    timeout = datetime.timedelta(seconds=clocks.seconds(default_wait))
+    # torchrun's rendezvous, as init_process_group's env:// makes it: the store first, so that the
+    # gloo addresses are checked before any gloo group (start-up, control, host: NCCL jobs too)
+    # tries to connect to them, which fails only after its timeout, naming no cause
+    store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    check_gloo_addresses(tdist.PrefixStore("flashdraft/gloo", store), rank, world_size,
+                         _env_int("LOCAL_WORLD_SIZE", world_size))
+    tdist.init_process_group(backend=backend, store=tdist.PrefixStore("default_pg", store), rank=rank,
+                             world_size=world_size, timeout=timeout, **kwargs)
+    _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=clocks.startup_s))
     _HOST = _STARTUP
     return backend
 
 
+# ---- gloo's address on a multi-node job -----------------------------------------------------
+
+# How long a TCP connect to another node's gloo address may take (a firewall that drops the
+# packets is reported after this, not after the collective timeout).
+GLOO_PROBE_S = 20.0
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def _interface_ipv4(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux); OSError when it has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _interfaces() -> dict[str, str]:
+    """Every network interface with an IPv4 address: name -> address (Linux)."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        with contextlib.suppress(OSError):
+            found[name] = _interface_ipv4(name)
+    return found
+
+
+def gloo_address() -> tuple[str, str]:
+    """(the address this process's gloo groups bind to, where it comes from), as torch's
+    ProcessGroupGloo picks it: the first interface GLOO_SOCKET_IFNAME names, else the first
+    address this machine's hostname resolves to that a socket can bind, else the loopback
+    address. GlooAddressError when GLOO_SOCKET_IFNAME names an interface without an IPv4
+    address."""
+    named = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if named:
+        try:
+            return _interface_ipv4(named), f"GLOO_SOCKET_IFNAME={named}"
+        except OSError as exc:
+            raise GlooAddressError(
+                f"GLOO_SOCKET_IFNAME={named}: this machine has no interface of that name with an IPv4 address "
+                f"({exc}); set it to one of {', '.join(f'{k} ({v})' for k, v in _interfaces().items())}") from None
+    host = socket.gethostname()
+    try:
+        candidates = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        candidates = []
+    for family, kind, proto, _, address in candidates:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind(address)
+            except OSError:
+                continue
+        return address[0], f"the hostname {host!r} resolves to it"
+    return "127.0.0.1", f"the hostname {host!r} resolves to no address of this machine: gloo falls back to loopback"
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def check_gloo_addresses(store: Any, rank: int, world_size: int, local_world_size: int) -> None:
+    """Before any gloo group exists: on a job whose ranks run on several hosts, check that this
+    rank's gloo address (``gloo_address``) is one the other hosts can reach. Every rank
+    publishes its host and address in ``store`` and listens there; rank r probes rank
+    (r + ``local_world_size``) mod ``world_size`` -- the same local rank on the next node, as
+    torchrun numbers them -- when that rank runs on another host: a loopback address there is
+    refused outright, any other must accept a TCP connection within ``GLOO_PROBE_S``. The probed
+    rank learns the verdict through the store, so both ends of a bad pair raise
+    :class:`GlooAddressError`, naming the address, where it came from, and GLOO_SOCKET_IFNAME
+    (with the interfaces this machine has). One connection per rank; single-host jobs (a
+    loopback address is fine there) make none. Waits on the store under the collective clock."""
+    if sys.platform != "linux":  # the interface lookup is Linux's; multi-node GPU jobs run there
+        return
+    address, source = gloo_address()
+    host = socket.gethostname()
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((address, 0))
+        listener.listen(16)
+        store.set(f"addr/{rank}", json.dumps([host, address, listener.getsockname()[1], source]))
+        peer = (rank + local_world_size) % world_size
+        peer_host, peer_address, peer_port, peer_source = json.loads(store.get(f"addr/{peer}"))
+        verdict = ""
+        if peer_host != host:
+            verdict = _probe(peer_address, peer_port)
+            if verdict:
+                verdict = (f"rank {peer} (host {peer_host}) binds gloo to {peer_address} ({peer_source}), which rank "
+                           f"{rank} on host {host} cannot reach: {verdict}")
+        store.set(f"probe/{peer}", verdict)
+        mine = store.get(f"probe/{rank}").decode()  # from the rank that probes this one
+    if verdict or mine:
+        fix = ("set GLOO_SOCKET_IFNAME on every node to the interface its nodes reach each other through (this "
+               f"machine has {', '.join(f'{k} ({v})' for k, v in _interfaces().items())}), or map each hostname to "
+               "that interface's address in /etc/hosts. gloo carries the start-up barrier and a disaggregated job's "
+               "control messages in NCCL jobs too (docs/distributed.md)")
+        raise GlooAddressError(f"{'; '.join(v for v in (mine, verdict) if v)}; {fix}")
+
+
+def _probe(address: str, port: int) -> str:
+    """"" when a TCP connection to ``address``:``port`` opens within GLOO_PROBE_S, else why not."""
+    if _is_loopback(address):
+        return "a loopback address, which on another host is that host itself"
+    try:
+        with socket.create_connection((address, port), timeout=GLOO_PROBE_S):
+            return ""
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _make_target_mesh(device: torch.device, backend: str, ranks: list[int], tensor_parallel: int,
-                      timeout_s: float) -> None:
+                      wait: Wait) -> None:
     """The meshes transformers shards a tensor-parallel target over, on the target ranks
     ``ranks`` (global, consecutive; collective: every rank of the job takes part). Dense layers
     on (pp, dp_replicate, fsdp, tp) = (1, G, 1, T), experts on (pp, dp_replicate, efsdp, ep) =
     (1, G, 1, T): expert parallelism inside the target group, as wide as it. The groups get the
-    job's collective timeout (a new group's default is torch's 30 minutes), so a rank of a target
-    group that hangs fails the others in ``timeout_s``."""
-    global _TARGET_MESH
+    clock ``wait`` names (a new group's default is torch's 30 minutes), so a rank of a target
+    group that hangs fails the others in that time: the collective clock, or in a disaggregated
+    job the link clock (the group's forwards wait while its first rank's send waits for a paused
+    drafter rank)."""
+    global _TARGET_MESH, _MESH_WAIT
     from torch.distributed.device_mesh import DeviceMesh
 
     layout = torch.tensor(ranks).view(1, len(ranks) // tensor_parallel, 1, tensor_parallel)
-    options = _group_options(backend, datetime.timedelta(seconds=timeout_s))
+    options = _group_options(backend, datetime.timedelta(seconds=_CLOCKS.seconds(wait)))
+    _MESH_WAIT = wait
     meshes = [DeviceMesh(device.type, layout, mesh_dim_names=names, backend_override=((backend, options),) * 4)
               for names in (("pp", "dp_replicate", "fsdp", "tp"), ("pp", "dp_replicate", "efsdp", "ep"))]
     _TARGET_MESH = tuple(meshes)
@@ -306,6 +509,24 @@ def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
         options._timeout = timeout
         return options
     return c10d.Backend.Options(backend, timeout)
+
+
+def group_timeouts() -> dict[str, float]:
+    """The timeout, in seconds, of each process group this rank belongs to, by its use: what NCCL's
+    watchdog applies to every op posted on it (the rule the clocks keep: a group's timeout bounds
+    the longest wait posted there, module doc). Empty without a process group."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return {}
+    groups = {"default": tdist.group.WORLD, "role": _GROUP, "control": _CONTROL, "startup": _STARTUP,
+              "host": _HOST, "target mesh": target_group()}
+    return {name: _backend_of(group).options._timeout.total_seconds() for name, group in groups.items()
+            if group is not None}
+
+
+def _backend_of(group: Any) -> Any:
+    device = torch.device("cuda") if get_dist().backend == "nccl" and group not in (_CONTROL, _STARTUP, _HOST) \
+        else torch.device("cpu")
+    return group._get_backend(device)
 
 
 def target_mesh() -> tuple[Any, Any] | None:
@@ -348,20 +569,21 @@ def get_world_size() -> int:
 
 def teardown() -> None:
     """Leave the process group (if any) and forget the topology. Safe to call twice."""
-    global _STATE, _GROUP, _TARGET_MESH, _CONTROL, _STARTUP, _HOST
+    global _STATE, _GROUP, _TARGET_MESH, _CONTROL, _STARTUP, _HOST, _CLOCKS, _MESH_WAIT
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
     _STATE = _GROUP = _TARGET_MESH = _CONTROL = _STARTUP = _HOST = None
+    _CLOCKS, _MESH_WAIT = Clocks(), "collective"
 
 
 def _active() -> bool:
     return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(_GROUP) > 1
 
 
-def _fail(op: str, exc: BaseException) -> CollectiveError:
+def _fail(op: str, exc: BaseException, wait: Wait = "collective") -> CollectiveError:
     d = get_dist()
     return CollectiveError(
-        f"{op} failed on rank {d.rank}/{d.world_size} (collective timeout {d.timeout_s:g} s): {exc}. "
+        f"{op} failed on rank {d.rank}/{d.world_size} (its clock: {_CLOCKS.describe(wait)}): {exc}. "
         "A peer rank probably died or hung -- check the other ranks' logs for the first error."
     )
 
@@ -379,36 +601,63 @@ def barrier() -> None:
         raise _fail("barrier", exc) from exc
 
 
-def startup_timeout_s() -> float:
-    """train.startup_timeout_s as the job was started with: how long start-up waits may take."""
-    return _STARTUP_TIMEOUT_S
+def clock(wait: Wait) -> float:
+    """Seconds a wait of kind ``wait`` may last in this job (:class:`Clocks`), for waits outside
+    this module (a thread's join on a watched receive)."""
+    return _CLOCKS.seconds(wait)
+
+
+def describe_clock(wait: Wait) -> str:
+    """E.g. "train.pause_timeout_s = 3600 s", for messages outside this module."""
+    return _CLOCKS.describe(wait)
 
 
 def startup_barrier(what: str) -> None:
     """Block until every rank of the job (both roles) has finished ``what`` (e.g. "loading the
-    target and the data"), waiting up to the start-up timeout instead of the collective one:
+    target and the data"), waiting up to the start-up clock instead of the collective one:
     host-side, on the gloo start-up group, so no device collective (DDP's first broadcast, a
     step's all-reduce) starts while a rank is still reading from shared storage. Raises
     :class:`StartupError` naming the ranks that did not arrive (on rank 0) or the barrier (on
     the others). No-op without a process group."""
     if _STARTUP is None:
         return
-    timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
+    _monitored_barrier(_STARTUP, f"start-up barrier after {what}", "startup")
+
+
+def host_barrier(what: str, wait: Literal["startup", "pause"]) -> None:
+    """Block until every rank of this rank's role has finished ``what``, host-side on the role's
+    gloo group, up to the clock of ``wait``: for a wait that outlasts a step's collective --
+    rank 0's checkpoint save or eval ("pause"), a rank loading its shard of a sharded target or
+    receiving a HELLO ("startup"). On the device group NCCL's watchdog would fail it after the
+    collective timeout; after this barrier the role's next device collective starts at once.
+    Raises :class:`CollectiveError` (:class:`StartupError` for "startup") naming ``what``, the
+    clock and, on rank 0, the ranks that did not arrive. No-op without a process group."""
+    if not _active():
+        return
+    if _HOST is None:  # a group made outside init_distributed (a test harness's): its own timeout
+        barrier()
+        return
+    _monitored_barrier(_HOST, what, wait)
+
+
+def _monitored_barrier(group: Any, what: str, wait: Wait) -> None:
     try:
         # monitored: rank 0 collects every rank's arrival and names the missing ones
-        tdist.monitored_barrier(group=_STARTUP, timeout=timeout, wait_all_ranks=True)
+        tdist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=_CLOCKS.seconds(wait)),
+                                wait_all_ranks=True)
     except RuntimeError as exc:
-        raise StartupError(
-            f"start-up barrier after {what}: rank {tdist.get_rank()} of {tdist.get_world_size()} waited "
-            f"train.startup_timeout_s={_STARTUP_TIMEOUT_S:g} s and the others did not all arrive ({exc}). A rank "
-            "is slower than that (a slow shared filesystem: raise train.startup_timeout_s) or died (check its "
-            "log for the first error)") from exc
+        error = StartupError if wait == "startup" else CollectiveError
+        raise error(
+            f"{what}: rank {tdist.get_rank()} of {tdist.get_world_size()} waited {_CLOCKS.describe(wait)} and the "
+            f"others did not all arrive ({exc}). A rank is slower than that (a slow shared filesystem: raise "
+            f"{_CLOCKS.knob(wait)}) or died (check its log for the first error)") from exc
 
 
 @contextlib.contextmanager
-def collective_errors(op: str):
+def collective_errors(op: str, target_group: bool = False):
     """Turn a torch.distributed failure inside the block (e.g. DDP's all-reduce in backward)
-    into :class:`CollectiveError` naming ``op``. Other errors pass through unchanged."""
+    into :class:`CollectiveError` naming ``op`` and its clock (``target_group``: collectives of
+    the target group's mesh, a sharded target's forward). Other errors pass through unchanged."""
     try:
         yield
     except RuntimeError as exc:
@@ -416,7 +665,7 @@ def collective_errors(op: str):
         # backend's wording so that real bugs (shape errors, OOM) are never relabelled.
         if not _active() or not (isinstance(exc, tdist.DistError) or _COMM_FAILURE.search(str(exc))):
             raise
-        raise _fail(op, exc) from exc
+        raise _fail(op, exc, _MESH_WAIT if target_group else "collective") from exc
 
 
 _COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed out|ProcessGroup", re.IGNORECASE)
@@ -434,7 +683,7 @@ def target_group_max(tensor: torch.Tensor) -> torch.Tensor:
     try:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX, group=group)
     except RuntimeError as exc:
-        raise _fail("all_reduce(max) over the target group", exc) from exc
+        raise _fail("all_reduce(max) over the target group", exc, _MESH_WAIT) from exc
     return tensor
 
 
@@ -446,7 +695,7 @@ def target_group_broadcast(tensor: torch.Tensor) -> torch.Tensor:
     try:
         tdist.broadcast(tensor, group=group, group_src=0)
     except RuntimeError as exc:
-        raise _fail("broadcast over the target group", exc) from exc
+        raise _fail("broadcast over the target group", exc, _MESH_WAIT) from exc
     return tensor
 
 
@@ -494,18 +743,45 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def host_broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` (rank within the role group) on every rank of the role, through host
-    memory on gloo with the start-up timeout: for start-up data too big for the device or too
-    slow to read for the collective timeout (a resumed checkpoint's replicated parts). Host
-    sync. Identity without a process group; on a group made outside init_distributed (a test
-    harness's), ``broadcast_object``."""
+    memory on gloo with the start-up clock: small start-up data (a checkpoint part's size and
+    skeleton; bytes of real size go through ``host_broadcast_bytes``, pickling copies them).
+    Host sync. Identity without a process group; on a group made outside init_distributed (a
+    test harness's), ``broadcast_object``."""
     if not _active():
         return obj
     box = [obj]
     try:
         tdist.broadcast_object_list(box, group=_HOST if _HOST is not None else _GROUP, group_src=0)
     except RuntimeError as exc:
-        raise _fail("host_broadcast_object", exc) from exc
+        raise _fail("host_broadcast_object", exc, "startup") from exc
     return box[0]
+
+
+# One message of a streamed host broadcast: no gloo message of GBs (or over 4 GB), and nothing
+# of the data's size is copied on the way.
+HOST_CHUNK_BYTES = 64 * 2**20
+
+
+def host_broadcast_bytes(data: bytearray | None, size: int) -> bytearray:
+    """Rank 0's ``data`` (``size`` bytes; None on the other ranks, who know ``size``) on every rank
+    of the role, streamed through host memory on gloo with the start-up clock in messages of at
+    most ``HOST_CHUNK_BYTES``, each received straight into its place in the returned buffer: a
+    rank holds the data once, plus nothing of its size (the resume's replicated checkpoint parts,
+    GBs at real sizes). Host sync. ``data`` itself without a process group."""
+    if not _active():
+        return data
+    buffer = data if get_rank() == 0 else bytearray(size)
+    if len(buffer) != size:
+        raise ValueError(f"host_broadcast_bytes: rank 0 has {len(buffer)} bytes, the others expect {size}")
+    group = _HOST if _HOST is not None else _GROUP
+    try:
+        for offset in range(0, size, HOST_CHUNK_BYTES):
+            chunk = torch.frombuffer(buffer, dtype=torch.uint8, count=min(HOST_CHUNK_BYTES, size - offset),
+                                     offset=offset)  # a view: gloo reads or writes the buffer in place
+            tdist.broadcast(chunk, group=group, group_src=0)
+    except RuntimeError as exc:
+        raise _fail("host_broadcast_bytes", exc, "startup") from exc
+    return buffer
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -539,41 +815,30 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
 
 
 class Transfer:
-    """A pending ``isend`` / ``irecv``. ``done()`` polls; ``wait()`` blocks until it completed,
-    at most the process group's timeout, and turns a failure (a dead peer closes the
-    connection: noticed at once on gloo) into :class:`CollectiveError`."""
+    """A pending ``isend`` / ``irecv`` and the clock of what it waits for (``wait``, a
+    :class:`Clocks` kind). ``done()`` polls; ``wait()`` blocks until it completed, at most its
+    clock, and turns a failure (a dead peer closes the connection: noticed at once on gloo) into
+    :class:`CollectiveError` naming the clock."""
 
-    def __init__(self, work: Any, op: str):
-        self._work, self.op = work, op
+    def __init__(self, work: Any, op: str, wait: Wait):
+        self._work, self.op, self.clock = work, op, wait
         self._finished = False
 
     def done(self) -> bool:
         return self._finished or self._work.is_completed()
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Idempotent (a second wait on a gloo receive would wait for another message). Waits at
-        most ``timeout_s`` (default: the job's collective timeout)."""
+    def wait(self) -> None:
+        """Idempotent (a second wait on a gloo receive would wait for another message). On gloo
+        the clock is this wait's own (told no timeout, gloo would take the group's, and a wait that
+        expires closes every connection of the group). A receive on the "watch" clock is waited on
+        by a watcher thread (``feed.flow.Watcher``) while its owner polls: gloo reports a
+        point-to-point op's completion only to a wait (``done()`` stays False until then)."""
         if self._finished:
             return
         try:
-            # gloo's point-to-point ops ignore the group's timeout unless wait() is given one
-            self._work.wait(datetime.timedelta(seconds=timeout_s or get_dist().timeout_s))
+            self._work.wait(datetime.timedelta(seconds=_CLOCKS.seconds(self.clock)))
         except RuntimeError as exc:
-            raise _fail(self.op, exc) from exc
-        self._finished = True
-
-    def wait_unbounded(self) -> None:
-        """Block until completed, however long: for a receive that stays posted for a whole run,
-        waited on by a watcher thread (``feed.flow.Watcher``) while its owner polls the watcher.
-        gloo reports a point-to-point op's completion only to a wait (``done()`` stays False
-        until then), and a wait whose timeout expires closes the connection; a dead peer still
-        fails this one (its connection closes). Only the watcher may wait on this transfer."""
-        if self._finished:
-            return
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise _fail(self.op, exc) from exc
+            raise _fail(self.op, exc, self.clock) from exc
         self._finished = True
 
 
@@ -587,39 +852,41 @@ def isend(tensor: torch.Tensor, dst: int) -> Transfer:
     """Start sending ``tensor`` to GLOBAL rank ``dst`` on the data channel (the device group);
     keep it unchanged until ``wait()``. Messages between two ranks arrive in the order they were
     sent. Only ever from the sending side of a one-way flow: under NCCL a pair's ops run in
-    posting order on one stream, so an op against the flow would stall the flow (module doc)."""
-    try:
-        return Transfer(tdist.isend(tensor, dst), f"send to rank {dst}")
-    except RuntimeError as exc:
-        raise _fail(f"send to rank {dst}", exc) from exc
+    posting order on one stream, so an op against the flow would stall the flow (module doc).
+    Its clock is the link's: a send completes when the receiver takes it, after its step and
+    whatever pause (a checkpoint save, an eval) it is in."""
+    return _p2p(tdist.isend, tensor, dst, None, f"send to rank {dst}", "link")
 
 
 def irecv(tensor: torch.Tensor, src: int) -> Transfer:
     """Start receiving into ``tensor`` (its shape and dtype must match the sender's) from
     GLOBAL rank ``src`` on the data channel (the device group): the receiving side of a
-    one-way flow only (see ``isend``)."""
-    try:
-        return Transfer(tdist.irecv(tensor, src), f"receive from rank {src}")
-    except RuntimeError as exc:
-        raise _fail(f"receive from rank {src}", exc) from exc
+    one-way flow only (see ``isend``). Its clock is the collective one: the sender posts each
+    step's tensors as soon as it has them."""
+    return _p2p(tdist.irecv, tensor, src, None, f"receive from rank {src}", "collective")
 
 
 def control_isend(tensor: torch.Tensor, dst: int) -> Transfer:
     """Start sending the host tensor ``tensor`` to GLOBAL rank ``dst`` on the control channel
-    (gloo: its receives, however long-lived, never hold back the data channel)."""
-    try:
-        return Transfer(tdist.isend(_host(tensor), dst, group=_control()), f"control send to rank {dst}")
-    except RuntimeError as exc:
-        raise _fail(f"control send to rank {dst}", exc) from exc
+    (gloo: its receives, however long-lived, never hold back the data channel). The link's clock,
+    as ``isend``."""
+    return _p2p(tdist.isend, _host(tensor), dst, _control(), f"control send to rank {dst}", "link")
 
 
-def control_irecv(tensor: torch.Tensor, src: int) -> Transfer:
+def control_irecv(tensor: torch.Tensor, src: int, wait: Literal["collective", "startup", "watch"] = "collective"
+                  ) -> Transfer:
     """Start receiving into the host tensor ``tensor`` from GLOBAL rank ``src`` on the control
-    channel. May stay posted for the whole run (e.g. a drafter rank's STOP)."""
+    channel, waited for up to the clock ``wait`` names: "collective" for a step's message,
+    "startup" for a message sent once the peer has started (a HELLO), "watch" for one that may
+    come at any time of the run (a drafter rank's DONE / STOP / ABORT)."""
+    return _p2p(tdist.irecv, _host(tensor), src, _control(), f"control receive from rank {src}", wait)
+
+
+def _p2p(op, tensor: torch.Tensor, peer: int, group: Any, what: str, wait: Wait) -> Transfer:
     try:
-        return Transfer(tdist.irecv(_host(tensor), src, group=_control()), f"control receive from rank {src}")
+        return Transfer(op(tensor, peer, group=group), what, wait)
     except RuntimeError as exc:
-        raise _fail(f"control receive from rank {src}", exc) from exc
+        raise _fail(what, exc, wait) from exc
 
 
 def _control() -> Any:

@@ -18,6 +18,11 @@ the run config, and estimates the per-device peak memory of training at the real
 - the target's no-grad forward and the features in flight are formulas of the target's
   config (a Mixture-of-Experts forward routes by value, which fake tensors cannot run).
 
+Every role of the job is counted, and the plan's peak is the largest: a colocated rank; or, in
+a disaggregated job, a drafter rank (the target's embedding and LM head), drafter rank 0 when
+the run evaluates (the whole target: it decodes the evals) and a target rank (its features for
+each drafter rank it feeds: the job's world size is an input).
+
 The worst micro-batch follows the batch plan: a padded length S holds
 B = min(max_batch_size, token_budget // S, row_budget // (min(num_anchors, S - 1) * block_size))
 samples (at least 1), each with max(1, min(num_anchors, S - 1)) anchored blocks, sliced by
@@ -32,6 +37,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import types
 import weakref
 from dataclasses import dataclass, field, replace
@@ -60,16 +66,17 @@ class MemoryPlan:
     seq_len: int = 0  # the padded length S of the micro-batch the peak is at
     batch_size: int = 0  # samples in that micro-batch
     rows: int = 0  # drafter rows (anchors x block_size) of one forward + backward (a slice) on this device
-    role: str = "colocated"  # colocated | target | drafter: whose peak this is
+    role: str = "colocated rank"  # whose peak this is: a colocated, drafter (rank 0 evaluating or not) or target rank
     device: str = "cuda"
     notes: list[str] = field(default_factory=list)
+    roles: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # every role's consumers, largest first
 
     MARGIN = 0.05  # of the device kept free: CUDA context, allocator fragmentation, NCCL buffers
 
     def format(self) -> str:
         """The plan as a readable table, its verdict and its advice."""
         width = max([len(name) for name, _ in self.consumers] + [len("total (peak)")])
-        lines = [f"memory plan ({self.role} rank, {self.device}): worst micro-batch S={self.seq_len}, "
+        lines = [f"memory plan ({self.role}, {self.device}): worst micro-batch S={self.seq_len}, "
                  f"B={self.batch_size}, {self.rows} drafter rows per forward + backward",
                  f"  {'consumer':<{width}}  {'GiB':>8}"]
         lines += [f"  {name:<{width}}  {size / GiB:8.2f}" for name, size in self.consumers]
@@ -468,15 +475,27 @@ class _Sizes:
     dtype_bytes: int
     taps: int
     layers_run: int
+    links: int = 1  # a disaggregated target rank's drafter links (the drafter ranks it feeds)
 
-    @property
-    def in_flight(self) -> int:
-        """Micro-batches whose features exist at once: those queued between the stages and the step's own."""
-        pcfg = self.cfg.pipeline
-        return self.cfg.train.grad_accum * ((pcfg.capacity if pcfg.enabled else 0) + 1)
+    def steps_held(self, role: str) -> int:
+        """Steps whose features exist at once on a ``role`` rank, besides the micro-batch a target
+        forward is computing (its taps, counted with the forward). Colocated: the channel between
+        the target stage and the step (pipeline.capacity, when pipelined) and the step's own. A
+        drafter rank: the step it trains (it receives the next one after). A target rank: for
+        each link, the steps sent but not yet received (pipeline.capacity); one more, waiting for
+        a link's oldest to be received; and the channel before the sends (pipeline.capacity, when
+        its stages run on threads: an unsharded target)."""
+        p = self.cfg.pipeline
+        if role == "target":
+            threaded = p.enabled and self.cfg.model.tensor_parallel == 1
+            return p.capacity * self.links + 1 + (p.capacity if threaded else 0)
+        if role == "drafter":
+            return 1
+        return (p.capacity if p.enabled else 0) + 1
 
-    def features(self, b: int, s: int) -> int:
-        return self.in_flight * b * s * self.taps * self.shape.hidden * self.dtype_bytes
+    def features(self, b: int, s: int, role: str) -> int:
+        steps = self.cfg.train.grad_accum * self.steps_held(role)
+        return steps * b * s * self.taps * self.shape.hidden * self.dtype_bytes
 
     def target_forward(self, b: int, s: int) -> int:
         return target_forward_bytes(self.shape, self.cfg, b, s, self.dtype_bytes, self.layers_run)
@@ -485,23 +504,51 @@ class _Sizes:
         """What the step shares the device with besides its own: the features in flight and, when
         a colocated pipeline overlaps them, the next micro-batch's target forward."""
         cfg = self.cfg
-        overlapped = cfg.pipeline.enabled and cfg.pipeline.placement == "colocated"
-        return self.features(b, s) + (self.target_forward(b, s) if overlapped else 0)
+        if cfg.pipeline.placement == "disaggregated":
+            return self.features(b, s, "drafter")
+        return self.features(b, s, "colocated") + (self.target_forward(b, s) if cfg.pipeline.enabled else 0)
+
+
+def drafter_links(cfg: Config, world_size: int | None) -> int:
+    """The drafter ranks each disaggregated target rank (or target group) feeds on a job of
+    ``world_size`` ranks; 1 when colocated. ValueError naming the fix when the layout is wrong or
+    a disaggregated job's world size is not given."""
+    if cfg.pipeline.placement == "colocated":
+        return 1
+    if world_size is None:
+        raise ValueError("pipeline.placement=disaggregated: give the job's world size (`flashdraft plan --world-size "
+                         "N`, torchrun's nnodes x nproc-per-node): a target rank holds the features of every drafter "
+                         "rank it feeds")
+    from flashdraft.distributed import role_layout
+
+    drafters, targets = role_layout(world_size, cfg.pipeline.target_ranks, cfg.model.tensor_parallel)
+    return len(drafters) // (len(targets) // cfg.model.tensor_parallel)
+
+
+def evaluates(cfg: Config) -> bool:
+    """Whether the run evaluates during training (data.eval_path or data.eval_prompts): its main
+    rank then decodes with the whole target (a disaggregated drafter rank 0 loads all of it)."""
+    return bool(cfg.data.eval_path or cfg.data.eval_prompts)
 
 
 def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | None = None,
-                device: str | None = None) -> MemoryPlan:
+                device: str | None = None, world_size: int | None = None) -> MemoryPlan:
     """The per-device peak memory of training ``cfg`` (see the module doc), at the worst padded
     length up to data.max_length or at ``seq_len``; ``device_bytes`` the device's memory (None:
-    no limit known); ``device`` "cuda" or "cpu" (default: from train.device, cuda unless cpu).
-    Reads only model.target's config.json; loads no weights."""
+    no limit known); ``device`` "cuda" or "cpu" (default: from train.device, cuda unless cpu);
+    ``world_size`` the job's ranks (needed by a disaggregated plan: the drafter links a target
+    rank feeds). The peak is the largest over the run's roles: a colocated rank; or a
+    disaggregated job's drafter rank, its drafter rank 0 when it evaluates (the whole target),
+    and its target rank. Reads only model.target's config.json; loads no weights."""
     from flashdraft.target import default_target_layer_ids, resolve_dtype
 
     dev = _planned_device(cfg, device)
+    links = drafter_links(cfg, world_size)
     shape = _target_shape(str(target_config_path(cfg.model.target)), cfg.model.trust_remote_code)
     ids = (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
            else default_target_layer_ids(shape.layers, cfg.model.num_taps))
-    sizes = _Sizes(cfg, shape, resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize, len(ids), max(ids) + 1)
+    sizes = _Sizes(cfg, shape, resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize, len(ids), max(ids) + 1,
+                   links)
     if seq_len is None:
         s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap)
     elif not 2 <= seq_len <= longest(cfg):
@@ -510,23 +557,24 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     else:
         s = seq_len
     b, n = batch_size_at(cfg, s), anchors_per_pass(cfg, s)
-    roles = _roles(sizes, measure_step(cfg, shape, dev, b, s, n), b, s, b * n * cfg.model.block_size)
-    totals = {name: sum(v for _, v in parts if v > 0) for name, parts in roles.items()}
+    roles = {name: sorted(((what, int(v)) for what, v in parts if v > 0), key=lambda c: -c[1])
+             for name, parts in _roles(sizes, measure_step(cfg, shape, dev, b, s, n), b, s,
+                                       b * n * cfg.model.block_size).items()}
+    totals = {name: sum(v for _, v in parts) for name, parts in roles.items()}
     role = max(totals, key=totals.get)
-    consumers = sorted(((name, int(v)) for name, v in roles[role] if v > 0), key=lambda c: -c[1])
-    others = [f"a {name} rank's peak: {total / GiB:.2f} GiB" for name, total in totals.items() if name != role]
-    peak = sum(v for _, v in consumers)
+    others = [f"{name}: peak {total / GiB:.2f} GiB" for name, total in totals.items() if name != role]
+    peak = totals[role]
     fits = device_bytes is None or peak <= device_bytes * (1 - MemoryPlan.MARGIN)
-    plan = MemoryPlan(peak, consumers, device_bytes, fits, [], s, b, b * n * cfg.model.block_size, role, dev,
-                      others + _notes(cfg, dev))
+    plan = MemoryPlan(peak, roles[role], device_bytes, fits, [], s, b, b * n * cfg.model.block_size, role, dev,
+                      others + _notes(cfg, dev), roles)
     if device_bytes is not None:
-        plan.advice = _advice(cfg, plan, dict(consumers))
+        plan.advice = _advice(cfg, plan, dict(roles[role]))
     return plan
 
 
 def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[str, list[tuple[str, int]]]:
-    """The consumers of each role's device at its peak (colocated; or a disaggregated job's
-    drafter and target ranks)."""
+    """The consumers of each role's device at its peak: a colocated rank; or a disaggregated
+    job's drafter rank, its drafter rank 0 when it evaluates, and its target rank."""
     cfg, shape = sizes.cfg, sizes.shape
     chunk_rows = min(cfg.objective.loss_chunk_size or rows, rows)
     # [chunk, V] logits in the compute dtype, their fp32 copy and (bf16) the gradient cast back
@@ -535,23 +583,31 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
     drafter = [("drafter weights (fp32 master)", step.weights), ("drafter gradients (fp32)", step.grads),
                ("AdamW state (fp32)", step.optimizer), ("bf16 autocast weight cache", step.autocast_cache),
                ("drafter saved activations + temporaries (measured)", activations),
-               (f"LM head + CE chunk ({chunk_rows} x {shape.vocab})", head),
-               ("features in flight", sizes.features(b, s))]
+               (f"LM head + CE chunk ({chunk_rows} x {shape.vocab})", head)]
     tp = cfg.model.tensor_parallel
     weights = (f"target weights{f' (1/{tp}, + whole embedding / LM head)' if tp > 1 else ''}",
                target_weight_bytes(shape, cfg, sizes.dtype_bytes, heads_only=False))
     forward = sizes.target_forward(b, s)
     if cfg.pipeline.placement == "disaggregated":
-        roles = {"drafter": [("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes, True)),
-                             *drafter],
-                 "target": [weights, ("target forward (no grad, transient)", forward),
-                            ("features in flight", sizes.features(b, s))]}
-    elif cfg.pipeline.enabled:  # the next micro-batch's target forward runs beside this step
-        roles = {"colocated": [weights, *drafter, ("target forward (no grad, overlapping the step)", forward)]}
-    else:  # sequential: the target forward runs between steps, in the memory the step frees
-        roles = {"colocated": [weights, *drafter,
+        received = ("features in flight (the step it trains)", sizes.features(b, s, "drafter"))
+        roles = {"drafter rank": [("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes,
+                                                                                       True)), *drafter, received]}
+        if evaluates(cfg):  # drafter rank 0 decodes the evals with the whole target (never sharded there)
+            whole = shape.params * sizes.dtype_bytes
+            roles["drafter rank 0 (evals)"] = [
+                ("target weights (whole: drafter rank 0 runs the evals)", whole), *drafter, received]
+        links = f"{sizes.links} drafter link{'s' if sizes.links > 1 else ''}"
+        roles["target rank"] = [weights, ("target forward (no grad, transient)", forward),
+                                (f"features in flight ({links}, {sizes.steps_held('target')} steps)",
+                                 sizes.features(b, s, "target"))]
+        return roles
+    features = ("features in flight", sizes.features(b, s, "colocated"))
+    if cfg.pipeline.enabled:  # the next micro-batch's target forward runs beside this step
+        return {"colocated rank": [weights, *drafter, features,
+                                   ("target forward (no grad, overlapping the step)", forward)]}
+    # sequential: the target forward runs between steps, in the memory the step frees
+    return {"colocated rank": [weights, *drafter, features,
                                ("target forward beyond the step's transient", forward - activations - head)]}
-    return roles
 
 
 def _notes(cfg: Config, dev: str) -> list[str]:
@@ -569,6 +625,10 @@ def _advice(cfg: Config, plan: MemoryPlan, parts: dict[str, int]) -> list[str]:
         return []
     over = plan.peak_bytes - 0.9 * usable  # down to 90 % of the usable memory: some room to spare
     advice = []
+    weights = next((v for name, v in parts.items() if name.startswith("target weights")), 0)
+    if plan.role == "drafter rank 0 (evals)" and weights > 0.3 * usable:  # the largest lever: first
+        advice.append("leave data.eval_path and data.eval_prompts empty: drafter rank 0 then holds the target's "
+                      "embedding and LM head only; evaluate the export with `flashdraft eval` on its own GPUs")
     dynamic = sum(v for name, v in parts.items() if "activations" in name or "chunk" in name)
     bs = cfg.model.block_size
     if dynamic > 0.05 * usable and plan.rows > bs:
@@ -583,12 +643,12 @@ def _advice(cfg: Config, plan: MemoryPlan, parts: dict[str, int]) -> list[str]:
         if not cfg.model.activation_checkpointing:
             advice.append("or set model.activation_checkpointing=true: recompute each drafter layer in backward "
                           "(~30% slower)")
-    weights = next((v for name, v in parts.items() if name.startswith("target weights")), 0)
-    if weights > 0.3 * usable and plan.role != "drafter":
+    if weights > 0.3 * usable and plan.role in ("colocated rank", "target rank"):
+        elsewhere = ", or pipeline.placement=disaggregated (the target on its own ranks)" \
+            if plan.role == "colocated rank" else ""
         advice.append(f"shard the target: model.tensor_parallel={2 * cfg.model.tensor_parallel} (now "
-                      f"{cfg.model.tensor_parallel}), or pipeline.placement=disaggregated (the target on its own "
-                      "ranks)")
-    in_flight = parts.get("features in flight", 0)
+                      f"{cfg.model.tensor_parallel}){elsewhere}")
+    in_flight = sum(v for name, v in parts.items() if name.startswith("features in flight"))
     if in_flight > 0.1 * usable:
         advice.append(f"lower data.token_budget (now {cfg.data.token_budget}) or pipeline.capacity (now "
                       f"{cfg.pipeline.capacity}): fewer target features in flight")
@@ -604,16 +664,17 @@ def device_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
-def check_fits(cfg: Config, device: torch.device) -> MemoryPlan | None:
+def check_fits(cfg: Config, device: torch.device, world_size: int = 1) -> MemoryPlan | None:
     """The start-up check, before the trainer loads any weights. With a device memory limit (CUDA):
-    the plan at the worst length, and a run that cannot fit refused (ValueError with the plan and
-    what to change) unless train.memory_check is off. Without one (CPU) there is nothing to refuse:
-    no plan is made (its fake steps would cost every CPU start-up ~1 s); `flashdraft plan`
-    estimates a CPU or GPU run on request."""
+    the plan at the worst length for the job of ``world_size`` ranks (every role's peak: a rank
+    refuses a run any rank of it cannot hold), and a run that cannot fit refused (ValueError with
+    the plan and what to change) unless train.memory_check is off. Without one (CPU) there is
+    nothing to refuse: no plan is made (its fake steps would cost every CPU start-up ~1 s);
+    `flashdraft plan` estimates a CPU or GPU run on request."""
     total = device_memory(device)
     if total is None:
         return None
-    plan = plan_memory(cfg, device_bytes=total, device=device.type)
+    plan = plan_memory(cfg, device_bytes=total, device=device.type, world_size=world_size)
     if not plan.fits and cfg.train.memory_check:
         raise ValueError(f"the memory plan says this run cannot fit the device ({total / GiB:.1f} GiB): change what "
                          f"it advises, or set train.memory_check=false to try anyway\n{plan.format()}")
@@ -636,6 +697,9 @@ def add_arguments(parser) -> None:
                         help="the device's memory in GiB (default: the visible GPU's, else none)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="plan at this padded length (default: the worst up to data.max_length)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="the job's ranks, torchrun's nnodes x nproc-per-node (default: $WORLD_SIZE); a "
+                             "disaggregated plan needs it: a target rank holds features for each drafter rank it feeds")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.row_budget=8192 model.target=DIR")
 
 
@@ -651,7 +715,8 @@ def run(args) -> int:
         device_bytes = int(args.device_memory * GiB)
     elif torch.cuda.is_available() and cfg.train.device != "cpu":
         device_bytes = torch.cuda.get_device_properties(0).total_memory
-    plan = plan_memory(cfg, device_bytes=device_bytes, seq_len=args.seq_len)
+    world_size = args.world_size or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
+    plan = plan_memory(cfg, device_bytes=device_bytes, seq_len=args.seq_len, world_size=world_size)
     print(plan.format())
     return 0 if plan.fits else 1
 

@@ -66,6 +66,40 @@ def peer_exits(timeout_s: str) -> None:
     os._exit(0)
 
 
+def group_clocks(target_ranks: str, tensor_parallel: str) -> None:
+    """Start a job with clocks collective 5 s, start-up 60 s, pause 30 s (``target_ranks`` > 0:
+    disaggregated) and report each of this rank's process groups' timeouts, and its role."""
+    d = D.init_distributed("cpu", timeout_s=5, num_target_ranks=int(target_ranks),
+                           tensor_parallel=int(tensor_parallel), startup_timeout_s=60, pause_timeout_s=30)
+    result({"role": d.role, "timeouts": D.group_timeouts()})
+    D.teardown()
+
+
+def gloo_on_two_hosts(case: str, interface: str) -> None:
+    """Rank 1 poses as a second host (its hostname, an RFC 6761 name that never resolves) of a
+    job launched one process per node (LOCAL_WORLD_SIZE=1); every rank reports the error its
+    start-up raised. ``case`` "loopback": rank 1's hostname resolves to nothing, so its gloo
+    address falls back to 127.0.0.1. "unreachable": both bind gloo to ``interface``
+    (GLOO_SOCKET_IFNAME) and rank 1's port refuses connections, as a firewall that resets them
+    would (its probe socket never listens)."""
+    import socket
+
+    rank = int(os.environ["RANK"])
+    if case == "unreachable":
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if rank == 1:
+        socket.gethostname = lambda: "flashdraft-test-node1.invalid"
+        if case == "unreachable":
+            socket.socket.listen = lambda self, *args: None
+    try:
+        D.init_distributed("cpu", timeout_s=30)
+        err = None
+    except D.StartupError as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    result({"rank": rank, "error": err})
+    os._exit(0)
+
+
 def checkpoint_per_rank_rng(root: str) -> None:
     """Each rank saves its own RNG state; after scrambling, load_latest gives each its own back."""
     import numpy as np
@@ -384,6 +418,40 @@ def resume_reads(root: str) -> None:
     D.teardown()
 
 
+def _memory_kib() -> dict[str, int]:
+    """This process's resident set now and its peak since the last reset (Linux /proc), KiB."""
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                found[line.split(":")[0]] = int(line.split()[1])
+    return found
+
+
+def resume_peak_rss(root: str) -> None:
+    """Every rank loads the newest checkpoint under ``root`` as a resume does (load_latest: rank 0
+    reads the replicated parts once and broadcasts them; its verification is taken as done), and
+    reports the peak of its resident set over the load above the resident set before it, and a
+    CRC-32 of every tensor's bytes it got, per part (position-sensitive: a misplaced chunk shows)."""
+    import zlib
+
+    from flashdraft.checkpoint import CheckpointManager
+
+    D.init_distributed("cpu", timeout_s=120)
+    manager = CheckpointManager(root)
+    verified = manager.checkpoints()[0] if D.get_rank() == 0 else None
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the resident set now
+        f.write("5")
+    before = _memory_kib()["VmRSS"]
+    loaded = manager.load_latest(verified=verified)
+    peak = _memory_kib()["VmHWM"]
+    digests = {name: {k: zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                      for k, t in part.items()} for name, part in loaded.parts.items()}
+    result({"rank": D.get_rank(), "peak_above_mib": (peak - before) / 1024, "digests": digests,
+            "step": loaded.step})
+    D.teardown()
+
+
 def pace_steps(seconds: float) -> None:
     """Make every optimizer step of this process last ``seconds`` longer, so that a test's kill
     lands at a chosen moment of a run (the trainer itself has no test hook)."""
@@ -418,6 +486,39 @@ def pace_checkpoint_writes(seconds: float) -> None:
     checkpoint._write_part = paced
 
 
+def pace_evals(seconds: float) -> None:
+    """Make every eval of this process last ``seconds`` longer on the ranks that compute it (the
+    others wait for it at the eval's barrier)."""
+    if seconds <= 0:
+        return
+    from flashdraft.train.validation import Validator
+
+    run = Validator.run
+
+    def paced(self):
+        if self.runs_eval:
+            time.sleep(seconds)
+        return run(self)
+
+    Validator.run = paced
+
+
+def pace_hello(seconds: float) -> None:
+    """Make a disaggregated drafter rank of this process send its HELLO ``seconds`` late (a slow
+    resume: its target rank, and the rest of its target group, wait for it)."""
+    if seconds <= 0:
+        return
+    from flashdraft.feed import disaggregated
+
+    hello = disaggregated._DrafterLink.hello
+
+    def paced(self, *args, **kwargs):
+        time.sleep(seconds)
+        return hello(self, *args, **kwargs)
+
+    disaggregated._DrafterLink.hello = paced
+
+
 def cli(*argv: str) -> None:
     """``flashdraft ARGV...`` exactly as the console script runs it; exits with its status."""
     import signal
@@ -429,6 +530,8 @@ def cli(*argv: str) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     pace_steps(float(os.environ.get("FLASHDRAFT_TEST_STEP_SLEEP", "0")))
     pace_checkpoint_writes(float(os.environ.get("FLASHDRAFT_TEST_WRITE_SLEEP", "0")))
+    pace_evals(float(os.environ.get("FLASHDRAFT_TEST_EVAL_SLEEP", "0")))
+    pace_hello(float(os.environ.get("FLASHDRAFT_TEST_HELLO_SLEEP", "0")))
     try:
         code = main(list(argv))
     except Stopped as exc:  # as the console script reports it (flashdraft.cli.entry)
@@ -620,11 +723,12 @@ def backend_ranks() -> None:
     D.teardown()
 
 
-SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, checkpoint_per_rank_rng, train_ranks,
+SCENARIOS = {f.__name__: f for f in (collectives_then_peer_hangs, peer_exits, gloo_on_two_hosts, group_clocks,
+                                     checkpoint_per_rank_rng, train_ranks,
                                      checkpoint_save_fails_everywhere, checkpoint_writer, cli, train_rank_fails,
                                      train_target_raises, sharded_features,
                                      train_collectives, train_slow_loader, convert_once,
-                                     resume_reads, backend_ranks)}
+                                     resume_reads, resume_peak_rss, backend_ranks)}
 
 
 def serve(*preload: str) -> None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex  # torch 2.13 (pinned) has it: its absence is a failure
 
 from flashdraft.bench.gpu_check import LiveTensorBytes
 from flashdraft.config import LayerMask
 from flashdraft.drafter.attention import attend, attention_plan, flex_block_mask, flex_mask_mod
-
-flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
 
 def _case(g: torch.Generator, trial: int):

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import read_log, results, run_ranks
-from flashdraft.distributed import Dist
+from flashdraft.distributed import WATCH_S, Clocks, Dist
 
 
 def test_single_process_needs_no_process_group(fresh_dist):
     D = fresh_dist
     d = D.init_distributed("cpu")
-    assert d == Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None, timeout_s=600.0)
+    assert d == Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None, clocks=Clocks())
     assert d.is_main and not torch.distributed.is_initialized()
     assert D.init_distributed("cpu") is d  # idempotent
     assert D.get_dist() is d and D.get_rank() == 0 and D.get_world_size() == 1
@@ -60,6 +60,37 @@ def test_cuda_requested_without_gpu_is_a_clear_error(fresh_dist):
         fresh_dist.init_distributed("cuda")
 
 
+def test_each_wait_has_its_clock_and_names_the_field_that_sets_it():
+    """The link clock is a step plus a drafter rank's pause; a receive posted for the whole run
+    waits a year (a dead peer fails it at once, not the clock)."""
+    clocks = Clocks(collective_s=5, startup_s=60, pause_s=30)
+    assert [clocks.seconds(w) for w in ("collective", "startup", "pause", "link", "watch")] == [5, 60, 30, 35, WATCH_S]
+    assert WATCH_S >= 365 * 86400
+    assert clocks.describe("link") == "train.collective_timeout_s + train.pause_timeout_s = 35 s"
+    assert clocks.describe("pause") == "train.pause_timeout_s = 30 s"
+    with pytest.raises(ValueError, match="positive"):
+        Clocks(pause_s=0)
+
+
+def test_every_group_is_made_with_the_clock_of_the_longest_wait_posted_on_it(forkserver):
+    """NCCL's watchdog times every op posted on a group by the group's timeout, whatever wait()
+    is told, so each group gets the clock of its longest wait (the rule, kept on gloo's groups
+    here; clocks: collective 5, start-up 60, pause 30). Colocated: the default group carries the
+    step's collectives. Disaggregated (1 drafter rank, one target group of 2): the default group
+    carries only the data channel, whose sends wait for a drafter rank's step and pause (link: 35),
+    and so does the target group's mesh (its forward waits while its first rank's send does); the
+    role groups carry the step's collectives; the gloo groups' waits carry their own clocks."""
+    colocated = results(run_ranks(forkserver, "group_clocks", "0", "1", timeout=60))
+    for r in colocated:
+        assert r["timeouts"] == {"default": 5, "startup": 60, "host": 60}, r
+    disaggregated = results(run_ranks(forkserver, "group_clocks", "2", "2", world_size=3, timeout=60))
+    assert [r["role"] for r in disaggregated] == ["drafter", "target", "target"]
+    assert disaggregated[0]["timeouts"] == {"default": 35, "role": 5, "control": 5, "startup": 60, "host": 60}
+    for r in disaggregated[1:]:
+        assert r["timeouts"] == {"default": 35, "role": 5, "control": 5, "startup": 60, "host": 60,
+                                 "target mesh": 35}, r
+
+
 def test_all_reduce_rejects_unknown_op(fresh_dist):
     with pytest.raises(ValueError, match="mean, sum, max or min"):
         fresh_dist.all_reduce(torch.ones(1), "avg")  # type: ignore[arg-type]
@@ -85,7 +116,8 @@ def test_two_gloo_ranks_collectives_then_hung_peer_times_out(forkserver):
     assert r0["is_main"] and not r1["is_main"]
     assert r0["gather"] == ["r0", "r1"] and r1["gather"] is None
     # Rank 1 never reached the second barrier: rank 0 must fail after ~timeout_s, not hang.
-    assert r0["error"] and "barrier failed on rank 0/2" in r0["error"] and f"timeout {timeout_s} s" in r0["error"]
+    assert r0["error"] and "barrier failed on rank 0/2" in r0["error"]
+    assert f"train.collective_timeout_s = {timeout_s} s" in r0["error"]
     assert timeout_s * 0.8 <= r0["waited_s"] <= timeout_s + 10
 
 
@@ -114,3 +146,49 @@ def test_the_multi_gpu_check_fails_on_a_context_on_another_gpu(tmp_path, capsys)
     assert not check_contexts(tmp_path)
     assert "ddp rank 1 (pid 1, LOCAL_RANK 1): contexts on GPUs [0, 1]" in capsys.readouterr().out
     assert not check_contexts(tmp_path / "empty")  # no process recorded: never a PASS
+
+
+def test_gloo_binds_the_interface_named_else_the_hostnames_address_else_loopback(monkeypatch):
+    """torch's choice of gloo's address, read the same way: GLOO_SOCKET_IFNAME's interface; an
+    interface without an IPv4 address is named with those the machine has; a hostname that
+    resolves to nothing falls back to loopback."""
+    from flashdraft import distributed
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert distributed.gloo_address() == ("127.0.0.1", "GLOO_SOCKET_IFNAME=lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(distributed.GlooAddressError, match=r"GLOO_SOCKET_IFNAME=nosuch0: .* set it to one of lo \(127"):
+        distributed.gloo_address()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr("socket.gethostname", lambda: "flashdraft-test.invalid")
+    address, source = distributed.gloo_address()
+    assert address == "127.0.0.1" and "resolves to no address" in source
+
+
+def _routable_interface() -> str | None:
+    from flashdraft.distributed import _interfaces, _is_loopback
+
+    return next((name for name, address in _interfaces().items() if not _is_loopback(address)), None)
+
+
+@pytest.mark.parametrize("case", ["loopback", "unreachable"])
+def test_a_gloo_address_another_host_cannot_reach_stops_the_start_with_the_variable_to_set(forkserver, case):
+    """2 ranks, the second posing as another host: a hostname that falls back to loopback, or a
+    port that refuses the other host's connection. Every rank stops at start-up with
+    GlooAddressError naming the address, its source and GLOO_SOCKET_IFNAME, in seconds; before,
+    gloo bound the address and a real second node then failed (or hung) only at the first gloo
+    group's connect, after its timeout. One host (the other tests) makes no probe at all."""
+    interface = _routable_interface()
+    if case == "unreachable" and interface is None:
+        pytest.skip("this machine has no non-loopback IPv4 interface to bind gloo to")
+    workers = run_ranks(forkserver, "gloo_on_two_hosts", case, interface or "", timeout=60,
+                        env={"LOCAL_WORLD_SIZE": "1"})
+    errors = [r["error"] for r in results(workers)]
+    assert all(e and e.startswith("GlooAddressError: ") and "set GLOO_SOCKET_IFNAME" in e for e in errors), errors
+    assert all("rank 1 (host flashdraft-test-node1.invalid) binds gloo to" in e for e in errors), errors
+    if case == "loopback":
+        assert all("127.0.0.1 (the hostname 'flashdraft-test-node1.invalid' resolves to no address" in e
+                   and "a loopback address" in e for e in errors), errors
+    else:
+        assert all(f"(GLOO_SOCKET_IFNAME={interface}), which rank 0" in e and "ConnectionRefusedError" in e
+                   for e in errors), errors

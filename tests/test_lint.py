@@ -2,6 +2,8 @@
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +11,8 @@ from conftest import REPO
 
 
 def test_ruff_finds_nothing():
-    ruff = shutil.which("ruff")
+    # beside this interpreter first: `.venv/bin/python -m pytest` runs without the virtualenv activated
+    ruff = shutil.which("ruff", path=Path(sys.executable).parent) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]' installs it)")
     proc = subprocess.run([ruff, "check", "flashdraft", "tests"], cwd=REPO, capture_output=True, text=True)

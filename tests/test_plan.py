@@ -1,7 +1,7 @@
 """The memory plan (flashdraft/plan.py): its estimate against the measured peak of real CPU
 training steps, `train` refusing a run that cannot fit before it loads any weights, the
 `flashdraft plan` command, and the plan of each public target config kept in
-tests/fixtures/configs (Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, Llama-3.1-8B-Instruct,
+tests/fixtures/configs (Qwen3-8B, Qwen3-32B, Qwen3-30B-A3B, Qwen3-235B-A22B, Llama-3.1-8B-Instruct,
 gpt-oss-120b)."""
 
 from __future__ import annotations
@@ -148,3 +148,52 @@ def test_plan_of_each_public_target(name, tp, ep, billions):
     # tensor-parallel rank trains on 1/tp of them
     per_sample = 512 * cfg.model.block_size
     assert plan.batch_size == cfg.data.row_budget // per_sample == 4 and plan.rows == 4 * per_sample // tp
+
+
+def _disaggregated_32b(*extra: str):
+    """Qwen3-32B (61 GiB of bf16 weights) on its own target rank, the drafter on the others."""
+    return load_config(None, [f"model.target={FIXTURES / 'Qwen3-32B'}", "model.mask_token_id=0",
+                              "pipeline.placement=disaggregated", "pipeline.target_ranks=1", *extra])
+
+
+def test_a_disaggregated_plan_counts_the_whole_target_on_the_drafter_rank_that_evaluates(capsys):
+    """Qwen3-32B on its own target rank: with evals on, drafter rank 0 loads the whole target to
+    decode (startup.load_target), 61 GiB, so its peak is the job's, and an 80 GB GPU cannot hold
+    it; without evals every drafter rank holds the embedding and LM head only, and it fits.
+    Before, the plan counted the embedding and LM head on every drafter rank: 58 GiB short, and a
+    fit for a run that dies of OOM."""
+    shape = plan_module._target_shape(str(FIXTURES / "Qwen3-32B" / "config.json"), False)
+    assert abs(shape.params / 1e9 - 32.8) < 0.1  # Qwen/Qwen3-32B's model card
+    with_evals = plan_memory(_disaggregated_32b("data.eval_prompts=prompts.jsonl"), seq_len=3072,
+                             device_bytes=int(79.6 * GiB), world_size=2)
+    without = plan_memory(_disaggregated_32b(), seq_len=3072, device_bytes=int(79.6 * GiB), world_size=2)
+    assert with_evals.role == "drafter rank 0 (evals)" and not with_evals.fits
+    assert dict(with_evals.consumers)["target weights (whole: drafter rank 0 runs the evals)"] == shape.params * 2
+    assert without.role == "drafter rank" and without.fits
+    assert with_evals.peak_bytes - without.peak_bytes == (shape.params - shape.head_params) * 2  # 58.1 GiB
+    assert "leave data.eval_path and data.eval_prompts empty" in with_evals.advice[0]
+    # the command says the same
+    args = ["plan", f"model.target={FIXTURES / 'Qwen3-32B'}", "model.mask_token_id=0",
+            "pipeline.placement=disaggregated", "pipeline.target_ranks=1", "data.eval_prompts=prompts.jsonl",
+            "--seq-len", "3072", "--world-size", "2", "--device-memory", "79.6"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan (drafter rank 0 (evals), cuda)")
+    assert f"does NOT fit: peak {with_evals.peak_bytes / GiB:.2f} GiB" in out  # 129.90 GiB
+    assert f"drafter rank: peak {without.peak_bytes / GiB:.2f} GiB" in out and "target rank: peak" in out  # 71.77
+
+
+def test_a_target_rank_holds_the_features_of_every_drafter_link_it_feeds():
+    """A target rank keeps up to pipeline.capacity unsent-or-unreceived steps per drafter rank it
+    feeds, one more waiting to be sent, and its pipeline's channel: 2 x 4 + 1 + 2 = 11 steps for 4
+    drafter ranks (world 5, 1 target rank), 5 for one. A disaggregated plan needs the world size."""
+    plans = {world: plan_memory(_disaggregated_32b(), seq_len=3072, world_size=world) for world in (2, 5)}
+    features = {world: next((name, v) for name, v in plan.roles["target rank"] if name.startswith("features"))
+                for world, plan in plans.items()}
+    assert features[2][0] == "features in flight (1 drafter link, 5 steps)"
+    assert features[5][0] == "features in flight (4 drafter links, 11 steps)"
+    assert features[5][1] * 5 == features[2][1] * 11
+    with pytest.raises(ValueError, match="--world-size"):
+        plan_memory(_disaggregated_32b(), seq_len=3072)
+    with pytest.raises(ValueError, match="positive multiple of target_ranks"):
+        plan_memory(_disaggregated_32b("pipeline.target_ranks=2"), seq_len=3072, world_size=5)

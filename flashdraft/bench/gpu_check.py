@@ -3,10 +3,13 @@
     python -m flashdraft.bench.gpu_check PART [PART ...] --job DIR --out DIR [--smoke]
 
 Each part returns a JSON-able dict with ``ok`` (its assertions held) and its figures, written to
-OUT/PART.json as soon as the part ends; the parts run in the order given, in this process, and
-the exit status is 0 when every one is ``ok``. The script runs each part in its own process under
-its own time limit, so a timeout loses only that part; the CPU smoke test runs most of them in
-one, sparing an interpreter start (~5 s on a small CPU) per part. The parts:
+OUT/PART.json as soon as the part ends with its ``status``: "pass", "fail", or "skip" when it
+could not run here (``skipped`` says why: a missing capability, never a pass). The parts run in
+the order given, in this process; the exit status is 0 when every one passed, 1 when one
+failed, 3 when none failed but one was skipped. The script runs each part in its own process
+under its own time limit, so a timeout loses only that part, and ends with a verdict naming
+every part that did not run; the CPU smoke test runs most of them in one process, sparing an
+interpreter start (~5 s on a small CPU) per part. The parts:
 
 - ``prepare``: the jobs the others train on, in DIR: a random-weight target at the Qwen3-8B
   widths (hidden 4096, vocab 151,936, 32 / 8 heads of 128, MLP 12,288; 6 layers, so not its
@@ -14,13 +17,23 @@ one, sparing an interpreter start (~5 s on a small CPU) per part. The parts:
   layers, vocab 32,768) with a shard of varied lengths.
 - ``trainer_1024`` / ``trainer_3072``: the trainer's own path (Trainer, the config's defaults:
   5 drafter layers, block 16, 512 anchors, fp32 master weights under bf16 autocast) for 2 steps at
-  S; peak ``torch.cuda.max_memory_allocated`` against ``flashdraft.plan.plan_memory(cfg).peak_bytes``
-  within 15 % ("plan unavailable" fails the part).
+  S; the memory plan at the run's own micro-batch (``plan_memory(cfg, seq_len=S)``: its B and S
+  must be the run's) against peak ``torch.cuda.max_memory_allocated`` within 15 %; beside it
+  ``max_memory_reserved`` and what the process holds outside the allocator (CUDA context, NCCL:
+  ``mem_get_info``), which the plan's margin (5 % of the device) must cover ("plan unavailable"
+  fails the part).
 - ``block_mask``: the flex BlockMask built from the anchors at 16 x 512 anchors x block 16 over
   S = 3072 (dense grid: 1.5G elements): its memory under 64 MiB, and equal to create_block_mask's.
 - ``sinks``: the blockwise attention with sinks under bf16 autocast at a norm gain of 3: dq, dk,
   dv and d sink within 2 % of fp64.
-- ``deterministic``: two 3-step runs (smoke: 2) with train.deterministic=true: losses and weights bit-equal.
+- ``deterministic``: two 3-step runs (smoke: 2) with train.deterministic=true, in two processes
+  (this one and a fresh one: an exact resume needs two processes to agree): losses and weights
+  bit-equal.
+- ``flex_compile``: the drafter's compiled flex attention (inductor, dynamic shapes: the
+  trainer's first CUDA compile), forward and backward, GQA 32 / 8 heads of 128, bf16, over
+  micro-batches of four lengths: outputs and gradients within 2 % of the dense oracle in fp32,
+  at most 2 graphs, the first call's compile time. On CPU (smoke) the forward runs eager and the
+  backward cannot run (torch has no CPU flex backward): a skip that says so.
 - ``graphs``: one run over varied lengths: the graphs dynamo compiled (torch._dynamo counters)
   against the batch shapes it met.
 - ``pipeline``: the pipelined trainer's losses against the sequential one's (deterministic mode).
@@ -92,6 +105,8 @@ PLAN_TOLERANCE = 0.15  # the memory plan's estimate against the measured peak
 MASK_BOUND = 64 * 2**20  # bytes the anchor-built block mask may take at the check's size
 SINK_TOLERANCE = 0.02  # sink gradients under bf16 autocast against fp64
 GRAPH_LIMIT = 4  # compiled graphs allowed over a run of varied lengths
+FLEX_TOLERANCE = 0.02  # bf16 flex attention's output and gradients against the fp32 dense oracle
+FLEX_GRAPHS = 2  # graphs one dynamic compile of flex may take for any shapes (tests/test_step_equivalence.py)
 
 
 def _big(smoke: bool) -> dict:
@@ -199,25 +214,30 @@ def _run(overrides: dict, stop_after: int | None = None, shapes: set | None = No
 
 # ---- the parts ----------------------------------------------------------------------------------------
 
-def plan_estimate(config) -> tuple[int | None, str]:
-    """The memory plan's per-device peak for ``config`` (flashdraft.plan.plan_memory), or None and why."""
+def plan_at(config, seq: int):
+    """The memory plan (flashdraft.plan.plan_memory) at padded length ``seq``: the run's own
+    micro-batch, not the worst one; (None, why) when it cannot be made."""
     try:
         from flashdraft.plan import plan_memory
     except ImportError as exc:
         return None, f"plan unavailable ({exc})"
-    return int(plan_memory(config).peak_bytes), ""
+    return plan_memory(config, seq_len=seq), ""
 
 
 def trainer_path(job: Path, seq: int, smoke: bool) -> dict:
-    """The trainer's path at S = ``seq`` with the defaults: measured peak against the plan."""
+    """The trainer's path at S = ``seq`` with the defaults: the measured peak (allocated, and
+    reserved plus what the allocator does not see) against the plan of the same micro-batch."""
+    from flashdraft.plan import MemoryPlan
+
     seq = SMOKE_SEQS[SEQS.index(seq)] if smoke else seq
     with tempfile.TemporaryDirectory() as out:
         overrides = _overrides(job, "target8b", f"data_{seq}", Path(out), smoke, **{"train.max_steps": 100})
-        estimate, why = plan_estimate(_config(overrides))
+        plan, why = plan_at(_config(overrides), seq)
         cuda = not smoke
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        result = {"seq": seq, "plan_peak_gib": None if estimate is None else estimate / 2**30}
+        result = {"seq": seq, "plan_peak_gib": None if plan is None else plan.peak_bytes / 2**30,
+                  "plan_micro_batch": None if plan is None else [plan.batch_size, plan.seq_len]}
         shapes = set()
         try:
             t0 = time.perf_counter()
@@ -227,14 +247,26 @@ def trainer_path(job: Path, seq: int, smoke: bool) -> dict:
             result["losses"] = [h["loss"] for h in trainer.history if "loss" in h]
         except torch.OutOfMemoryError as exc:
             result.update(oom=True, error=f"OutOfMemoryError: {str(exc).splitlines()[0]}")
-        measured = torch.cuda.max_memory_allocated() if cuda else None
-    result["measured_peak_gib"] = None if measured is None else measured / 2**30
-    if estimate is None:
+        if cuda:  # before the trainer's memory goes back: the allocator's reserve and the rest of the process
+            free, total = torch.cuda.mem_get_info()
+            result.update(measured_peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                          reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30,
+                          outside_allocator_gib=(total - free - torch.cuda.memory_reserved()) / 2**30,
+                          device_gib=total / 2**30)
+    if plan is None:
         return {**result, "ok": False, "plan": why}
-    if measured is None:  # smoke: the comparison's code path, not its figures
-        return {**result, "ok": "oom" not in result, "plan_ratio": None}
-    ratio = measured / estimate
-    return {**result, "plan_ratio": ratio, "ok": "oom" not in result and abs(ratio - 1) <= PLAN_TOLERANCE}
+    # the plan must describe the run it is compared with: every micro-batch of the run is the plan's
+    result["same_micro_batch"] = bool(shapes) and all([b, s] == result["plan_micro_batch"] for b, s, _ in shapes)
+    ok = "oom" not in result and result["same_micro_batch"]
+    if not cuda:  # smoke: the comparison's code path, not its figures
+        return {**result, "ok": ok, "plan_ratio": None}
+    ratio = result["measured_peak_gib"] / result["plan_peak_gib"]
+    # what the margin kept free is for: the allocator's reserve beyond what it hands out, and the
+    # process's memory outside it (CUDA context, NCCL buffers)
+    beyond = result["reserved_peak_gib"] - result["measured_peak_gib"] + result["outside_allocator_gib"]
+    margin = MemoryPlan.MARGIN * result["device_gib"]
+    result.update(plan_ratio=ratio, beyond_allocated_gib=beyond, margin_gib=margin, margin_covers=beyond <= margin)
+    return {**result, "ok": ok and abs(ratio - 1) <= PLAN_TOLERANCE and beyond <= margin}
 
 
 def block_mask_memory(smoke: bool) -> dict:
@@ -323,19 +355,104 @@ def _weights(trainer) -> dict:
     return {k: v.detach().cpu().clone() for k, v in trainer.drafter.state_dict().items()}
 
 
+def deterministic_run(job: Path, smoke: bool, out: str | None = None) -> dict:
+    """One run of the ``deterministic`` part: its losses and a sha256 of every weight (written to
+    ``out`` as JSON when given: the part's second process)."""
+    import hashlib
+
+    steps = 2 if smoke else 3
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = _run(_overrides(Path(job), "small", "data_varied", Path(run_dir), smoke, **{
+            "train.max_steps": steps, "train.deterministic": "true"}))
+        found = {"losses": [h["loss"] for h in trainer.history if "loss" in h],
+                 "weights": {k: hashlib.sha256(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                                               .numpy()).hexdigest() for k, v in trainer.drafter.state_dict().items()}}
+    if out is not None:
+        Path(out).write_text(json.dumps(found))
+    return found
+
+
 def deterministic(job: Path, smoke: bool) -> dict:
-    """Two runs of 3 steps with train.deterministic=true: the same losses and weights, bit for bit."""
-    runs, steps = [], 2 if smoke else 3
-    for _ in range(2):
-        with tempfile.TemporaryDirectory() as out:
-            trainer = _run(_overrides(job, "small", "data_varied", Path(out), smoke, **{
-                "train.max_steps": steps, "train.deterministic": "true"}))
-            runs.append(([h["loss"] for h in trainer.history if "loss" in h], _weights(trainer)))
-            del trainer
-    (loss_a, w_a), (loss_b, w_b) = runs
-    same_weights = all(torch.equal(w_a[k], w_b[k]) for k in w_a)
-    return {"losses": [loss_a, loss_b], "losses_equal": loss_a == loss_b, "weights_equal": same_weights,
-            "ok": loss_a == loss_b and same_weights and len(loss_a) == steps}
+    """Two runs with train.deterministic=true, one here and one in a fresh process (spawned: its
+    own CUDA context, kernels and allocator): the same losses and weights, bit for bit."""
+    import multiprocessing
+
+    mine = deterministic_run(job, smoke)
+    with tempfile.TemporaryDirectory() as tmp:
+        child = multiprocessing.get_context("spawn").Process(target=deterministic_run,
+                                                             args=(str(job), smoke, f"{tmp}/run.json"))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            return {"ok": False, "error": f"the second process exited with status {child.exitcode}"}
+        other = json.loads(Path(f"{tmp}/run.json").read_text())
+    steps = 2 if smoke else 3
+    same_weights = mine["weights"] == other["weights"]
+    return {"losses": [mine["losses"], other["losses"]], "losses_equal": mine["losses"] == other["losses"],
+            "weights_equal": same_weights, "processes": 2,
+            "ok": mine["losses"] == other["losses"] and same_weights and len(mine["losses"]) == steps}
+
+
+def flex_compile(smoke: bool) -> dict:
+    """The drafter's flex attention as the trainer runs it (drafter.attention.attend with a flex
+    plan: on CUDA compiled once, with dynamic shapes), forward and backward over micro-batches of
+    different lengths, against the dense oracle in fp32. CPU: the forward runs eager, and torch
+    has no CPU backward for flex -- the part is a skip that names it."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.drafter.attention import BlockAttentionPlan, attend, attention_plan, flex_block_mask
+
+    device = _device(smoke)
+    heads, kv_heads, dim, bs = (4, 2, 16, 4) if smoke else (32, 8, 128, 16)
+    # (B, S, anchors); B never 1: dynamo specialises a size of 1, a recompile the trainer's B can avoid
+    shapes = [(2, 96, 8), (2, 150, 8), (3, 64, 6), (2, 41, 5)] if smoke else \
+        [(2, 1024, 64), (2, 2000, 64), (3, 3072, 128), (2, 517, 32)]
+    graphs_before = counters["stats"].get("unique_graphs", 0)
+    calls, skipped = [], ""
+    for b, s, n in shapes:
+        g = torch.Generator().manual_seed(s)
+        anchors = torch.stack([torch.randperm(s - 1, generator=g)[:n].sort().values + 1 for _ in range(b)]).to(device)
+        valid = torch.ones(b, n, dtype=torch.bool, device=device)
+        sizes = [(heads, n * bs), (kv_heads, n * bs), (kv_heads, n * bs), (kv_heads, s), (kv_heads, s)]
+        inputs = [torch.randn(b, h, rows, dim, generator=g) for h, rows in sizes]  # q, k_blk, v_blk, k_ctx, v_ctx
+        upstream = torch.randn(b, heads, n * bs, dim, generator=g).to(device)
+        ref = [t.to(device).detach().requires_grad_() for t in inputs]
+        ref_out = attend(*ref, attention_plan("dense", anchors, valid, s, bs))
+        (ref_out * upstream).sum().backward()
+        leaves = [t.to(device, torch.bfloat16).detach().requires_grad_() for t in inputs]
+        flex = BlockAttentionPlan("flex", block_mask=flex_block_mask(anchors, valid, s, bs))  # never resolved away
+        t0 = time.perf_counter()
+        try:
+            out = attend(*leaves, flex)
+            (out.float() * upstream).sum().backward()
+        except NotImplementedError as exc:  # torch's own refusal (CPU): a capability this machine lacks
+            if device == "cuda":
+                raise
+            skipped = f"flex attention's backward does not run on CPU (torch {torch.__version__}: {exc})"
+            with torch.no_grad():  # the forward alone
+                out = attend(*[t.detach() for t in leaves], flex)
+        else:
+            call_grads = [_relative(x.grad, r.grad) for x, r in zip(leaves, ref)]
+        call = {"shape": [b, s, n], "out_error": _relative(out.detach(), ref_out.detach())}
+        if not skipped:
+            call["grad_errors"] = call_grads
+        if device == "cuda":
+            torch.cuda.synchronize()
+        call["seconds"] = time.perf_counter() - t0  # the first call's holds the compile
+        calls.append(call)
+    graphs = counters["stats"].get("unique_graphs", 0) - graphs_before
+    worst = max(max([c["out_error"], *c.get("grad_errors", [])]) for c in calls)
+    result = {"calls": calls, "compiled_graphs": graphs, "worst_error": worst, "tolerance": FLEX_TOLERANCE,
+              "first_call_seconds": calls[0]["seconds"]}
+    if skipped:
+        return {**result, "ok": worst <= FLEX_TOLERANCE, "skipped": skipped}
+    return {**result, "ok": worst <= FLEX_TOLERANCE and 1 <= graphs <= FLEX_GRAPHS}
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius norms, in fp64)."""
+    want = want.double()
+    return float((got.double() - want).norm() / want.norm().clamp(min=1e-30))
 
 
 def graphs(job: Path, smoke: bool) -> dict:
@@ -379,6 +496,7 @@ PARTS = {
     "deterministic": deterministic,
     "graphs": graphs,
     "pipeline": pipeline,
+    "flex_compile": lambda job, smoke: flex_compile(smoke),
 }
 
 
@@ -391,13 +509,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    """Each part in turn; 0 when every one passed."""
-    failed = [part for part in args.parts if not run_part(part, Path(args.job), Path(args.out), args.smoke)]
-    return 1 if failed else 0
+    """Each part in turn; 0 when every one passed, 1 when one failed, 3 when none failed but one
+    was skipped (it could not run here)."""
+    statuses = [run_part(part, Path(args.job), Path(args.out), args.smoke) for part in args.parts]
+    return 1 if "fail" in statuses else 3 if "skip" in statuses else 0
 
 
-def run_part(part: str, job: Path, out: Path, smoke: bool) -> bool:
-    """One part: its JSON written to OUT/PART.json whatever happens inside; whether it passed."""
+def run_part(part: str, job: Path, out: Path, smoke: bool) -> str:
+    """One part: its JSON written to OUT/PART.json whatever happens inside; its status: "pass",
+    "fail", or "skip" (a part that could not run here says why in ``skipped``; its checks that
+    did run must have held, else it fails)."""
     result = {"part": part, "smoke": smoke, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not smoke else "cpu"}
     t0 = time.perf_counter()
@@ -406,11 +527,12 @@ def run_part(part: str, job: Path, out: Path, smoke: bool) -> bool:
     except Exception as exc:  # noqa: BLE001 - the part fails, the JSON says why, the other parts go on
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
     result["wall_s"] = time.perf_counter() - t0
+    result["status"] = "fail" if not result["ok"] else "skip" if result.get("skipped") else "pass"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{part}.json").write_text(json.dumps(result, indent=1, default=str))
-    brief = {k: v for k, v in result.items() if k not in ("traceback", "torch", "device")}
-    print(f"{part}: {'PASS' if result['ok'] else 'FAIL'} {json.dumps(brief, default=str)[:1500]}", flush=True)
-    return bool(result["ok"])
+    brief = {k: v for k, v in result.items() if k not in ("traceback", "torch", "device", "status")}
+    print(f"{part}: {result['status'].upper()} {json.dumps(brief, default=str)[:1500]}", flush=True)
+    return result["status"]
 
 
 if __name__ == "__main__":  # what benchmarks/gpu_checks.sh runs (`flashdraft bench gpu-check` is the same)

@@ -1,6 +1,6 @@
 """`flashdraft bench plan`: the memory plan's tables of public targets (docs/memory.md).
 
-For each target directory holding a config.json (tests/fixtures/configs keeps five public
+For each target directory holding a config.json (tests/fixtures/configs keeps six public
 ones), the plan (flashdraft.plan) with the default run config at each padded length, on each
 device size: the per-device peak, its largest consumers and the verdict. Only config.json is
 read; each plan runs one fake drafter step (seconds).
@@ -12,7 +12,8 @@ import logging
 from pathlib import Path
 
 # the sharding each public target needs (colocated: every GPU holds its share of the target)
-LAYOUTS = {"Qwen3-30B-A3B": ["model.tensor_parallel=2", "model.expert_parallel=true"],
+LAYOUTS = {"Qwen3-32B": ["model.tensor_parallel=2"],
+           "Qwen3-30B-A3B": ["model.tensor_parallel=2", "model.expert_parallel=true"],
            "Qwen3-235B-A22B": ["model.tensor_parallel=4", "model.expert_parallel=true"],
            "gpt-oss-120b": ["model.tensor_parallel=4"]}
 

@@ -20,7 +20,11 @@ ahead of the drafter.
 
 Failures never hang (docs/pipeline.md): a failing side sends ABORT where it can; a dead
 peer's closed connection fails the other side's next send/recv at once; a hung peer fails it
-after ``train.collective_timeout_s`` (every wait is bounded by it).
+after the wait's clock (flashdraft.distributed.Clocks): a drafter rank's receive after the
+collective timeout, a target rank's send after the link clock (a step plus the pause -- a
+checkpoint save, an eval -- its drafter rank may be in), a HELLO after the start-up timeout.
+The receive of a drafter rank's DONE / STOP / ABORT stays posted for the whole run, on the
+watch clock (a year; a dead drafter rank still fails it at once).
 """
 
 from __future__ import annotations
@@ -265,12 +269,17 @@ def _hello_links(header: Header, stages: FeatureStages, dist: Dist) -> list[_Tar
             link.start(link.receive_hello())
         return links
     device = stages.device  # NCCL groups take no host tensors
-    count = int(distributed.target_group_broadcast(torch.tensor([len(dist.peers)], device=device)).item())
-    links = [_TargetLink(header, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else \
-        [_TargetLink(header, stages, None) for _ in range(count)]
-    hellos = torch.stack([link.receive_hello() for link in links]).to(device) if dist.tensor_rank == 0 else \
-        torch.empty(count, HELLO_SIZE, dtype=torch.int64, device=device)
-    for link, msg in zip(links, distributed.target_group_broadcast(hellos).cpu()):
+    links = [_TargetLink(header, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else []
+    hellos = [link.receive_hello() for link in links]
+    # The HELLOs come once the drafter ranks have resumed: the group's other ranks wait for them
+    # host-side, on the start-up clock; the group's broadcasts below then start at once.
+    distributed.host_barrier("the drafter ranks' HELLOs (sent once they have resumed)", "startup")
+    count = int(distributed.target_group_broadcast(torch.tensor([len(links)], device=device)).item())
+    if dist.tensor_rank:
+        links = [_TargetLink(header, stages, None) for _ in range(count)]
+    stacked = torch.stack(hellos).to(device) if hellos else torch.empty(count, HELLO_SIZE, dtype=torch.int64,
+                                                                         device=device)
+    for link, msg in zip(links, distributed.target_group_broadcast(stacked).cpu()):
         link.start(msg)
     return links
 
@@ -310,7 +319,7 @@ class _TargetLink:
         """The drafter rank's start: int64 [start step, total steps, its rank, its world, *cursor]."""
         msg = torch.empty(HELLO_SIZE, dtype=torch.int64)
         # sent once the drafter rank has resumed (reading a checkpoint): a start-up wait
-        distributed.control_irecv(msg, self.peer).wait(distributed.startup_timeout_s())
+        distributed.control_irecv(msg, self.peer, "startup").wait()
         return msg
 
     def start(self, msg: torch.Tensor) -> None:
@@ -324,9 +333,9 @@ class _TargetLink:
         self.batches = iter(self.sampler)
         self.num_steps = total - start
         if self.peer is not None:
-            transfer = distributed.control_irecv(self.control, self.peer)
+            transfer = distributed.control_irecv(self.control, self.peer, "watch")  # posted for the whole run
             # gloo tells a receive's completion only to a wait: a thread waits, stopped() polls it
-            self.control_watch = Watcher(transfer.wait_unbounded, f"flashdraft-control-{self.peer}")
+            self.control_watch = Watcher(transfer.wait, f"flashdraft-control-{self.peer}")
 
     def stopped(self) -> bool:
         """Whether the drafter rank has sent its control message early (STOP, or ABORT: raises);
@@ -359,11 +368,11 @@ class _TargetLink:
         message; answer STOP with END (the drafter rank drains up to it)."""
         while self.pending:
             self._complete_oldest(pool)
-        timeout_s = self.config.train.collective_timeout_s
-        if not self.control_watch.wait(timeout_s):
+        # the drafter rank trains its last step, and may then pause (a stop's checkpoint) before its STOP
+        if not self.control_watch.wait(distributed.clock("link")):
             raise distributed.CollectiveError(
-                f"drafter rank {self.peer} sent no DONE / STOP within train.collective_timeout_s={timeout_s:g} s "
-                "after its last step (hung or dead: see its log)")
+                f"drafter rank {self.peer} sent no DONE / STOP within {distributed.describe_clock('link')} after "
+                "its last step (hung or dead: see its log)")
         if self.stopped():
             self.stopped_early = True
             self._send_control(END)
@@ -379,7 +388,7 @@ class _TargetLink:
 
 def _abort(links: list[_TargetLink], exc: BaseException) -> None:
     """This rank failed: tell every drafter rank why. Best effort: a drafter rank that never
-    receives it fails on the closed connection or after the collective timeout. All sends start
+    receives it fails on the closed connection or after its receive's clock. All sends start
     before any is waited for: a drafter rank stuck in a collective with another drafter rank
     must not hold up that one's message (which is what frees it)."""
     message, transfers = f"{type(exc).__name__}: {exc}", []

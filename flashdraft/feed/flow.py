@@ -110,10 +110,11 @@ class HostWorkers:
 class Watcher:
     """One blocking call on a daemon thread of its own, so that its owner can poll for its end
     without blocking: a receive that stays posted for a whole run (a feature link's control
-    message). A gloo point-to-point op reports its completion only to a ``wait()`` (its
-    ``is_completed()`` stays False until then), and a ``wait`` whose timeout expires closes the
-    connection, so the only way to learn of it early is a thread that waits. Daemon: a call
-    still blocked at exit never holds the process (a dead peer fails it anyway)."""
+    message, waited on its own long clock: flashdraft.distributed's "watch"). A gloo
+    point-to-point op reports its completion only to a ``wait()`` (its ``is_completed()`` stays
+    False until then), and a ``wait`` whose timeout expires closes the connection, so the only
+    way to learn of it early is a thread that waits. Daemon: a call still blocked at exit never
+    holds the process (a dead peer fails it anyway)."""
 
     def __init__(self, fn: Callable[[], Any], name: str):
         self._done = threading.Event()

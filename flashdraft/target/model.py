@@ -158,8 +158,12 @@ def _load_sharded(path: Path, device: torch.device, dtype: torch.dtype, attn_imp
 
     Sharded.__name__ = Sharded.__qualname__ = model_class.__name__
     settings = DistributedConfig(tp_size=tensor_parallel, ep_size=tensor_parallel if expert_parallel else None)
-    return Sharded.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                   trust_remote_code=trust_remote_code, distributed_config=settings)
+    model = Sharded.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                    trust_remote_code=trust_remote_code, distributed_config=settings)
+    # Each rank read its shards from shared storage at its own pace: meet host-side, on the
+    # start-up clock, before the mesh's first collective (the embedding and head's gather).
+    distributed.host_barrier("loading the sharded target", "startup")
+    return model
 
 
 # Head and expert counts a tensor-parallel plan splits over the group (transformers' plans split

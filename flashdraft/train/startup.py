@@ -11,8 +11,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import torch
-
 from flashdraft import distributed, plan
 from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
@@ -35,7 +33,8 @@ def start_process(config: Config) -> Dist:
     dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
                                         num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
                                         tensor_parallel=cfg.model.tensor_parallel,
-                                        startup_timeout_s=cfg.train.startup_timeout_s)
+                                        startup_timeout_s=cfg.train.startup_timeout_s,
+                                        pause_timeout_s=cfg.train.pause_timeout_s)
     if dist.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
         log.debug("glibc malloc keeps freed memory for reuse (CPU training)")
     return dist
@@ -83,12 +82,13 @@ def _shown(value) -> str:
     return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
-def check_run(config: Config, device: torch.device) -> None:
+def check_run(config: Config, dist: Dist) -> None:
     """The checks that need no weights: paths, the drafter's sizes and, on a GPU, the memory plan
-    (a run that cannot fit its device is refused in seconds, not after loading the target)."""
+    of every role of the job (a run that cannot fit its device is refused in seconds, not after
+    loading the target)."""
     checks.check_paths(config)
-    checks.check_drafter_sizes(config, device)
-    plan.check_fits(config, device)
+    checks.check_drafter_sizes(config, dist.device)
+    plan.check_fits(config, dist.device, dist.job_world_size)
 
 
 def load_target(config: Config, dist: Dist) -> TargetModel:
@@ -96,7 +96,7 @@ def load_target(config: Config, dist: Dist) -> TargetModel:
     tensor- / expert-parallel plan), or on a disaggregated drafter rank the embedding and LM head
     only (the loss's share of it; the rank that runs evals loads it all)."""
     cfg = config
-    evaluates = dist.is_main and bool(cfg.data.eval_path or cfg.data.eval_prompts)
+    evaluates = dist.is_main and plan.evaluates(cfg)  # the memory plan counts the same rule
     target = TargetModel.from_pretrained(
         cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
         device=dist.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,

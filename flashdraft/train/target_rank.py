@@ -24,9 +24,9 @@ class TargetRank:
     barrier); ``serve()`` feeds its drafter ranks to the end of the run."""
 
     def __init__(self, config: Config, dist: Dist):
-        cfg, device = startup.with_init_from(config), dist.device  # the drafter's shape: the data's block size
+        cfg = startup.with_init_from(config)  # the drafter's shape: the data's block size
         self.config, self.dist = cfg, dist
-        startup.check_run(cfg, device)
+        startup.check_run(cfg, dist)
         target = startup.load_target(cfg, dist)
         mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
         self.target, self.dataset = target, startup.open_data(cfg, dist, target, mask_token_id).dataset

@@ -102,7 +102,7 @@ class Trainer:
             raise ValueError("a disaggregated target rank trains nothing: start it with "
                              "flashdraft.train.trainer.train(config), which serves its features")
         self.device = self.dist.device
-        startup.check_run(cfg, self.device)  # before any weights load
+        startup.check_run(cfg, self.dist)  # before any weights load
         self.output = Path(cfg.train.output_dir)
         self._build_models()
         data = startup.open_data(cfg, self.dist, self.target, self.drafter.mask_token_id)

@@ -16,8 +16,8 @@ from flashdraft.train.strategy import Strategy
 
 
 class Validator:
-    """Runs on the main rank (the others wait at a barrier) under ``target_lock`` (no target
-    forward of the pipeline's target thread runs meanwhile)."""
+    """Runs on the main rank (the others wait at a host-side barrier, train.pause_timeout_s)
+    under ``target_lock`` (no target forward of the pipeline's target thread runs meanwhile)."""
 
     def __init__(self, config: Config, strategy: Strategy, eval_dataset, prompts: list[list[int]],
                  device: torch.device, autocast, target_lock, is_main: bool, runs_eval: bool | None = None):
@@ -57,7 +57,8 @@ class Validator:
                                               check_lossless=False, sampling=sampling)
                     result.update(eval_tau=report["tau"], eval_tau_pooled=report["tau_pooled"],
                                   eval_acceptance=report["per_position_acceptance"])
-            distributed.barrier()
+            # the eval takes minutes at real sizes: the others wait host-side, under the pause clock
+            distributed.host_barrier("the eval on rank 0", "pause")
         return result if self.is_main else {}
 
     def shipped_drafter(self) -> DFlashDrafter:
