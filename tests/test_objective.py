@@ -283,10 +283,11 @@ def test_tv_and_lk_losses_match_their_definitions(chunk, kind, dpace):
 def test_lk_lambda_moves_from_ce_to_tv_as_the_drafter_gets_confident():
     ce = torch.tensor([0.1, 0.2, 3.0])
     w = torch.ones(3)
-    values, scale = SlotLoss("lk_lambda", kl_scale=1.0, kl_decay=0.0).rows(ce, w, 3)  # lambda 1: CE
+    right = torch.ones(3, dtype=torch.bool)
+    values, scale = SlotLoss("lk_lambda", kl_scale=1.0, kl_decay=0.0).rows(ce, ce, right, w, 3)  # lambda 1: CE
     torch.testing.assert_close(values, ce)
     torch.testing.assert_close(scale, w)
-    values, scale = SlotLoss("lk_lambda", kl_scale=0.0).rows(ce, w, 3)  # lambda 0: TV
+    values, scale = SlotLoss("lk_lambda", kl_scale=0.0).rows(ce, ce, right, w, 3)  # lambda 0: TV
     torch.testing.assert_close(values, 1 - torch.exp(-ce))
     torch.testing.assert_close(scale, torch.exp(-ce))  # d(1 - e^-ce)/d ce
 
