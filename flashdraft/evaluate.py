@@ -308,6 +308,12 @@ def run(args) -> int:
             raise ValueError("--engine: give --drafter DIR, with one process (no --baseline / --tensor-parallel)")
         if reason:
             raise ValueError(f"--engine {args.engine}: cannot run here: {reason}")
+        if not sampling.greedy:
+            from flashdraft.engine import SAMPLED_UNVERIFIED
+
+            raise ValueError(f"--engine {args.engine} with --temperature {args.temperature:g}: the engine check is "
+                             f"greedy only ({SAMPLED_UNVERIFIED}); drop --temperature / --top-p / --top-k for it, "
+                             "or evaluate sampling without --engine")
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
     main = True
