@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, step_dir_name
+from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, follow_umask, step_dir_name
 from flashdraft.engine import ENGINES, warn_last_layer
 from flashdraft.outputs import check_output
 
@@ -86,9 +86,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     warn_last_layer(config["dflash_config"]["target_layer_ids"], int(config.get("num_target_layers") or 0))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(loaded.parts["drafter"])
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    tmp = None
+    try:  # a new directory of its own (mkdtemp): never a predictable name a link could be planted at
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        follow_umask(tmp)  # mkdtemp makes it 0700: the export, once renamed, is read by serving processes
         drafter.save_pretrained(tmp, dtype=DTYPES[dtype])
         verify_export(tmp, drafter, DTYPES[dtype])
         _replace(tmp, out)
@@ -96,7 +97,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
         raise ValueError(f"--out {out}: cannot write the export there ({exc.strerror or exc}); choose a writable "
                          "directory with room for it") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     target = _target_dir(loaded.config or {}, checkpoint)
     return {"step": loaded.step, "target": target, "block_size": drafter.block_size, "dtype": dtype, "path": out,
             "v2_runner": len({m.window is None for m in drafter.layer_masks}) > 1 or drafter.convolved}
@@ -195,17 +197,16 @@ def _is_export(path: Path) -> bool:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` onto ``out``; an earlier export there is moved aside first, then removed."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old.exists():  # the earlier export goes back where it was
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    """Put the export in ``tmp`` at ``out``: renamed there whole when ``out`` is new; into an
+    existing directory (an earlier export, perhaps a cloned model repository with its .git/,
+    README.md, ...) each of the export's own files is renamed onto its name, and nothing else
+    there is touched (a crash between two renames leaves each file whole: the earlier export's or
+    the new one's)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    for name in sorted(p.name for p in tmp.iterdir()):  # config.json before model.safetensors
+        os.replace(tmp / name, out / name)
 
 
 def serving_commands(target: str, path, block_size: int, v2_runner: bool = False) -> list[str]:

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -242,11 +243,16 @@ def write_export(path: str | os.PathLike, state: dict[str, torch.Tensor], config
     file, never a torn one."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = {name: path / f".{name}.tmp-{os.getpid()}" for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    tmp = {}
+    for name in (WEIGHTS_FILE, CONFIG_FILE):  # new files (mkstemp): no predictable name to plant a link at
+        fd, tmp[name] = tempfile.mkstemp(dir=path, prefix=f".{name}.")
+        os.close(fd)
+        tmp[name] = Path(tmp[name])
     try:
         save_file(state, tmp[WEIGHTS_FILE], metadata={"format": "pt"})
         follow_umask(tmp[WEIGHTS_FILE])
         tmp[CONFIG_FILE].write_text(json.dumps(config, indent=2) + "\n")
+        follow_umask(tmp[CONFIG_FILE])  # mkstemp made it 0600
         for name, written in tmp.items():
             os.replace(written, path / name)
     finally:
