@@ -47,11 +47,13 @@ _BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 ENGINES = ("vllm",)
 TAU_TOLERANCE = 0.02  # relative difference of the pooled taus called out as a disagreement
 # Why the engine check is greedy only (docs/evaluation.md, "Sampled checks"): refused rather than a
-# verdict that cannot be trusted.
-SAMPLED_UNVERIFIED = ("sampled engine checks are not verified: vLLM 0.32.0's CPU build gave false verdicts at a "
-                      "temperature (0 of 45 drafts accepted where flashdraft's rejection sampler accepted 14 of 33 of "
-                      "the same greedy-verified export; an out-of-bounds index with top-p / top-k), so the check is "
-                      "greedy only (docs/evaluation.md)")
+# verdict that cannot be trusted. Found by tests/test_engine.py's canary of the pinned build.
+SAMPLED_UNVERIFIED = (
+    f"sampled engine checks are not verified: vLLM {VLLM_VERSION}'s CPU build spreads each request's temperature, "
+    "top-p and top-k over its draft positions with a kernel that fills only int64 tensors (_expand_kernel_impl in "
+    "vllm/utils/cpu_triton_utils.py), so its verifier divides the target's logits by uninitialised memory and reads "
+    "a garbage top-k (its out-of-bounds crash); greedy requests never take that path. vLLM also drafts greedily by "
+    "default where flashdraft samples its drafts, so the taus would differ even on a sound build")
 _WORKER = Path(__file__).with_name("engine_worker.py")
 
 

