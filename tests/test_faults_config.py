@@ -409,8 +409,14 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_and_deletes_nothing(tiny_
 
 def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_job, tmp_path, caplog):
     # train.max_steps counts steps: with grad_accum 1 -> 2 the steps left train twice the samples.
+    import signal
+
+    from flashdraft.train.runtime import Stopped
+
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, train__save_every=2))).fit()
+    first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    with pytest.raises(Stopped):  # preempted after step 2, as SIGTERM would (its checkpoint saved)
+        first.fit(on_step=lambda t: t.stop.request(signal.SIGTERM) if t.step == 2 else None)
     resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2,
                                                       train__grad_accum=2)))
     resumed.fit()
@@ -418,6 +424,26 @@ def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_jo
     assert re.search(r"train.max_steps=4 counts optimizer steps: each step now takes 2 batches \(world size 1 x "
                      r"grad_accum 2\) where the checkpoint's took 1 \(1 x 1\), so the steps left train 2.00x",
                      caplog.text)
+
+
+@pytest.mark.parametrize(("first", "more", "budget"), [
+    ({"train__max_steps": 4}, {"train__max_steps": 6}, "train.max_steps=6"),
+    ({"train__max_steps": "null", "train__epochs": 1}, {"train__max_steps": "null", "train__epochs": 2},
+     "train.epochs=2"),
+], ids=["max_steps", "epochs"])
+def test_raising_the_budget_of_a_finished_run_is_refused_not_trained_at_learning_rate_0(tiny_job, tmp_path, first,
+                                                                                        more, budget):
+    """A finished run's warmup-cosine schedule is at its end (LR 0): the added steps used to train
+    at LR 0, exit 0 and read as success, the final weights those of the finished run."""
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, **first))).fit()
+    saved = {p: p.read_bytes() for p in sorted((out / "checkpoints").rglob("*")) if p.is_file()}
+    again = Trainer(load_config(overrides=overrides(tiny_job, out, **more)))
+    with pytest.raises(ValueError, match=rf"cannot train \d+ more steps in .*run: its run ended its learning-rate "
+                                         rf"schedule at step \d+ .*with {budget} every added step would train at "
+                                         r"learning rate 0.*another train.output_dir"):
+        again.fit()
+    assert {p: p.read_bytes() for p in sorted((out / "checkpoints").rglob("*")) if p.is_file()} == saved
 
 
 def test_a_checkpoint_whose_manifest_leaves_out_a_part_is_refused_by_name(tiny_job, tmp_path):
