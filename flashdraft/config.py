@@ -387,6 +387,52 @@ def marked_fields(mark: str) -> list[tuple[str, str]]:
     return [(section, f.name) for section, cls in _sections() for f in dataclasses.fields(cls) if f.metadata.get(mark)]
 
 
+# ---- a model's config.json: the sizes anything is built from, bounded -----------------------------
+# A target's config.json (target.model.read_model_config) and a drafter export's (drafter.serving)
+# are checked by this one rule before anything is built from them. Each bound is far beyond any
+# released model (Llama-3.1-405B: 126 layers, hidden 16,384, 128 heads; Qwen3-Next: 512 experts;
+# Gemma 3: 262,144 tokens), and low enough that a mistyped size is one line, not minutes of layers
+# built on the meta device or an allocation of terabytes.
+MODEL_SIZES = {  # field: (smallest, largest); a field a config leaves out is the model class's default
+    "num_hidden_layers": (1, 1024), "num_target_layers": (1, 1024), "hidden_size": (1, 65536),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 4096),
+    "intermediate_size": (1, 1 << 20), "moe_intermediate_size": (1, 1 << 20), "vocab_size": (1, 1 << 22),
+    "max_position_embeddings": (1, 1 << 30), "num_experts": (0, 4096), "num_local_experts": (0, 4096),
+    "n_routed_experts": (0, 4096), "num_experts_per_tok": (0, 4096),
+}
+_DERIVED_WHEN_NULL = ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts",
+                      "n_routed_experts", "num_experts_per_tok")  # null: the model class derives or drops them
+MODEL_NESTING = ("text_config",)  # a multimodal config's language model, checked by the same rule
+
+
+def check_model_sizes(values: Mapping, where: str, prefix: str = "") -> None:
+    """ValueError naming ``where`` (the file) and the field when a size in the model config
+    ``values`` (config.json as a dict) is not a whole number within MODEL_SIZES, when the
+    key-value heads do not divide the attention heads, or when a token is routed to more experts
+    than there are; nested language-model configs (MODEL_NESTING) likewise."""
+    for key, (low, high) in MODEL_SIZES.items():
+        if key not in values or (values[key] is None and key in _DERIVED_WHEN_NULL):
+            continue
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{where}: {prefix}{key}={_shown(value)} is invalid: a {'size' if low else 'count'} is a "
+                             f"whole number from {low} to {high:,} (a larger one is beyond any model flashdraft can "
+                             "build); fix the model's config.json")
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ValueError(f"{where}: {prefix}num_key_value_heads={kv} does not divide {prefix}num_attention_heads="
+                         f"{heads} (each key-value head serves a whole group of query heads); fix the model's "
+                         "config.json")
+    experts = max((values.get(k) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")), default=0)
+    per_token = values.get("num_experts_per_tok") or 0
+    if experts and per_token > experts:
+        raise ValueError(f"{where}: {prefix}num_experts_per_tok={per_token} routes each token to more experts than the "
+                         f"{experts} there are; fix the model's config.json")
+    for nested in MODEL_NESTING:
+        if isinstance(values.get(nested), Mapping):
+            check_model_sizes(values[nested], where, f"{prefix}{nested}.")
+
+
 # ---- each drafter layer's attention pattern, and the rule the config checks it by --------------
 # Pure Python, so the config checks a window at load; drafter.attention builds its masks from
 # LayerMask, and drafter.serving checks an export by the same rule.

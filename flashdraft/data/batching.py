@@ -149,11 +149,13 @@ def check_row_budget(length: int, rows: DrafterRows, what: str) -> None:
     fits no micro-batch), naming the fixes."""
     need = int(rows.per_sequence(length))
     if need > rows.budget:
+        fits = rows.budget // rows.block_size  # anchors whose blocks the budget holds
+        other = (f" or lower objective.num_anchors to {fits}" if fits else
+                 f" (one anchor's block alone is model.block_size={rows.block_size} rows: no num_anchors fits)")
         raise ValueError(
             f"{what} has {length} tokens: min(objective.num_anchors={rows.num_anchors}, {length} - 1) anchors x "
             f"model.block_size={rows.block_size} = {need} drafter rows, more than data.row_budget={rows.budget}: "
-            f"raise data.row_budget to at least {need} or lower objective.num_anchors to "
-            f"{max(1, rows.budget // rows.block_size)}"
+            f"raise data.row_budget to at least {need}{other}"
         )
 
 

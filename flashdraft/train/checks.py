@@ -97,7 +97,8 @@ def check_drafter_sizes(cfg: Config, device=None) -> None:
 
     from flashdraft.target.model import _model_dir
 
-    target = AutoConfig.from_pretrained(_model_dir(cfg.model.target), trust_remote_code=cfg.model.trust_remote_code)
+    target = AutoConfig.from_pretrained(_model_dir(cfg.model.target, cfg.model.trust_remote_code),
+                                        trust_remote_code=cfg.model.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target
     hidden, vocab = int(target.hidden_size), int(target.vocab_size)
     if hidden % cfg.model.conv_group_size:
