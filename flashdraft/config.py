@@ -337,9 +337,11 @@ class PipelineConfig:
         _check(not self.feature_cache_dir or self.feature_cache_disk_bytes > 0, "pipeline.feature_cache_dir",
                self.feature_cache_dir,
                "it is only used by the disk tier: set pipeline.feature_cache_disk_bytes too, or drop it")
-        _check(self.placement == "colocated" or not (self.feature_cache_bytes or self.feature_cache_disk_bytes),
-               "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
-               "the feature cache runs in the colocated target stage only; set it to 0 with placement=disaggregated")
+        cache = ("pipeline.feature_cache_bytes", self.feature_cache_bytes) if self.feature_cache_bytes else \
+            ("pipeline.feature_cache_disk_bytes", self.feature_cache_disk_bytes)  # the tier that is set
+        _check(self.placement == "colocated" or not cache[1], cache[0], f"{cache[1]}",
+               "the feature cache (both tiers) runs in the colocated target stage only; set it to 0 with "
+               "placement=disaggregated")
         _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}",
                "use a positive number of seconds")
 
@@ -365,9 +367,9 @@ class Config:
                    "a disaggregated job's evals run on a drafter rank, which cannot hold a target that needs "
                    "model.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` on the "
                    "export, or train colocated")
-            _check(not (self.pipeline.feature_cache_bytes or self.pipeline.feature_cache_disk_bytes),
-                   "pipeline.feature_cache_bytes", f"{self.pipeline.feature_cache_bytes}",
-                   "the feature cache is not used with a tensor-parallel target: set it (and the disk tier) to 0")
+            ram, disk = self.pipeline.feature_cache_bytes, self.pipeline.feature_cache_disk_bytes
+            _check(not (ram or disk), "pipeline.feature_cache_bytes" if ram else "pipeline.feature_cache_disk_bytes",
+                   f"{ram or disk}", "the feature cache is not used with a tensor-parallel target: set both tiers to 0")
         _check(self.model.block_size <= self.data.max_length, "model.block_size", f"{self.model.block_size}",
                f"a block cannot be longer than a sample (data.max_length={self.data.max_length}): lower "
                "model.block_size or raise data.max_length")

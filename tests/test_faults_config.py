@@ -118,6 +118,33 @@ def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tm
     assert changed.step == 0
 
 
+def test_a_resume_the_data_cursor_refuses_names_the_checkpoint_and_the_field(tiny_job, tmp_path):  # noqa: F811
+    """The batch plan's own inputs (not RESUME keys: objective.num_anchors, data.row_budget) are
+    refused by the data cursor, which named neither the section nor the checkpoint."""
+    out = tmp_path / "run"
+    first = Trainer(load_config(overrides=overrides(tiny_job, out)))
+    first.checkpoints.save(first.step)
+    changed = Trainer(load_config(overrides=overrides(tiny_job, out, objective__num_anchors=4)))
+    with pytest.raises(ValueError, match=rf"cannot resume from {re.escape(str(out / 'checkpoints'))} \(step 0\): the "
+                                         r"data cursor was saved with objective.num_anchors 8 but this run has 4.*"
+                                         r"restore objective.num_anchors=8, or start a fresh run"):
+        changed.fit()
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    (["pipeline.placement=disaggregated", "pipeline.feature_cache_disk_bytes=1e9"],
+     r"pipeline.feature_cache_disk_bytes=1000000000 is invalid: the feature cache \(both tiers\) runs in"),
+    (["pipeline.placement=disaggregated", "pipeline.feature_cache_bytes=1e9"],
+     r"pipeline.feature_cache_bytes=1000000000 is invalid: the feature cache \(both tiers\)"),
+    (["model.tensor_parallel=2", "pipeline.feature_cache_disk_bytes=1e9"],
+     r"pipeline.feature_cache_disk_bytes=1000000000 is invalid: the feature cache is not used with a tensor-parallel"),
+], ids=["disk_disaggregated", "ram_disaggregated", "disk_tensor_parallel"])
+def test_a_feature_cache_refusal_names_the_tier_that_is_set(given, named):
+    """The disk tier under disaggregated placement was refused as pipeline.feature_cache_bytes=0."""
+    with pytest.raises(ValueError, match=named):
+        load_config(overrides=given)
+
+
 def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):  # noqa: F811
     """A checkpoint whose saved config predates model.drafter_layer_types & co. had their
     defaults then (full, bidirectional layers): it resumes under the defaults, and only them."""
