@@ -51,6 +51,7 @@ import contextlib
 import datetime
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,7 +68,10 @@ class CollectiveError(RuntimeError):
 
 
 class StartupError(CollectiveError):
-    """A rank did not reach a start-up barrier within ``startup_timeout_s`` (or died before it)."""
+    """A rank did not join the job or reach a start-up barrier within its timeout, or died before
+    it; the message says which, and where to look."""
+
+    names_the_fix = True  # the command line reports it as one line (cli.entry)
 
 
 @dataclass(frozen=True)
@@ -270,8 +274,17 @@ def _join(device: torch.device, rank: int, world_size: int, timeout_s: float, st
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
-    tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    begin = time.monotonic()
+    try:
+        tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    except RuntimeError as exc:  # the store's own error (DistStoreError, DistNetworkError): said with the fix
+        raise StartupError(
+            f"rank {rank} of {world_size} could not join the job at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']} within {time.monotonic() - begin:.0f} s ({str(exc).splitlines()[0]}): "
+            f"every rank must start and join within train.collective_timeout_s={timeout_s:g} s. One did not: it died "
+            "before joining (check its log for the first error) or was launched with another MASTER_ADDR, "
+            "MASTER_PORT or WORLD_SIZE") from exc
     _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
     _STARTUP_TIMEOUT_S = float(startup_timeout_s)
     _HOST = _STARTUP
@@ -394,10 +407,17 @@ def startup_barrier(what: str) -> None:
     if _STARTUP is None:
         return
     timeout = datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
+    begin = time.monotonic()
     try:
         # monitored: rank 0 collects every rank's arrival and names the missing ones
         tdist.monitored_barrier(group=_STARTUP, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as exc:
+        waited = time.monotonic() - begin
+        if waited < 0.9 * _STARTUP_TIMEOUT_S:  # failed long before the timeout: a peer's connection closed
+            raise StartupError(
+                f"start-up barrier after {what}: rank {tdist.get_rank()} of {tdist.get_world_size()} lost a peer "
+                f"after {waited:.1f} s, long before train.startup_timeout_s={_STARTUP_TIMEOUT_S:g} s ({exc}): a rank "
+                "died during start-up; its log has the first error") from exc
         raise StartupError(
             f"start-up barrier after {what}: rank {tdist.get_rank()} of {tdist.get_world_size()} waited "
             f"train.startup_timeout_s={_STARTUP_TIMEOUT_S:g} s and the others did not all arrive ({exc}). A rank "

@@ -114,3 +114,21 @@ def test_the_multi_gpu_check_fails_on_a_context_on_another_gpu(tmp_path, capsys)
     assert not check_contexts(tmp_path)
     assert "ddp rank 1 (pid 1, LOCAL_RANK 1): contexts on GPUs [0, 1]" in capsys.readouterr().out
     assert not check_contexts(tmp_path / "empty")  # no process recorded: never a PASS
+
+
+def test_a_job_whose_peer_never_joins_is_one_line_naming_the_address_and_the_fix(fresh_dist, monkeypatch):
+    """Rank 0 of 2 alone (its peer died before the rendezvous): the store's raw DistStoreError
+    ("Timed out after 2 seconds waiting for clients. 1/2 clients joined.") now says what it means."""
+    from conftest import free_port
+
+    port = free_port()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(fresh_dist.StartupError, match=rf"rank 0 of 2 could not join the job at 127.0.0.1:{port} "
+                                                      r"within \d+ s \(.*\): every rank must start and join within "
+                                                      r"train.collective_timeout_s=2 s. One did not: it died before "
+                                                      r"joining"):
+        fresh_dist.init_distributed("cpu", timeout_s=2)
+    assert fresh_dist.StartupError.names_the_fix  # the command line prints it as one line

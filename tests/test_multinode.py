@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,19 @@ def test_a_rank_later_than_the_startup_timeout_fails_the_job_with_a_named_error(
         assert r["error"] is not None and r["error"].startswith("StartupError: start-up barrier after loading"), r
         assert "train.startup_timeout_s=2 s" in r["error"]
     assert "1" in ranks[0]["error"].split("(", 1)[1]  # rank 0 names the missing rank
+
+
+def test_a_rank_killed_during_start_up_is_named_as_dead_not_as_slow(tiny_job, tmp_path, forkserver):
+    """Rank 1 dies while loading its target: rank 0's barrier fails within a second or so, and its
+    error says a rank died (it used to blame train.startup_timeout_s, after 0.7 s of a 3600 s one)."""
+    args = overrides(tiny_job, tmp_path / "run", train__startup_timeout_s=600)
+    workers = run_ranks(forkserver, "train_slow_loader", json.dumps(args), "0", "die", timeout=240)
+    (survivor,) = results(workers[:1])
+    assert survivor["error"].startswith("StartupError: start-up barrier after loading"), survivor
+    assert re.search(r"rank 0 of 2 lost a peer after \d+\.\d s, long before train.startup_timeout_s=600 s .*a rank "
+                     r"died during start-up; its log has the first error", survivor["error"]), survivor
+    assert "raise train.startup_timeout_s" not in survivor["error"]
+    assert "RESULT" not in read_log(workers[1][1])  # rank 1 died without a result
 
 
 @pytest.mark.parametrize("flock", ["enosys", "per_node"])
