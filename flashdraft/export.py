@@ -252,6 +252,7 @@ def run(args) -> int:
         if not args.prompts:
             raise ValueError("--verify-engine: give --prompts FILE (JSONL of input_ids); the run has no "
                              "data.eval_prompts to use")
+        prompts = _engine_prompts(checkpoint, args.prompts, args.max_new_tokens)
         reason = why_unavailable()
         if reason:
             raise ValueError(f"--verify-engine {args.verify_engine}: cannot run here: {reason}")
@@ -275,8 +276,30 @@ def run(args) -> int:
     for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
     if args.verify_engine:
-        return _verify_engine(target, done["path"], args.prompts, args.max_new_tokens)
+        return _verify_engine(target, done["path"], prompts, args.max_new_tokens)
     return 0
+
+
+def _engine_prompts(checkpoint: Path, path: str, max_new_tokens: int) -> list[list[int]]:
+    """--verify-engine's prompts, read and checked as `flashdraft eval` checks them (token ids in
+    the run's target's vocabulary; a prompt, its new tokens and a block within its positions),
+    before the export is written rather than as a traceback after it."""
+    from transformers import AutoConfig
+
+    from flashdraft.evaluate import check_prompts_fit, read_prompts
+    from flashdraft.target.model import _model_dir
+
+    prompts = read_prompts(path)
+    try:
+        run_config = json.loads((checkpoint / "config.json").read_text())
+        export = json.loads((checkpoint / "export" / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint ({exc})") from None
+    target = _model_dir(_target_dir(run_config, checkpoint))
+    block_size = int((export.get("dflash_config") or {}).get("block_size") or export.get("block_size") or 0)
+    check_prompts_fit(prompts, AutoConfig.from_pretrained(target), path, max_new_tokens=max_new_tokens,
+                      block_size=block_size)
+    return prompts
 
 
 def _run_eval_prompts(checkpoint: Path) -> str | None:
@@ -290,14 +313,13 @@ def _run_eval_prompts(checkpoint: Path) -> str | None:
     return _run_path(prompts, config, checkpoint) if prompts else None
 
 
-def _verify_engine(target, path, prompts_path, max_new_tokens: int) -> int:
+def _verify_engine(target, path, prompts: list[list[int]], max_new_tokens: int) -> int:
     """The engine check of the export just written (flashdraft.engine.engine_check), greedy."""
     from transformers import AutoConfig
 
     from flashdraft.engine import EngineUnavailable, engine_check, format_check
-    from flashdraft.evaluate import eos_ids_of, read_prompts
+    from flashdraft.evaluate import eos_ids_of
 
-    prompts = read_prompts(prompts_path)
     try:
         report = engine_check(target, path, prompts, max_new_tokens=max_new_tokens,
                               eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)))

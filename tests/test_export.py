@@ -251,3 +251,20 @@ def test_export_out_a_symbolic_link_is_refused_and_left_alone(run_dir, tmp_path)
         main(["export", str(run_dir), "--out", str(tmp_path / "link")])
     assert (tmp_path / "link").is_symlink() and {p.name: p.read_bytes() for p in real.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+@pytest.mark.parametrize(("prompt", "refusal"), [
+    ([1, 2, 400], r"prompt 2 has token id 400 outside the target's vocabulary \[0, 300\)"),
+    ([3] * 500, r"prompt 2 has 500 tokens; with 64 new tokens and a block of 4 it needs 568 positions, more than "
+                r"the target's max_position_embeddings=512"),
+], ids=["out_of_vocabulary", "beyond_positions"])
+def test_export_verify_engine_checks_its_prompts_before_exporting(run_dir, tmp_path, prompt, refusal):
+    """An id outside the target's vocabulary, or a prompt its positions cannot hold, was a
+    traceback mid-decode after the export was written; refused up front, as eval refuses them."""
+    from flashdraft.evaluate import write_prompts
+
+    write_prompts(tmp_path / "prompts.jsonl", [[1, 2, 3], prompt])
+    with pytest.raises(ValueError, match=refusal):
+        main(["export", str(run_dir), "--out", str(tmp_path / "out"), "--verify-engine", "vllm", "--prompts",
+              str(tmp_path / "prompts.jsonl")])
+    assert not (tmp_path / "out").exists()
