@@ -52,6 +52,9 @@ PLACEMENTS = ("colocated", "disaggregated")
 # (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
 # greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
 MIN_TEMPERATURE = 1e-4
+# The longest timeout any *_timeout_s field takes (about 31 years): beyond it the clocks and the
+# timedelta it is given to overflow (1e308 was a traceback at start-up).
+MAX_TIMEOUT_S = 1e9
 
 # ---- marks on fields: the lists of fields other parts need are derived from them (marked_fields) --
 RESUME = "resume"  # a resume must find the field unchanged: it changes what is trained or in which order
@@ -305,10 +308,11 @@ class TrainConfig:
         _check(self.device in DEVICES, "train.device", self.device, f"use one of {', '.join(DEVICES)}")
         bad = [m for m in self.metrics if m not in METRIC_SINKS]
         _check(not bad, "train.metrics", f"{list(self.metrics)}", f"use any of {', '.join(METRIC_SINKS)}")
-        _check(self.collective_timeout_s > 0, "train.collective_timeout_s", f"{self.collective_timeout_s}",
-               "use a positive number of seconds")
-        _check(self.startup_timeout_s > 0, "train.startup_timeout_s", f"{self.startup_timeout_s}",
-               "use a positive number of seconds (e.g. 3600: loading a large target from shared storage)")
+        _check(0 < self.collective_timeout_s <= MAX_TIMEOUT_S, "train.collective_timeout_s",
+               f"{self.collective_timeout_s}", f"use a positive number of seconds up to {MAX_TIMEOUT_S:g}")
+        _check(0 < self.startup_timeout_s <= MAX_TIMEOUT_S, "train.startup_timeout_s", f"{self.startup_timeout_s}",
+               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: loading a large target from "
+               "shared storage)")
 
 
 @dataclass(frozen=True)
@@ -342,8 +346,8 @@ class PipelineConfig:
         _check(self.placement == "colocated" or not cache[1], cache[0], f"{cache[1]}",
                "the feature cache (both tiers) runs in the colocated target stage only; set it to 0 with "
                "placement=disaggregated")
-        _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}",
-               "use a positive number of seconds")
+        _check(0 < self.join_timeout_s <= MAX_TIMEOUT_S, "pipeline.join_timeout_s", f"{self.join_timeout_s}",
+               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g}")
 
 
 @dataclass(frozen=True)
@@ -593,9 +597,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
+            if not (isinstance(value, float) and value.is_integer()):
+                raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
+            value = int(value)
+        if not -2**63 <= value < 2**63:  # every count ends up in an int64 tensor, a C long or a seed
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer below 2**63 (a larger one "
+                             "overflows the tensors and generators it reaches)")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string

@@ -402,6 +402,19 @@ def test_non_finite_or_out_of_range_floats_are_refused_at_load_naming_the_field(
         load_config(overrides=[override])
 
 
+@pytest.mark.parametrize("override", [
+    "objective.num_anchors=1" + "0" * 30, "train.seed=18446744073709551616", "data.max_batch_size=1e30",
+    "train.collective_timeout_s=1e308", "train.startup_timeout_s=1e12", "pipeline.join_timeout_s=1e308"])
+def test_integers_and_timeouts_beyond_what_their_consumers_hold_are_refused_at_load(override):
+    """A 31-digit num_anchors (OverflowError in the batch plan), a seed of 2**64 ("Overflow when
+    unpacking long long"), a timeout of 1e308 (timedelta / time_t overflow at start-up) passed
+    validation and then raised."""
+    field = override.split("=")[0]
+    with pytest.raises(ValueError, match=rf"config {re.escape(field)}=.* is invalid: (give an integer below "
+                                         r"2\*\*63|use a positive number of seconds up to 1e\+09)"):
+        load_config(overrides=[override])
+
+
 def test_exports_and_checkpoints_follow_the_umask(tiny_job, tmp_path):
     """safetensors creates its files 0600: a serving process of another user could not read the export."""
     out = tmp_path / "run"
