@@ -196,7 +196,7 @@ def test_load_state_dict_rejects_other_plan():
     s = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=0)
     state = s.state_dict()
     t = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=1)
-    with pytest.raises(ValueError, match="seed=0.*restore seed=0"):
+    with pytest.raises(ValueError, match=r"train.seed 0 but this run has 1.*restore train.seed=0"):
         t.load_state_dict(state)
 
 

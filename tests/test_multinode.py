@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,10 +49,13 @@ def test_rank_0_verifying_the_checkpoint_longer_than_the_collective_timeout_stil
     """A resume's slow part, rank 0 hashing every checkpoint file (8 s here, past the 4 s
     collective timeout), comes before the start-up barrier: the other rank waits there, not in
     the collective that shares rank 0's choice (which failed after 4 s before)."""
-    first = overrides(tiny_job, tmp_path / "run", train__max_steps=2)
+    first = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__save_every=2)
     assert [r["error"] for r in results(run_ranks(forkserver, "train_slow_loader", json.dumps(first), "0",
                                                   timeout=240))] == [None, None]
-    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__collective_timeout_s=4)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")  # as if preempted after step 2
+    (tmp_path / "run" / "checkpoints" / "latest").unlink(missing_ok=True)
+    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__save_every=2,
+                        train__collective_timeout_s=4)
     ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(resumed), "8", "verify",
                               timeout=240))
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 4), (None, 4)]
