@@ -103,8 +103,8 @@ def read_model_config(path: Path, trust_remote_code: bool = False) -> dict:
     check_model_sizes(values, str(file))
     if values.get("auto_map") and not trust_remote_code:
         raise ValueError(f"{file}: this target's architecture is Python code in its own directory (auto_map "
-                         f"{_abridged(values['auto_map'])}), which runs only with model.trust_remote_code=true "
-                         "(--trust-remote-code): read that code first, or use a model transformers implements")
+                         f"{_abridged(values['auto_map'])}), which runs only with model.trust_remote_code=true: "
+                         "read that code first, or use a model transformers implements")
     return values
 
 
