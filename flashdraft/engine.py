@@ -174,7 +174,7 @@ def _runnable(python: Path) -> Path:
     environment and the fix (a ready marker promises an interpreter)."""
     if not (python.is_file() and os.access(python, os.X_OK)):
         root = python.parent.parent
-        state = "not executable" if python.is_file() else "missing"
+        state = "not executable" if python.is_file() else "not a file" if python.exists() else "missing"
         raise EngineUnavailable(f"the engine environment in {root} is broken: its interpreter {python} is {state}; "
                                 f"delete {root} (flashdraft rebuilds it on the next --engine run)")
     return python
@@ -293,18 +293,19 @@ def _signals_end(proc: subprocess.Popen, what: str):
 
 
 def _end(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """End the worker's whole session (it leads it: start_new_session): SIGTERM, then SIGKILL
-    after ``grace_s``; reaped before returning."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # its children, if it left any behind
+    """End the worker's whole session (it leads it: start_new_session): SIGTERM, then SIGKILL to
+    whatever is left after ``grace_s``. The leader is reaped last: until then its id, which is the
+    group's, cannot have been given to another process."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(ChildProcessError):  # exited, not reaped (WNOWAIT): a zombie holds the id
+        while time.monotonic() < deadline and os.waitid(os.P_PID, proc.pid,
+                                                        os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader if it lingers, and its children
         os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
