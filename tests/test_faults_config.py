@@ -145,6 +145,20 @@ def test_a_feature_cache_refusal_names_the_tier_that_is_set(given, named):
         load_config(overrides=given)
 
 
+def test_train_output_dir_is_never_another_runs_export_or_logs(tiny_job, tmp_path):  # noqa: F811
+    """A run directory inside another run's export (RUN/drafter) would put checkpoints among the
+    files served from there; its own directory, resumed, is fine."""
+    from flashdraft.train.checks import check_paths
+
+    run = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, run, train__max_steps=1))).fit()
+    check_paths(load_config(overrides=overrides(tiny_job, run)))  # the run itself: a resume
+    for inside in ("drafter", "drafter/sub", "metrics.jsonl"):
+        with pytest.raises(ValueError, match=rf"train.output_dir .*{inside} is or lies inside .*, an output of the "
+                                             r"training run in .*run"):
+            check_paths(load_config(overrides=overrides(tiny_job, run / inside)))
+
+
 def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):  # noqa: F811
     """A checkpoint whose saved config predates model.drafter_layer_types & co. had their
     defaults then (full, bidirectional layers): it resumes under the defaults, and only them."""

@@ -70,14 +70,19 @@ def check_paths(cfg: Config) -> None:
 def _check_output_dir(cfg: Config) -> None:
     """train.output_dir receives checkpoints, metrics and a lock file: never the target's directory
     or a path inside it, one of the run's data files or inside a data directory (a checkpoint
-    written there would change what the next run reads), nor inside any run's checkpoints."""
-    from flashdraft.outputs import checkpoints_around
+    written there would change what the next run reads), nor inside any run's checkpoints or
+    another run's own outputs (its export, its logs: flashdraft.outputs.RUN_OUTPUTS)."""
+    from flashdraft.outputs import checkpoints_around, run_output_around
 
     out = Path(cfg.train.output_dir).resolve()
     protected = checkpoints_around(out)
     if protected is not None:
         raise ValueError(f"train.output_dir {cfg.train.output_dir} lies inside {protected}, a training run's "
                          "checkpoints; give a directory outside it")
+    own = run_output_around(out)
+    if own is not None:
+        raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {own}, an output of the training "
+                         f"run in {own.parent} (its {own.name}); give a directory outside it")
     for field, given in (("model.target", cfg.model.target), ("data.path", cfg.data.path),
                          ("data.eval_path", cfg.data.eval_path), ("data.eval_prompts", cfg.data.eval_prompts)):
         if given and out.is_relative_to(Path(given).resolve()):
