@@ -229,9 +229,10 @@ def _umask() -> int:
 
 
 def follow_umask(path: str | os.PathLike) -> None:
-    """Give a file written by safetensors (whose writer creates it 0600) the mode the umask gives
-    any other file (0644 by default): a serving process of another user must be able to read it."""
-    os.chmod(path, 0o666 & ~_umask())
+    """Give a file written by safetensors or tempfile (whose writers create it 0600; a directory
+    from tempfile.mkdtemp, 0700) the mode the umask gives any other (0644 by default, 0755 for a
+    directory): a serving process of another user must be able to read it."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~_umask())
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

@@ -52,6 +52,9 @@ PLACEMENTS = ("colocated", "disaggregated")
 # (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
 # greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
 MIN_TEMPERATURE = 1e-4
+# The longest timeout any *_timeout_s field takes (about 31 years): beyond it the clocks and the
+# timedelta it is given to overflow (1e308 was a traceback at start-up).
+MAX_TIMEOUT_S = 1e9
 
 # ---- marks on fields: the lists of fields other parts need are derived from them (marked_fields) --
 RESUME = "resume"  # a resume must find the field unchanged: it changes what is trained or in which order
@@ -326,12 +329,14 @@ class TrainConfig:
         _check(self.device in DEVICES, "train.device", self.device, f"use one of {', '.join(DEVICES)}")
         bad = [m for m in self.metrics if m not in METRIC_SINKS]
         _check(not bad, "train.metrics", f"{list(self.metrics)}", f"use any of {', '.join(METRIC_SINKS)}")
-        _check(self.collective_timeout_s > 0, "train.collective_timeout_s", f"{self.collective_timeout_s}",
-               "use a positive number of seconds")
-        _check(self.startup_timeout_s > 0, "train.startup_timeout_s", f"{self.startup_timeout_s}",
-               "use a positive number of seconds (e.g. 3600: loading a large target from shared storage)")
-        _check(self.pause_timeout_s > 0, "train.pause_timeout_s", f"{self.pause_timeout_s}",
-               "use a positive number of seconds (e.g. 3600: writing and hashing a checkpoint of tens of GB)")
+        _check(0 < self.collective_timeout_s <= MAX_TIMEOUT_S, "train.collective_timeout_s",
+               f"{self.collective_timeout_s}", f"use a positive number of seconds up to {MAX_TIMEOUT_S:g}")
+        _check(0 < self.startup_timeout_s <= MAX_TIMEOUT_S, "train.startup_timeout_s", f"{self.startup_timeout_s}",
+               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: loading a large target from "
+               "shared storage)")
+        _check(0 < self.pause_timeout_s <= MAX_TIMEOUT_S, "train.pause_timeout_s", f"{self.pause_timeout_s}",
+               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: writing and hashing a "
+               "checkpoint of tens of GB)")
 
 
 @dataclass(frozen=True)
@@ -360,11 +365,13 @@ class PipelineConfig:
         _check(not self.feature_cache_dir or self.feature_cache_disk_bytes > 0, "pipeline.feature_cache_dir",
                self.feature_cache_dir,
                "it is only used by the disk tier: set pipeline.feature_cache_disk_bytes too, or drop it")
-        _check(self.placement == "colocated" or not (self.feature_cache_bytes or self.feature_cache_disk_bytes),
-               "pipeline.feature_cache_bytes", f"{self.feature_cache_bytes}",
-               "the feature cache runs in the colocated target stage only; set it to 0 with placement=disaggregated")
-        _check(self.join_timeout_s > 0, "pipeline.join_timeout_s", f"{self.join_timeout_s}",
-               "use a positive number of seconds")
+        cache = ("pipeline.feature_cache_bytes", self.feature_cache_bytes) if self.feature_cache_bytes else \
+            ("pipeline.feature_cache_disk_bytes", self.feature_cache_disk_bytes)  # the tier that is set
+        _check(self.placement == "colocated" or not cache[1], cache[0], f"{cache[1]}",
+               "the feature cache (both tiers) runs in the colocated target stage only; set it to 0 with "
+               "placement=disaggregated")
+        _check(0 < self.join_timeout_s <= MAX_TIMEOUT_S, "pipeline.join_timeout_s", f"{self.join_timeout_s}",
+               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g}")
 
 
 @dataclass(frozen=True)
@@ -388,9 +395,9 @@ class Config:
                    "a disaggregated job's evals run on a drafter rank, which cannot hold a target that needs "
                    "model.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` on the "
                    "export, or train colocated")
-            _check(not (self.pipeline.feature_cache_bytes or self.pipeline.feature_cache_disk_bytes),
-                   "pipeline.feature_cache_bytes", f"{self.pipeline.feature_cache_bytes}",
-                   "the feature cache is not used with a tensor-parallel target: set it (and the disk tier) to 0")
+            ram, disk = self.pipeline.feature_cache_bytes, self.pipeline.feature_cache_disk_bytes
+            _check(not (ram or disk), "pipeline.feature_cache_bytes" if ram else "pipeline.feature_cache_disk_bytes",
+                   f"{ram or disk}", "the feature cache is not used with a tensor-parallel target: set both tiers to 0")
         _check(self.model.block_size <= self.data.max_length, "model.block_size", f"{self.model.block_size}",
                f"a block cannot be longer than a sample (data.max_length={self.data.max_length}): lower "
                "model.block_size or raise data.max_length")
@@ -408,6 +415,52 @@ def marked_fields(mark: str) -> list[tuple[str, str]]:
     """(section, field) of every field marked ``mark`` (RESUME, DFLASH2), in declaration order:
     the lists other parts need are derived from the marks, so a new field is listed where it is declared."""
     return [(section, f.name) for section, cls in _sections() for f in dataclasses.fields(cls) if f.metadata.get(mark)]
+
+
+# ---- a model's config.json: the sizes anything is built from, bounded -----------------------------
+# A target's config.json (target.model.read_model_config) and a drafter export's (drafter.serving)
+# are checked by this one rule before anything is built from them. Each bound is far beyond any
+# released model (Llama-3.1-405B: 126 layers, hidden 16,384, 128 heads; Qwen3-Next: 512 experts;
+# Gemma 3: 262,144 tokens), and low enough that a mistyped size is one line, not minutes of layers
+# built on the meta device or an allocation of terabytes.
+MODEL_SIZES = {  # field: (smallest, largest); a field a config leaves out is the model class's default
+    "num_hidden_layers": (1, 1024), "num_target_layers": (1, 1024), "hidden_size": (1, 65536),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 4096),
+    "intermediate_size": (1, 1 << 20), "moe_intermediate_size": (1, 1 << 20), "vocab_size": (1, 1 << 22),
+    "max_position_embeddings": (1, 1 << 30), "num_experts": (0, 4096), "num_local_experts": (0, 4096),
+    "n_routed_experts": (0, 4096), "num_experts_per_tok": (0, 4096),
+}
+_DERIVED_WHEN_NULL = ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts",
+                      "n_routed_experts", "num_experts_per_tok")  # null: the model class derives or drops them
+MODEL_NESTING = ("text_config",)  # a multimodal config's language model, checked by the same rule
+
+
+def check_model_sizes(values: Mapping, where: str, prefix: str = "") -> None:
+    """ValueError naming ``where`` (the file) and the field when a size in the model config
+    ``values`` (config.json as a dict) is not a whole number within MODEL_SIZES, when the
+    key-value heads do not divide the attention heads, or when a token is routed to more experts
+    than there are; nested language-model configs (MODEL_NESTING) likewise."""
+    for key, (low, high) in MODEL_SIZES.items():
+        if key not in values or (values[key] is None and key in _DERIVED_WHEN_NULL):
+            continue
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{where}: {prefix}{key}={_shown(value)} is invalid: a {'size' if low else 'count'} is a "
+                             f"whole number from {low} to {high:,} (a larger one is beyond any model flashdraft can "
+                             "build); fix the model's config.json")
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ValueError(f"{where}: {prefix}num_key_value_heads={kv} does not divide {prefix}num_attention_heads="
+                         f"{heads} (each key-value head serves a whole group of query heads); fix the model's "
+                         "config.json")
+    experts = max((values.get(k) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")), default=0)
+    per_token = values.get("num_experts_per_tok") or 0
+    if experts and per_token > experts:
+        raise ValueError(f"{where}: {prefix}num_experts_per_tok={per_token} routes each token to more experts than the "
+                         f"{experts} there are; fix the model's config.json")
+    for nested in MODEL_NESTING:
+        if isinstance(values.get(nested), Mapping):
+            check_model_sizes(values[nested], where, f"{prefix}{nested}.")
 
 
 # ---- each drafter layer's attention pattern, and the rule the config checks it by --------------
@@ -568,9 +621,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
+            if not (isinstance(value, float) and value.is_integer()):
+                raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
+            value = int(value)
+        if not -2**63 <= value < 2**63:  # every count ends up in an int64 tensor, a C long or a seed
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer below 2**63 (a larger one "
+                             "overflows the tensors and generators it reaches)")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string

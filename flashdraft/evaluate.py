@@ -14,7 +14,7 @@ import torch
 from flashdraft import distributed
 from flashdraft.config import DTYPES
 from flashdraft.drafter import DFlashDrafter, serving
-from flashdraft.outputs import check_output
+from flashdraft.outputs import check_report, write_report
 from flashdraft.speculative import (
     GREEDY,
     Generation,
@@ -69,21 +69,6 @@ def check_prompts_fit(prompts: list[list[int]], target_config, path, *, max_new_
             raise ValueError(f"{path}: prompt {line_no} has {len(ids)} tokens; with {max_new_tokens} new tokens and a "
                              f"block of {block_size} it needs {need} positions, more than the target's "
                              f"max_position_embeddings={max_pos}: shorten it or generate fewer tokens")
-
-
-def _check_writable(path: Path) -> None:
-    """--output can be written (a file this creates to find out is removed: an empty report left
-    behind by a run that failed later would read as one)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as exc:
-        raise ValueError(f"--output {path}: cannot write the report there ({exc.strerror or exc}); choose a "
-                         "writable path") from None
 
 
 def check_drafter_fits(drafter: DFlashDrafter, target: TargetModel, drafter_dir, target_dir) -> None:
@@ -298,8 +283,7 @@ def run(args) -> int:
                              "size it decodes and is reported with; drop --block-size (it sets --baseline's)")
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     if args.output:  # found now, not after the whole evaluation; never one of its own inputs (flashdraft.outputs)
-        check_output(args.output, flag="--output", inputs=[args.prompts], model_dirs=[args.target, args.drafter])
-        _check_writable(Path(args.output))
+        check_report(args.output, flag="--output", inputs=[args.prompts], model_dirs=[args.target, args.drafter])
     if args.engine:  # found before minutes of decoding, not after
         from flashdraft.engine import why_unavailable
 
@@ -308,6 +292,12 @@ def run(args) -> int:
             raise ValueError("--engine: give --drafter DIR, with one process (no --baseline / --tensor-parallel)")
         if reason:
             raise ValueError(f"--engine {args.engine}: cannot run here: {reason}")
+        if not sampling.greedy:
+            from flashdraft.engine import SAMPLED_UNVERIFIED
+
+            raise ValueError(f"--engine {args.engine} with --temperature {args.temperature:g}: the engine check is "
+                             f"greedy only ({SAMPLED_UNVERIFIED}); drop --temperature / --top-p / --top-k for it, "
+                             "or evaluate sampling without --engine")
     if args.tensor_parallel < 1 or (args.expert_parallel and args.tensor_parallel == 1):
         raise ValueError("--tensor-parallel: use 1 or more ranks (and more than 1 with --expert-parallel)")
     main = True
@@ -363,9 +353,7 @@ def _write_report(report: dict, output: str | None) -> None:
     text = json.dumps(_strict(report), indent=2, allow_nan=False)
     print(text)
     if output:
-        try:  # checked writable at the start; a disk filled since (or /dev/full) fails only now
-            Path(output).parent.mkdir(parents=True, exist_ok=True)
-            Path(output).write_text(text + "\n")
-        except OSError as exc:
-            raise ValueError(f"--output {output}: cannot write the report ({exc.strerror or exc}); it is printed "
-                             "above on stdout") from None
+        try:  # checked at the start; a disk filled since (or /dev/full) fails only now
+            write_report(output, text + "\n", flag="--output")
+        except ValueError as exc:
+            raise ValueError(f"{exc}; it is printed above on stdout") from None

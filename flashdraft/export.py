@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, step_dir_name
+from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, follow_umask, step_dir_name
 from flashdraft.engine import ENGINES, warn_last_layer
 from flashdraft.outputs import check_output
 
@@ -86,9 +86,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
     warn_last_layer(config["dflash_config"]["target_layer_ids"], int(config.get("num_target_layers") or 0))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(loaded.parts["drafter"])
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    tmp = None
+    try:  # a new directory of its own (mkdtemp): never a predictable name a link could be planted at
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        follow_umask(tmp)  # mkdtemp makes it 0700: the export, once renamed, is read by serving processes
         drafter.save_pretrained(tmp, dtype=DTYPES[dtype])
         verify_export(tmp, drafter, DTYPES[dtype])
         _replace(tmp, out)
@@ -96,7 +97,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, dty
         raise ValueError(f"--out {out}: cannot write the export there ({exc.strerror or exc}); choose a writable "
                          "directory with room for it") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     target = _target_dir(loaded.config or {}, checkpoint)
     return {"step": loaded.step, "target": target, "block_size": drafter.block_size, "dtype": dtype, "path": out,
             "v2_runner": len({m.window is None for m in drafter.layer_masks}) > 1 or drafter.convolved}
@@ -195,17 +197,16 @@ def _is_export(path: Path) -> bool:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` onto ``out``; an earlier export there is moved aside first, then removed."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old.exists():  # the earlier export goes back where it was
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    """Put the export in ``tmp`` at ``out``: renamed there whole when ``out`` is new; into an
+    existing directory (an earlier export, perhaps a cloned model repository with its .git/,
+    README.md, ...) each of the export's own files is renamed onto its name, and nothing else
+    there is touched (a crash between two renames leaves each file whole: the earlier export's or
+    the new one's)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    for name in sorted(p.name for p in tmp.iterdir()):  # config.json before model.safetensors
+        os.replace(tmp / name, out / name)
 
 
 def serving_commands(target: str, path, block_size: int, v2_runner: bool = False) -> list[str]:
@@ -251,6 +252,7 @@ def run(args) -> int:
         if not args.prompts:
             raise ValueError("--verify-engine: give --prompts FILE (JSONL of input_ids); the run has no "
                              "data.eval_prompts to use")
+        prompts = _engine_prompts(checkpoint, args.prompts, args.max_new_tokens)
         reason = why_unavailable()
         if reason:
             raise ValueError(f"--verify-engine {args.verify_engine}: cannot run here: {reason}")
@@ -274,8 +276,30 @@ def run(args) -> int:
     for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
     if args.verify_engine:
-        return _verify_engine(target, done["path"], args.prompts, args.max_new_tokens)
+        return _verify_engine(target, done["path"], prompts, args.max_new_tokens)
     return 0
+
+
+def _engine_prompts(checkpoint: Path, path: str, max_new_tokens: int) -> list[list[int]]:
+    """--verify-engine's prompts, read and checked as `flashdraft eval` checks them (token ids in
+    the run's target's vocabulary; a prompt, its new tokens and a block within its positions),
+    before the export is written rather than as a traceback after it."""
+    from transformers import AutoConfig
+
+    from flashdraft.evaluate import check_prompts_fit, read_prompts
+    from flashdraft.target.model import _model_dir
+
+    prompts = read_prompts(path)
+    try:
+        run_config = json.loads((checkpoint / "config.json").read_text())
+        export = json.loads((checkpoint / "export" / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint ({exc})") from None
+    target = _model_dir(_target_dir(run_config, checkpoint))
+    block_size = int((export.get("dflash_config") or {}).get("block_size") or export.get("block_size") or 0)
+    check_prompts_fit(prompts, AutoConfig.from_pretrained(target), path, max_new_tokens=max_new_tokens,
+                      block_size=block_size)
+    return prompts
 
 
 def _run_eval_prompts(checkpoint: Path) -> str | None:
@@ -289,14 +313,13 @@ def _run_eval_prompts(checkpoint: Path) -> str | None:
     return _run_path(prompts, config, checkpoint) if prompts else None
 
 
-def _verify_engine(target, path, prompts_path, max_new_tokens: int) -> int:
+def _verify_engine(target, path, prompts: list[list[int]], max_new_tokens: int) -> int:
     """The engine check of the export just written (flashdraft.engine.engine_check), greedy."""
     from transformers import AutoConfig
 
     from flashdraft.engine import EngineUnavailable, engine_check, format_check
-    from flashdraft.evaluate import eos_ids_of, read_prompts
+    from flashdraft.evaluate import eos_ids_of
 
-    prompts = read_prompts(prompts_path)
     try:
         report = engine_check(target, path, prompts, max_new_tokens=max_new_tokens,
                               eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)))

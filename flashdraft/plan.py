@@ -47,7 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashdraft.config import Config
-from flashdraft.data.batching import DrafterRows, anchor_slots, batch_capacity
+from flashdraft.data.batching import DrafterRows, anchor_slots, batch_capacity, check_row_budget
 
 log = logging.getLogger(__name__)
 
@@ -115,26 +115,29 @@ class TargetShape:
     params: int  # every parameter
     head_params: int  # the input embedding and the LM head (one table when tied)
     config: object  # the transformers config (text part)
+    model_config: object  # the whole transformers config (the class it maps to, its tensor-parallel plan)
+    max_positions: int  # max_position_embeddings (0: none given)
 
 
-def target_config_path(target: str) -> Path:
+def target_config_path(target: str, trust_remote_code: bool = False) -> Path:
+    """model.target's config.json, read and checked as train reads it (target.model._model_dir:
+    one line naming the file and field for a config nothing can be built from)."""
     from flashdraft.target.model import _model_dir
 
-    path = _model_dir(target) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{path}: not found; model.target must be a Hugging Face model directory with a "
-                         "config.json (the plan reads only that file)")
-    return path
+    return _model_dir(target, trust_remote_code) / "config.json"
 
 
 @functools.lru_cache(maxsize=8)
 def _target_shape(path: str, trust_remote_code: bool) -> TargetShape:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from flashdraft.target.model import _decoder_layers
+
     config = AutoConfig.from_pretrained(str(Path(path).parent), trust_remote_code=trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    with torch.device("meta"):  # the class's own parameter shapes, no bytes
+    with torch.device("meta"):  # the class's own parameter shapes, no bytes (sizes bounded: read_model_config)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    _decoder_layers(model)  # a model train cannot tap (no decoder layers) is refused here as there
     heads = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
              for p in m.parameters()}
     params = sum(p.numel() for p in model.parameters())
@@ -148,7 +151,8 @@ def _target_shape(path: str, trust_remote_code: bool) -> TargetShape:
         intermediate=0 if experts else int(getattr(text, "intermediate_size", 0) or 0), experts=experts,
         experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
         expert_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0)),
-        params=params, head_params=head_params, config=text)
+        params=params, head_params=head_params, config=text, model_config=config,
+        max_positions=int(getattr(text, "max_position_embeddings", 0) or 0))
 
 
 # ---- the worst micro-batch -----------------------------------------------------------------
@@ -412,16 +416,65 @@ def _fit_step_model(cfg: Config, shape: TargetShape, device: str) -> _StepModel:
     return _StepModel(c0=m1 - u, a=(u - w) / n0, b=(u - v) / s0, g=(v + w - u) / (n0 * s0))
 
 
-def _worst_seq_len(cfg: Config, model: _StepModel, other) -> int:
-    """The padded length S <= longest(cfg) whose micro-batch has the largest modelled peak
-    (``other(B, S)``: the S-dependent bytes besides the step, e.g. the features in flight)."""
-    best, best_s = -math.inf, longest(cfg)
-    for s in range(2, longest(cfg) + 1):
+def _worst_seq_len(cfg: Config, model: _StepModel, other, longest_s: int) -> int:
+    """The padded length S in [2, ``longest_s``] whose micro-batch has the largest modelled peak
+    (``other(B, S)``: the S-dependent bytes besides the step, e.g. the features in flight).
+
+    Searched in steps, not length by length (a length of 10^9 took hours): the batch size B and
+    the anchors per sample are monotone step functions of S, found as runs by bisection. Where
+    both are constant the modelled peak is a convex quadratic in S (the padding mask's B * S^2),
+    so its maximum is at an end of the run; where the anchors grow with S (S - 1 below
+    objective.num_anchors) it is a quadratic too, whose vertex is tried besides the ends."""
+    def peak(s: int) -> float:
         b = batch_size_at(cfg, s)
-        value = model(b, s, anchors_per_pass(cfg, s)) + other(b, s)
-        if value > best:
-            best, best_s = value, s
-    return best_s
+        return model(b, s, anchors_per_pass(cfg, s)) + other(b, s)
+
+    growing_until = _first_at_least(lambda s: anchors_per_pass(cfg, s), anchors_per_pass(cfg, longest_s), 2,
+                                    longest_s) - 1  # the anchors grow up to here, constant after
+    candidates = {2, longest_s}
+    for lo, hi in _runs(lambda s: batch_size_at(cfg, s), 2, longest_s):
+        for a, b in ((lo, min(hi, growing_until)), (max(lo, growing_until + 1), hi)):
+            if a > b:
+                continue
+            candidates |= {a, b}
+            if b <= growing_until and b - a >= 2:  # the quadratic through both ends and the middle
+                m = (a + b) // 2
+                ya, ym, yb = peak(a), peak(m), peak(b)
+                d1, d2 = (ym - ya) / (m - a), (yb - ym) / (b - m)
+                curve = (d2 - d1) / (b - a)
+                if curve < 0:  # concave: its maximum may lie inside, at the vertex
+                    vertex = -(d1 - curve * (a + m)) / (2 * curve)
+                    candidates |= {min(b, max(a, v)) for v in (math.floor(vertex), math.ceil(vertex))}
+    return max(sorted(candidates), key=peak)  # ties: the shortest, as a scan from S = 2 finds
+
+
+def _runs(fn, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The maximal runs [a, b] of lo..hi over which the monotone step function ``fn`` is constant,
+    each end found by bisection."""
+    runs = []
+    while lo <= hi:
+        value, a, b = fn(lo), lo, hi
+        while a < b:  # the last s in lo..hi with fn(s) == value
+            m = (a + b + 1) // 2
+            if fn(m) == value:
+                a = m
+            else:
+                b = m - 1
+        runs.append((lo, a))
+        lo = a + 1
+    return runs
+
+
+def _first_at_least(fn, value, lo: int, hi: int) -> int:
+    """The first s in lo..hi with ``fn(s) >= value`` for a non-decreasing ``fn`` (hi when none
+    is earlier)."""
+    while lo < hi:
+        m = (lo + hi) // 2
+        if fn(m) >= value:
+            hi = m
+        else:
+            lo = m + 1
+    return lo
 
 
 # ---- the target's side: formulas of its config ----------------------------------------------
@@ -544,16 +597,20 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
 
     dev = _planned_device(cfg, device)
     links = drafter_links(cfg, world_size)
-    shape = _target_shape(str(target_config_path(cfg.model.target)), cfg.model.trust_remote_code)
+    path = target_config_path(cfg.model.target, cfg.model.trust_remote_code)
+    shape = _target_shape(str(path), cfg.model.trust_remote_code)
     ids = (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
            else default_target_layer_ids(shape.layers, cfg.model.num_taps))
+    _refuse_as_train_would(cfg, shape, path.parent, ids, dev)
+    top, why = planned_lengths(cfg, shape)
+    if top < 2:
+        raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); fix the target's config.json")
     sizes = _Sizes(cfg, shape, resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize, len(ids), max(ids) + 1,
                    links)
     if seq_len is None:
-        s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap)
-    elif not 2 <= seq_len <= longest(cfg):
-        raise ValueError(f"seq_len={seq_len}: give a padded length in [2, {longest(cfg)}] (data.max_length="
-                         f"{cfg.data.max_length}, data.token_budget={cfg.data.token_budget})")
+        s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap, top)
+    elif not 2 <= seq_len <= top:
+        raise ValueError(f"--seq-len {seq_len}: give a padded length in [2, {top}] ({why})")
     else:
         s = seq_len
     b, n = batch_size_at(cfg, s), anchors_per_pass(cfg, s)
@@ -565,11 +622,41 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     others = [f"{name}: peak {total / GiB:.2f} GiB" for name, total in totals.items() if name != role]
     peak = totals[role]
     fits = device_bytes is None or peak <= device_bytes * (1 - MemoryPlan.MARGIN)
+    capped = [] if top == longest(cfg) else [f"lengths planned up to {top}: {why}"]
     plan = MemoryPlan(peak, roles[role], device_bytes, fits, [], s, b, b * n * cfg.model.block_size, role, dev,
-                      others + _notes(cfg, dev), roles)
+                      others + capped + _notes(cfg, dev), roles)
     if device_bytes is not None:
         plan.advice = _advice(cfg, plan, dict(roles[role]))
     return plan
+
+
+def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, ids: list[int], device: str) -> None:
+    """Train's start-up checks that need only the target's config.json, in train's own words:
+    the taps, a tensor-parallel group that cannot shard the target, DFlash2's sizes, and a row
+    budget too small for any sample (a plan of a run train refuses would mislead)."""
+    from flashdraft.target.model import check_layer_ids, check_tensor_parallel
+    from flashdraft.train.checks import check_drafter_sizes
+
+    check_layer_ids(ids, shape.layers)
+    if cfg.model.tensor_parallel > 1:
+        check_tensor_parallel(target_dir, shape.model_config, cfg.model.tensor_parallel, cfg.model.expert_parallel)
+    check_drafter_sizes(cfg, device)
+    check_row_budget(2, DrafterRows.of(cfg), "every sample (the shortest, 2 tokens, included)")
+
+
+def planned_lengths(cfg: Config, shape: TargetShape) -> tuple[int, str]:
+    """The longest padded length the run can see, and what bounds it: data.max_length or the
+    token budget (``longest``), the target's max_position_embeddings and the row budget, beyond
+    which train refuses samples (checks.check_lengths)."""
+    bounds = [(longest(cfg), f"data.max_length={cfg.data.max_length}, data.token_budget={cfg.data.token_budget}")]
+    if shape.max_positions:
+        bounds.append((shape.max_positions,
+                       f"the target's max_position_embeddings={shape.max_positions}: train refuses longer samples"))
+    rows = DrafterRows.of(cfg)
+    if rows.num_anchors * rows.block_size > rows.budget:  # beyond this length one sample needs more rows
+        bounds.append((rows.budget // rows.block_size + 1,
+                       f"data.row_budget={rows.budget}: longer samples need more drafter rows, and train refuses them"))
+    return min(bounds, key=lambda bound: bound[0])
 
 
 def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[str, list[tuple[str, int]]]:
@@ -710,8 +797,9 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     device_bytes = None
     if args.device_memory is not None:
-        if args.device_memory <= 0:
-            raise ValueError(f"--device-memory {args.device_memory}: give the device's memory in GiB, e.g. 80")
+        if not 0 < args.device_memory <= 2**20:  # nan and inf too: a device's memory is a finite number of GiB
+            raise ValueError(f"--device-memory {args.device_memory}: give the device's memory in GiB, a positive "
+                             "number up to 1048576, e.g. 80")
         device_bytes = int(args.device_memory * GiB)
     elif torch.cuda.is_available() and cfg.train.device != "cpu":
         device_bytes = torch.cuda.get_device_properties(0).total_memory

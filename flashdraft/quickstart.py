@@ -36,6 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashdraft.checkpoint import follow_umask
+from flashdraft.outputs import write_report
+
 CACHE_ROOT = Path.home() / ".cache" / "flashdraft" / "quickstart"
 
 
@@ -192,6 +195,14 @@ def pretrain_target(tokenizer, pairs, budget: Budget, out_dir: Path, seed: int =
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    _follow_umask(out_dir)
+
+
+def _follow_umask(target_dir: Path) -> None:
+    """The target's weights with the mode the umask gives (safetensors writes them 0600), as
+    checkpoints and exports have: a serving process of another user reads them."""
+    for weights in target_dir.glob("*.safetensors"):
+        follow_umask(weights)
 
 
 def tap_layers(num_layers: int) -> list[int]:
@@ -347,6 +358,7 @@ def _tokenizer_and_target(out: Path, budget: Budget, seed: int, use_cache: bool,
     if use_cache and (cached / "config.json").is_file():
         _say(f"[2/7] tokenizer + [3/7] target: cached ({cached})")
         shutil.copytree(cached, target_dir, dirs_exist_ok=True)
+        _follow_umask(target_dir)  # a cache entry written before its weights followed the umask
         watch.lap("tokenizer+target (cached)")
         return target_dir
     _say(f"[2/7] tokenizer: byte-level BPE, vocab {budget.vocab_size}, Qwen3-style chat template")
@@ -562,9 +574,9 @@ def _write_outputs(out: Path, budget: Budget, settings: dict, run: _DrafterRun, 
                      "target_layer_ids": list(run.config.model.target_layer_ids), "device": "cpu",
                      "torch_threads": torch.get_num_threads()},
     }
-    (out / "eval" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out / "eval" / "report.json", json.dumps(report, indent=2) + "\n", flag="--output")
     summary_text = format_summary(report, result.pipeline.format() if result.pipeline else "")
-    (out / "summary.md").write_text(summary_text + "\n")
+    write_report(out / "summary.md", summary_text + "\n", flag="--output")
     _say(summary_text)
     return report
 

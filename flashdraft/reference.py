@@ -16,13 +16,11 @@ so: the reference then decodes a different drafter (e.g. without attention sinks
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
-from flashdraft.engine import EngineUnavailable, engine_python
+from flashdraft.engine import EngineUnavailable, engine_python, run_worker
 
 DFLASH_VERSION = "0.1.0"
 DFLASH_PACKAGE = f"dflash=={DFLASH_VERSION}"
@@ -54,21 +52,9 @@ def run_reference(target, drafter, prompts: list[list[int]], *, max_new_tokens: 
     request = {"target": str(Path(target).resolve()), "drafter": str(Path(drafter).resolve()),
                "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
                "eos_ids": [int(t) for t in eos_ids]}
-    with tempfile.TemporaryDirectory(prefix="flashdraft-reference-") as tmp:
-        req, res, out = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "reference.log"
-        req.write_text(json.dumps(request))
-        with open(out, "w") as worker_log:
-            try:
-                # PYTHONPATH cleared: the worker sees the environment's packages, not a checkout's flashdraft
-                done = subprocess.run([str(python), str(_WORKER), str(req), str(res)], cwd=tmp, timeout=timeout,
-                                      env={**os.environ, "PYTHONPATH": ""}, stdout=worker_log,
-                                      stderr=subprocess.STDOUT)
-            except subprocess.TimeoutExpired:
-                raise EngineUnavailable(f"the reference decoder did not finish in {timeout:.0f} s") from None
-        if done.returncode != 0 or not res.is_file():
-            tail = "\n".join(out.read_text(errors="replace").strip().splitlines()[-10:])
-            raise EngineUnavailable(f"the reference worker exited with status {done.returncode}:\n{tail}")
-        return json.loads(res.read_text())
+    # PYTHONPATH cleared: the worker sees the environment's packages, not a checkout's flashdraft
+    return run_worker(python, _WORKER, request, what="reference", env={**os.environ, "PYTHONPATH": ""},
+                      timeout=timeout)
 
 
 def full_block_steps(steps: list[int], block_size: int, max_new_tokens: int) -> int:

@@ -299,7 +299,8 @@ def train_collectives(overrides_json: str) -> None:
 
 def train_slow_loader(overrides_json: str, sleep_s: str, what: str = "target") -> None:
     """flashdraft training on every rank, with a slow shared filesystem: ``what`` = "target":
-    rank 1 loads its target ``sleep_s`` seconds late; "verify": rank 0's verification of each
+    rank 1 loads its target ``sleep_s`` seconds late ("die": then exits, killed mid start-up,
+    before the start-up barrier); "verify": rank 0's verification of each
     checkpoint (hashing every file) takes ``sleep_s`` longer. Each rank reports its error
     (None: trained) and its step count."""
     import flashdraft.checkpoint as checkpoint_mod
@@ -308,12 +309,14 @@ def train_slow_loader(overrides_json: str, sleep_s: str, what: str = "target") -
     from flashdraft.train.trainer import Trainer
 
     rank = int(os.environ["RANK"])
-    if what == "target":
+    if what in ("target", "die"):
         real = target_mod.TargetModel.from_pretrained.__func__
 
         def slow(cls, *args, **kwargs):
             if rank == 1:
                 time.sleep(float(sleep_s))
+                if what == "die":
+                    os._exit(9)
             return real(cls, *args, **kwargs)
 
         target_mod.TargetModel.from_pretrained = classmethod(slow)

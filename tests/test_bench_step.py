@@ -111,3 +111,16 @@ def test_a_variant_out_of_memory_while_timing_is_reported_and_the_other_still_ti
         assert reference.startswith("out of memory while timing") and "9.00 GiB" in reference
     else:  # the second timed round: the first round's time stays
         assert len(reference) == 1 and reference[0] > 0
+
+
+def test_a_benchmark_report_is_never_written_through_a_link_into_a_model(tmp_path):
+    """`bench ... --json` writes its report as eval writes its own (flashdraft.outputs): a link to
+    a file is refused before the benchmark runs (it used to be written through), a new path gets
+    the report by a rename."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "report.json").symlink_to(tmp_path / "model" / "config.json")
+    with pytest.raises(ValueError, match=r"--json .*report.json is a symbolic link \(to .*config.json\): a report is "
+                                         r"written beside it and renamed into place"):
+        main(["bench", "step", "--json", str(tmp_path / "report.json")])
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"

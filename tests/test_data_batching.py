@@ -196,7 +196,7 @@ def test_load_state_dict_rejects_other_plan():
     s = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=0)
     state = s.state_dict()
     t = BatchSampler([5, 6, 7], token_budget=20, max_batch_size=2, seed=1)
-    with pytest.raises(ValueError, match="seed=0.*restore seed=0"):
+    with pytest.raises(ValueError, match=r"train.seed 0 but this run has 1.*restore train.seed=0"):
         t.load_state_dict(state)
 
 
@@ -282,10 +282,11 @@ def test_cursor_refuses_another_row_budget_and_one_saved_before_it_that_it_would
     saved = BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=bound).state_dict()
     assert (saved["row_budget"], saved["num_anchors"], saved["block_size"]) == (16384, 512, 16)
     other = BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=DrafterRows(8192, 512, 16))
-    with pytest.raises(ValueError, match="row_budget=16384.*restore row_budget=16384"):
+    with pytest.raises(ValueError, match=r"data.row_budget 16384 but this run has 8192.*restore data.row_budget=16384"):
         other.load_state_dict(saved)
     fewer = BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=DrafterRows(16384, 256, 16))
-    with pytest.raises(ValueError, match="num_anchors=512.*restore num_anchors=512"):
+    with pytest.raises(ValueError, match=r"objective.num_anchors 512 but this run has 256.*restore "
+                                         r"objective.num_anchors=512"):
         fewer.load_state_dict(saved)
     # A cursor from before the row budget (no such keys): its plan had 40 x 299 x 16 rows in one batch.
     old = {k: v for k, v in saved.items() if k not in ("row_budget", "num_anchors", "block_size")}
@@ -293,3 +294,16 @@ def test_cursor_refuses_another_row_budget_and_one_saved_before_it_that_it_would
         BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0, rows=bound).load_state_dict(old)
     BatchSampler(lengths, token_budget=16384, max_batch_size=64, seed=0,
                  rows=DrafterRows(191360, 512, 16)).load_state_dict(old)  # does not bind: the same plan
+
+
+def test_a_row_budget_below_one_block_is_not_advised_a_num_anchors_that_cannot_fit_it():
+    """row_budget=7 with block 8 advised objective.num_anchors=1, which still needs 8 rows."""
+    from flashdraft.data.batching import check_row_budget
+
+    with pytest.raises(ValueError) as caught:
+        check_row_budget(40, DrafterRows(7, 512, 8), "sample 3")
+    assert "raise data.row_budget to at least 312" in str(caught.value)
+    assert "one anchor's block alone is model.block_size=8 rows: no num_anchors fits" in str(caught.value)
+    assert "num_anchors to" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"at least 312 or lower objective.num_anchors to 2$"):
+        check_row_budget(40, DrafterRows(16, 512, 8), "sample 3")  # two blocks fit: that advice holds

@@ -192,3 +192,21 @@ def test_a_gloo_address_another_host_cannot_reach_stops_the_start_with_the_varia
     else:
         assert all(f"(GLOO_SOCKET_IFNAME={interface}), which rank 0" in e and "ConnectionRefusedError" in e
                    for e in errors), errors
+
+
+def test_a_job_whose_peer_never_joins_is_one_line_naming_the_address_and_the_fix(fresh_dist, monkeypatch):
+    """Rank 0 of 2 alone (its peer died before the rendezvous): the store's raw DistStoreError
+    ("Timed out after 2 seconds waiting for clients. 1/2 clients joined.") now says what it means."""
+    from conftest import free_port
+
+    port = free_port()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(fresh_dist.StartupError, match=rf"rank 0 of 2 could not join the job at 127.0.0.1:{port} "
+                                                      r"within \d+ s \(.*\): every rank must start and join within "
+                                                      r"train.collective_timeout_s=2 s. One did not: it died before "
+                                                      r"joining"):
+        fresh_dist.init_distributed("cpu", timeout_s=2)
+    assert fresh_dist.StartupError.names_the_fix  # the command line prints it as one line

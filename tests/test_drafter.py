@@ -398,3 +398,35 @@ def test_a_crash_mid_export_leaves_the_previous_export_whole(target, tmp_path, m
         make_drafter(target, seed=2).save_pretrained(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporary file left either
     DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_a_tampered_drafter_config_is_refused_before_anything_is_allocated(target, tmp_path):
+    """config.json edited to intermediate_size 1e9 (128 GB of fp32 weights) used to allocate first
+    and compare shapes after; a size within bounds but not the file's is found in the safetensors
+    header, before the weights are built. The eval runs under an address-space cap of 4 GiB more
+    than this process holds (an allocation of the tampered size fails instead of the machine)."""
+    import resource
+
+    from flashdraft.cli import main
+    from flashdraft.evaluate import write_prompts
+
+    target.model.save_pretrained(tmp_path / "target")
+    make_drafter(target, num_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
+    write_prompts(tmp_path / "prompts.jsonl", [[1, 2, 3]])
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({**config, "intermediate_size": 1_000_000_000}))
+    held = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize:")).split()[1]) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (held + 4 * 2**30, hard))
+    try:
+        with pytest.raises(ValueError, match=r"drafter/config.json: intermediate_size=1000000000 is invalid: a size is "
+                                             r"a whole number from 1 to"):
+            main(["eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
+                  str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "2", "--device", "cpu"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({**config, "intermediate_size": 3 * 64}))
+    with pytest.raises(ValueError, match=r"model.safetensors does not fit its config.json \(size mismatch for "
+                                         r"layers.0.mlp.\w+_proj.weight: \[\d+, \d+\] in the file, \[\d+, \d+\] from "
+                                         r"config.json\)"):
+        DFlashDrafter.from_pretrained(tmp_path / "drafter")

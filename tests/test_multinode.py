@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,10 +54,13 @@ def test_rank_0_verifying_the_checkpoint_longer_than_the_collective_timeout_stil
     """A resume's slow part, rank 0 hashing every checkpoint file (8 s here, past the 4 s
     collective timeout), comes before the start-up barrier: the other rank waits there, not in
     the collective that shares rank 0's choice (which failed after 4 s before)."""
-    first = overrides(tiny_job, tmp_path / "run", train__max_steps=2)
+    first = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__save_every=2)
     assert [r["error"] for r in results(run_ranks(forkserver, "train_slow_loader", json.dumps(first), "0",
                                                   timeout=240))] == [None, None]
-    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__collective_timeout_s=4)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")  # as if preempted after step 2
+    (tmp_path / "run" / "checkpoints" / "latest").unlink(missing_ok=True)
+    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__save_every=2,
+                        train__collective_timeout_s=4)
     ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(resumed), "8", "verify",
                               timeout=240))
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 4), (None, 4)]
@@ -69,6 +74,19 @@ def test_a_rank_later_than_the_startup_timeout_fails_the_job_with_a_named_error(
         assert r["error"] is not None and r["error"].startswith("StartupError: start-up barrier after loading"), r
         assert "train.startup_timeout_s = 2 s" in r["error"]
     assert "1" in ranks[0]["error"].split("(", 1)[1]  # rank 0 names the missing rank
+
+
+def test_a_rank_killed_during_start_up_is_named_as_dead_not_as_slow(tiny_job, tmp_path, forkserver):
+    """Rank 1 dies while loading its target: rank 0's barrier fails within a second or so, and its
+    error says a rank died (it used to blame train.startup_timeout_s, after 0.7 s of a 3600 s one)."""
+    args = overrides(tiny_job, tmp_path / "run", train__startup_timeout_s=600)
+    workers = run_ranks(forkserver, "train_slow_loader", json.dumps(args), "0", "die", timeout=240)
+    (survivor,) = results(workers[:1])
+    assert survivor["error"].startswith("StartupError: start-up barrier after loading"), survivor
+    assert re.search(r"rank 0 of 2 lost a peer after \d+\.\d s, long before train.startup_timeout_s=600 s .*a rank "
+                     r"died during start-up; its log has the first error", survivor["error"]), survivor
+    assert "raise train.startup_timeout_s" not in survivor["error"]
+    assert "RESULT" not in read_log(workers[1][1])  # rank 1 died without a result
 
 
 @pytest.mark.parametrize("flock", ["enosys", "per_node"])

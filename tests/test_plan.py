@@ -35,8 +35,9 @@ def _small_target(root: Path, hidden: int) -> Path:
     return root
 
 
+# a row budget that holds one sample of up to 513 tokens (512 anchors x block 16): train refuses longer ones
 SMALL = ["model.mask_token_id=8191", "model.num_draft_layers=2", "model.num_taps=3", "data.max_length=1024",
-         "data.row_budget=4096", "data.token_budget=4096", "train.device=cpu"]
+         "data.row_budget=8192", "data.token_budget=4096", "train.device=cpu"]
 
 
 @pytest.mark.slow
@@ -197,3 +198,101 @@ def test_a_target_rank_holds_the_features_of_every_drafter_link_it_feeds():
         plan_memory(_disaggregated_32b(), seq_len=3072)
     with pytest.raises(ValueError, match="positive multiple of target_ranks"):
         plan_memory(_disaggregated_32b("pipeline.target_ranks=2"), seq_len=3072, world_size=5)
+
+
+# ---- the plan of a run train refuses is a refusal too; the worst length searched in steps ---------
+
+
+def _moe_target(root: Path, experts: int, per_token: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+        "intermediate_size": 512, "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 8192, "num_experts": experts,
+        "num_experts_per_tok": per_token, "max_position_embeddings": 4096}))
+    return root
+
+
+@pytest.mark.parametrize(("extra", "refusal"), [
+    (["model.target_layer_ids=[1,40]"], r"model.target_layer_ids=\[1, 40\] is invalid for this 8-layer target"),
+    (["model.tensor_parallel=3"], r"model.tensor_parallel=3 must divide the target's num_attention_heads=4"),
+    (["data.row_budget=1"], r"data.row_budget=1: raise data.row_budget to at least 16 \(one anchor's block alone is "
+                            r"model.block_size=16 rows: no num_anchors fits\)"),
+    (["--seq-len", "5000", "data.max_length=8192", "data.token_budget=8192"],
+     r"--seq-len 5000: give a padded length in \[2, 4096\] \(the target's max_position_embeddings=4096: train "
+     r"refuses longer samples\)"),
+    (["--device-memory", "nan"], r"--device-memory nan: give the device's memory in GiB, a positive number"),
+    (["--device-memory", "inf"], r"--device-memory inf: give the device's memory in GiB, a positive number"),
+    (["moe:8:16"], r"num_experts_per_tok=16 routes each token to more experts than the 8 there are"),
+    (["zero_layers"], r"num_hidden_layers=0 is invalid"),
+    (["bert"], r"BertLMHeadModel: not a decoder-only causal LM flashdraft can tap"),
+], ids=["taps_outside", "tensor_parallel", "row_budget_1", "beyond_positions", "nan", "inf", "experts", "zero_layers",
+        "not_a_decoder"])
+def test_plan_refuses_what_train_refuses_before_planning(tmp_path, extra, refusal):
+    """`flashdraft plan` used to answer (a table, a verdict) for each of these: train's start-up
+    refuses them, so the plan does too, in train's words, before any fake step."""
+    target = _small_target(tmp_path / "t", 256)
+    if extra[0].startswith("moe:"):
+        target = _moe_target(tmp_path / "moe", *map(int, extra[0].split(":")[1:]))
+        extra = []
+    elif extra[0] in ("zero_layers", "bert"):
+        config = json.loads((target / "config.json").read_text())
+        config.update({"num_hidden_layers": 0} if extra[0] == "zero_layers" else
+                      {"model_type": "bert", "architectures": ["BertForMaskedLM"], "num_hidden_layers": 2})
+        (target / "config.json").write_text(json.dumps(config))
+        extra = []
+    flags = [e for e in extra if e.startswith("--") or not e.startswith(("model.", "data."))]
+    overrides = [e for e in extra if e not in flags]
+    with pytest.raises(ValueError, match=refusal):
+        main(["plan", f"model.target={target}", "model.mask_token_id=1", "model.num_taps=2", "train.device=cpu",
+              *overrides, *flags])
+
+
+def _linear_scan(cfg, model, other, longest_s):
+    """The search as it was: every length from 2 up (the reference the stepped search must equal)."""
+    import math
+
+    best, best_s = -math.inf, longest_s
+    for s in range(2, longest_s + 1):
+        b = plan_module.batch_size_at(cfg, s)
+        value = model(b, s, plan_module.anchors_per_pass(cfg, s)) + other(b, s)
+        if value > best:
+            best, best_s = value, s
+    return best_s
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["data.token_budget=3000", "data.max_batch_size=7"], ["objective.num_anchors=40", "data.row_budget=2048"],
+    ["model.tensor_parallel=2", "objective.anchors_per_microbatch=100"], ["pipeline.enabled=false"],
+    ["data.max_length=700", "data.token_budget=65536", "data.max_batch_size=512", "objective.num_anchors=1000"]])
+@pytest.mark.parametrize("coefficients", [(1e6, 50.0, 2000.0, 3.0), (1e6, -40.0, 1500.0, -5.0),
+                                          (0.0, 1.0, -900.0, 0.0)])
+def test_the_worst_length_search_takes_steps_and_finds_what_the_linear_scan_finds(tmp_path, overrides, coefficients):
+    """The worst padded length was found by trying every length (10^6 took 10 s, 10^9 hours; a
+    CUDA start-up ran the same loop): now by runs of equal batch size and anchors, the same answer
+    under step models of any sign (concave ones included)."""
+    target = _small_target(tmp_path / "t", 256)
+    cfg = load_config(None, [f"model.target={target}", "model.mask_token_id=1", *overrides])
+    shape = plan_module._target_shape(str(target / "config.json"), False)
+    sizes = plan_module._Sizes(cfg, shape, 2, 5, 8)
+    model = plan_module._StepModel(*coefficients)
+    top, _ = plan_module.planned_lengths(cfg, shape)
+    assert plan_module._worst_seq_len(cfg, model, sizes.overlap, top) == _linear_scan(cfg, model, sizes.overlap, top)
+
+
+def test_the_plan_over_a_billion_lengths_takes_seconds(tmp_path):
+    """data.max_length=10^9: the plan (its worst-length search, then its fake steps at that
+    length) answers in seconds; it used to try every length (hours; 10^6 took 10 s)."""
+    import threading
+
+    target = _small_target(tmp_path / "t", 256)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**30}))
+    cfg = load_config(None, [f"model.target={target}", "model.mask_token_id=1", "data.max_length=1000000000",
+                             "data.token_budget=1000000000", "train.device=cpu"])
+    found = []
+    planning = threading.Thread(target=lambda: found.append(plan_memory(cfg)), daemon=True)
+    planning.start()
+    planning.join(timeout=120)
+    assert found, "the plan of data.max_length=10^9 did not end within 120 s"
+    assert 2 <= found[0].seq_len <= 10**9 and found[0].batch_size >= 1

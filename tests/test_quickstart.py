@@ -37,6 +37,19 @@ def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_quickstarts_files_follow_the_umask(smoke_run):
+    """Its target's weights were 0600 (safetensors' writer), unlike its checkpoints and exports:
+    a serving process of another user could not read them."""
+    from flashdraft.checkpoint import _umask
+
+    out, _ = smoke_run
+    wanted = 0o666 & ~_umask()
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*")
+             if p.is_file() and p.suffix in (".safetensors", ".json", ".md")}
+    assert "target/model.safetensors" in modes and "eval/report.json" in modes
+    assert {path: mode for path, mode in modes.items() if mode != wanted} == {}
+
+
 def test_quickstart_reuses_target_features_from_the_second_epoch(smoke_run):
     """Its drafter sees every sample more than once: the feature cache holds them all and serves
     the later epochs (the summary says so)."""

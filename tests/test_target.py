@@ -261,3 +261,102 @@ def test_drafter_of_a_hybrid_target_rotates_every_head_dim_as_its_config_says():
     cos, sin = drafter.rope(torch.arange(1, 4).unsqueeze(0), x)
     head_dim = drafter.config["head_dim"]
     assert cos.shape[-1] == head_dim and bool((sin[..., head_dim // 2 - 1] != 0).all())  # the last pair rotates too
+
+
+# ---- a target directory nothing can be built from: one line naming the file and field ------------
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory):
+    """A tiny saved target, its prompts and a run's data (what plan, train and eval read)."""
+    from conftest import make_job
+
+    return make_job(tmp_path_factory.mktemp("bad-target"), tiny_qwen3(num_layers=4, hidden=32, seed=1))
+
+
+# (what is written into config.json or model.safetensors, the message's file-and-field part)
+BAD_TARGETS = {
+    "empty": ("config.json", b"", r"not a readable JSON model config"),
+    "binary": ("config.json", b"\xff\xfe\x00\x01", r"not a readable JSON model config"),
+    "null": ("config.json", b"null", r"a model config is a JSON object of fields, not NoneType"),
+    "deep": ("config.json", b"[" * 100_000 + b"]" * 100_000, r"not a readable JSON model config \(nested too deeply\)"),
+    "zero_heads": ({"num_attention_heads": 0}, None, r"num_attention_heads=0 is invalid: a size is a whole number "
+                                                     r"from 1 to 1,024"),
+    "zero_hidden": ({"hidden_size": 0}, None, r"hidden_size=0 is invalid"),
+    "negative_hidden": ({"hidden_size": -64}, None, r"hidden_size=-64 is invalid"),
+    "huge_hidden": ({"hidden_size": 10**12}, None, r"hidden_size=1000000000000 is invalid.*to 65,536"),
+    "string_hidden": ({"hidden_size": "32"}, None, r"hidden_size='32' is invalid"),
+    "fractional_hidden": ({"hidden_size": 32.5}, None, r"hidden_size=32.5 is invalid"),
+    "nan_hidden": ({"hidden_size": float("nan")}, None, r"hidden_size=nan is invalid"),
+    "negative_layers": ({"num_hidden_layers": -4}, None, r"num_hidden_layers=-4 is invalid"),
+    "million_layers": ({"num_hidden_layers": 1_000_000}, None, r"num_hidden_layers=1000000 is invalid.*to 1,024"),
+    "zero_vocab": ({"vocab_size": 0}, None, r"vocab_size=0 is invalid"),
+    "kv_heads": ({"num_key_value_heads": 3}, None, r"num_key_value_heads=3 does not divide num_attention_heads=4"),
+    "corrupt_weights": ("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage",
+                        r"cannot read the target's weights"),
+}
+
+
+def _broken_target(saved_target, tmp_path, bad):
+    import json
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(saved_target / "target", target)
+    what, raw, _ = BAD_TARGETS[bad]
+    if isinstance(what, dict):
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, **what}))
+    else:
+        (target / what).write_bytes(raw)
+    return target
+
+
+# Each mistake through one command (all three read a target through target.model.read_model_config),
+# each command through several; 10^6 layers through plan (the minute of meta layers), damaged
+# weights through both commands that load them.
+BAD_TARGET_CASES = [(bad, ("plan", "train", "eval")[i % 3]) for i, bad in enumerate(BAD_TARGETS)
+                    if bad not in ("million_layers", "corrupt_weights")]
+BAD_TARGET_CASES += [("million_layers", "plan"), ("million_layers", "train"), ("corrupt_weights", "train"),
+                     ("corrupt_weights", "eval"), ("corrupt_weights", "plan")]
+
+
+@pytest.mark.parametrize(("bad", "command"), BAD_TARGET_CASES)
+def test_a_target_config_or_weights_nothing_can_be_built_from_is_one_line_in_plan_train_and_eval(
+        saved_target, tmp_path, bad, command):
+    """Before: tracebacks (JSON, type and allocator errors; safetensors' own error), and for
+    num_hidden_layers 1e6 a minute of meta layers until memory ran out. Now each is refused, naming
+    the file and the field, before anything is built (plan reads no weights: it plans a target
+    with damaged weights as it would the good one)."""
+    import re
+
+    from conftest import overrides
+    from flashdraft.cli import main
+
+    target = _broken_target(saved_target, tmp_path, bad)
+    what, _, message = BAD_TARGETS[bad]
+    file = target / (what if isinstance(what, str) else "config.json")
+    if command == "eval":
+        argv = ["eval", "--target", str(target), "--baseline", "ngram", "--prompts",
+                str(saved_target / "prompts.jsonl"), "--block-size", "4", "--max-new-tokens", "2", "--device", "cpu"]
+    else:
+        argv = [command, *overrides(saved_target, tmp_path / "run", model__target=target)]
+    if command == "plan" and what == "model.safetensors":
+        assert main(argv) == 0
+        return
+    with pytest.raises(ValueError, match=re.escape(str(file)) + ": " + message):
+        main(argv)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_target_with_code_of_its_own_is_refused_without_a_hub_url_made_of_its_path(tmp_path):
+    """transformers' refusal read "inspect the repository content at https://hf.co//tmp/..."."""
+    import json
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({
+        "model_type": "custom", "auto_map": {"AutoModelForCausalLM": "modeling.CustomForCausalLM"}}))
+    with pytest.raises(ValueError, match=r"config.json: this target's architecture is Python code in its own "
+                                         r"directory .*model.trust_remote_code=true") as caught:
+        TargetModel.from_pretrained(tmp_path / "target")
+    assert "hf.co" not in str(caught.value) and "https://" not in str(caught.value)

@@ -113,11 +113,16 @@ def test_a_drafter_with_attention_sinks_trains_them_and_exports_them(tiny_job, t
 def test_selector_alpha_0_freezes_the_selector(tiny_job, tmp_path):
     """No gradient, no optimizer state, unchanged weights; a resume with the selector trained
     again loads the same optimizer layout (every parameter is in it)."""
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, objective__selector_alpha=0,
+    import signal
+
+    from flashdraft.train.runtime import Stopped
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=4, objective__selector_alpha=0,
                                           train__save_every=1, **DFLASH2))
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.drafter.candidate_selector.state_dict().items()}
-    trainer.fit()
+    with pytest.raises(Stopped):  # preempted after step 2, its checkpoint saved: the schedule is mid-way
+        trainer.fit(on_step=lambda t: t.stop.request(signal.SIGTERM) if t.step == 2 else None)
     selector = trainer.drafter.candidate_selector
     assert not any(p.requires_grad for p in selector.parameters())
     assert not any(p in trainer.optimizer.state for p in selector.parameters())

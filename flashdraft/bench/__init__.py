@@ -39,6 +39,10 @@ def run(args) -> int:
     parser = argparse.ArgumentParser(prog=f"flashdraft bench {args.name}", description=doc)
     module.add_arguments(parser)
     options = parser.parse_args(args.options)
+    if getattr(options, "json", ""):  # refused now, not after the benchmark's minutes (flashdraft.outputs)
+        from flashdraft.outputs import check_report
+
+        check_report(options.json, flag="--json")
 
     def stop(signum, frame):  # outside a training loop: end now (subprocess.run kills its worker on the way out)
         raise Stopped(signum, "")

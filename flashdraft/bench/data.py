@@ -83,7 +83,9 @@ def run(args) -> int:
                "python_start_s": python_start_s, "flashdraft": fd, "seed": naive, "machine": machine()}
     print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        from flashdraft.outputs import write_report
+
+        write_report(args.json, json.dumps(results, indent=1), flag="--json")
     return 0
 
 

@@ -58,6 +58,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from flashdraft.outputs import write_report
+
 
 class LiveTensorBytes(TorchDispatchMode):
     """The peak bytes of tensor storage alive at once among the tensors that ops create inside
@@ -529,9 +531,10 @@ def run_part(part: str, job: Path, out: Path, smoke: bool) -> str:
     result["wall_s"] = time.perf_counter() - t0
     result["status"] = "fail" if not result["ok"] else "skip" if result.get("skipped") else "pass"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{part}.json").write_text(json.dumps(result, indent=1, default=str))
+    write_report(out / f"{part}.json", json.dumps(result, indent=1, default=str), flag="--out")
     brief = {k: v for k, v in result.items() if k not in ("traceback", "torch", "device", "status")}
-    print(f"{part}: {result['status'].upper()} {json.dumps(brief, default=str)[:1500]}", flush=True)
+    print(f"{part}: {result['status'].upper()} {json.dumps(brief, default=str)[:1500]}",
+          flush=True)
     return result["status"]
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.bench.jobs import StepClock, gpu_job, trainer_for
+from flashdraft.outputs import write_report
 
 
 def gpu_sampler(stop: threading.Event, samples: list[tuple[float, float]]) -> None:
@@ -122,7 +123,7 @@ def run(args) -> int:
     results["speedup"] = pipe["steps_per_s"] / seq["steps_per_s"]
     # bf16 on GPU: same seed and data, but kernels may differ in reduction order across streams.
     results["max_loss_diff"] = max(abs(a - b) for a, b in zip(seq["losses"], pipe["losses"]))
-    (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=1))
+    write_report(out / "gpu_pipeline.json", json.dumps(results, indent=1), flag="--out")
     print(f"speedup {results['speedup']:.2f}x, max loss diff {results['max_loss_diff']:.3g} -> "
           f"{out / 'gpu_pipeline.json'}")
     return 0

@@ -239,5 +239,7 @@ def run(args) -> int:
         print(f"\nfull feature cache for {data} with {target} ({taps} taps, bf16): {est['human']} "
               f"({est['tokens']} tokens x {est['per_token']} B); {est['verdict']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        from flashdraft.outputs import write_report
+
+        write_report(args.json, json.dumps(results, indent=1, default=str), flag="--json")
     return 0

@@ -24,6 +24,7 @@ import torch
 
 from flashdraft.bench.jobs import soak_job
 from flashdraft.config import load_config
+from flashdraft.outputs import write_report
 from flashdraft.train.trainer import Trainer
 
 
@@ -86,7 +87,7 @@ def run(args) -> int:
         "os_threads_baseline": base["os_threads"], "os_threads_last": last["os_threads"],
         "checkpoints_on_disk": sorted(p.name for p in (out / "run" / "checkpoints").iterdir()),
     }
-    (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
+    write_report(out / "soak.json", json.dumps({"summary": summary, "samples": samples}, indent=1), flag="--out")
     print(json.dumps(summary, indent=1))
     leaked = (last["fds"] > base["fds"] or last["threads"] > base["threads"] or last["os_threads"] > base["os_threads"]
               or summary["rss_growth_mb_after_baseline"] > args.max_rss_growth_mb)

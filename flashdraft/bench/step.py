@@ -551,8 +551,9 @@ def run(args) -> int:
                     print(f"  cost growth {variant}: time ~ {field}^{_slope(xs, ys):.2f} "
                           f"({ys[-1] / ys[0]:.2f}x time for {xs[-1] / xs[0]:.1f}x {field})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        from flashdraft.outputs import write_report
+
+        write_report(args.json, json.dumps(results, indent=1), flag="--json")
     return 0
 
 

@@ -149,11 +149,13 @@ def check_row_budget(length: int, rows: DrafterRows, what: str) -> None:
     fits no micro-batch), naming the fixes."""
     need = int(rows.per_sequence(length))
     if need > rows.budget:
+        fits = rows.budget // rows.block_size  # anchors whose blocks the budget holds
+        other = (f" or lower objective.num_anchors to {fits}" if fits else
+                 f" (one anchor's block alone is model.block_size={rows.block_size} rows: no num_anchors fits)")
         raise ValueError(
             f"{what} has {length} tokens: min(objective.num_anchors={rows.num_anchors}, {length} - 1) anchors x "
             f"model.block_size={rows.block_size} = {need} drafter rows, more than data.row_budget={rows.budget}: "
-            f"raise data.row_budget to at least {need} or lower objective.num_anchors to "
-            f"{max(1, rows.budget // rows.block_size)}"
+            f"raise data.row_budget to at least {need}{other}"
         )
 
 
@@ -368,6 +370,10 @@ class BatchSampler:
     # What the plan is built from, besides the lengths: a cursor saved under other values points
     # into another plan. The row budget's fields are 0 when rows are unbounded.
     PLAN_KEYS = ("seed", "token_budget", "max_batch_size", "num_samples", "row_budget", "num_anchors", "block_size")
+    # each as the run config names it (a refusal names what to restore)
+    PLAN_FIELDS = {"seed": "train.seed", "token_budget": "data.token_budget", "max_batch_size": "data.max_batch_size",
+                   "num_samples": "the number of samples in data.path", "row_budget": "data.row_budget",
+                   "num_anchors": "objective.num_anchors", "block_size": "model.block_size"}
 
     def _plan_key(self, key: str) -> int:
         if key == "num_samples":
@@ -387,10 +393,13 @@ class BatchSampler:
         for key in self.PLAN_KEYS:
             mine = self._plan_key(key)
             if key in state and state[key] != mine:
+                field = self.PLAN_FIELDS[key]
+                fix = ("point data.path at the data it was trained on" if key == "num_samples" else
+                       f"restore {field}={state[key]}")
                 raise ValueError(
-                    f"data cursor was saved with {key}={state[key]} but this run has {mine}; the batch plan would "
-                    f"differ, so the cursor cannot be resumed: restore {key}={state[key]} (or start a fresh run)"
-                )
+                    f"the data cursor was saved with {field} {state[key]} but this run has {mine}; the batch plan "
+                    f"would differ, so the cursor cannot be resumed: {fix}, or start a fresh run in another "
+                    "train.output_dir")
         self.epoch, self.consumed, self.step = int(state["epoch"]), int(state["consumed"]), int(state["step"])
         self.segment_start = int(state["segment_start"])
         self.segment_world_size = int(state["segment_world_size"])

@@ -403,13 +403,18 @@ class DFlashDrafter(nn.Module):
         """Load an export written by save_pretrained (or another DFlash trainer's, if its layers
         are the ones implemented here: serving.check_supported), cast to ``dtype`` on ``device``."""
         path = Path(path)
-        model = cls(serving.read_config(path))
-        try:
-            missing, unexpected = model.load_state_dict(serving.read_weights(path), strict=False)
-        except RuntimeError as exc:  # shapes that config.json does not describe: a tampered or mixed export
-            first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc)[:300])
-            raise ValueError(f"{path}/model.safetensors does not fit its config.json ({first}); export the drafter "
-                             "again (flashdraft export) rather than editing either file") from None
+        config = serving.read_config(path)
+        with torch.device("meta"):  # the shapes config.json implies, allocating nothing
+            expected = {name: tuple(t.shape) for name, t in cls(config).state_dict().items()}
+        found = serving.weight_shapes(path)  # the file's header: compared before any weight is allocated
+        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
         if missing or unexpected:
             raise ValueError(f"{path}/model.safetensors: missing weights {missing}, unexpected weights {unexpected}")
+        other = next((name for name in expected if expected[name] != found[name]), None)
+        if other is not None:  # a tampered or mixed export
+            raise ValueError(f"{path}/model.safetensors does not fit its config.json (size mismatch for {other}: "
+                             f"{list(found[other])} in the file, {list(expected[other])} from config.json); export the "
+                             "drafter again (flashdraft export) rather than editing either file")
+        model = cls(config)
+        model.load_state_dict(serving.read_weights(path))
         return model.to(device=device, dtype=dtype)

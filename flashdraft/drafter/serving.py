@@ -15,14 +15,16 @@ import copy
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from flashdraft.checkpoint import follow_umask
-from flashdraft.config import LAYER_TYPES, LayerMask, blind_slots, smallest_sighted_window
+from flashdraft.config import LAYER_TYPES, LayerMask, blind_slots, check_model_sizes, smallest_sighted_window
 from flashdraft.drafter.dflash2 import DFlash2Modules
 
 CONFIG_FILE = "config.json"
@@ -210,6 +212,7 @@ def check_supported(config: dict, where) -> None:
     implemented here (full and sliding-window attention, in-block causal or not, attention sinks,
     DFlash2's conv and selector): scaled embeddings, values or outputs, unknown layer types, a
     DFlash2 config without its module sizes."""
+    check_model_sizes(config, str(where))  # bounded before anything is built from them (a tampered size: one line)
     problems = []
     for check in (layer_attention, check_sight, dflash2_modules, attention_sinks):
         if check is check_sight and problems:
@@ -274,11 +277,16 @@ def write_export(path: str | os.PathLike, state: dict[str, torch.Tensor], config
     file, never a torn one."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = {name: path / f".{name}.tmp-{os.getpid()}" for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    tmp = {}
+    for name in (WEIGHTS_FILE, CONFIG_FILE):  # new files (mkstemp): no predictable name to plant a link at
+        fd, tmp[name] = tempfile.mkstemp(dir=path, prefix=f".{name}.")
+        os.close(fd)
+        tmp[name] = Path(tmp[name])
     try:
         save_file(state, tmp[WEIGHTS_FILE], metadata={"format": "pt"})
         follow_umask(tmp[WEIGHTS_FILE])
         tmp[CONFIG_FILE].write_text(json.dumps(config, indent=2) + "\n")
+        follow_umask(tmp[CONFIG_FILE])  # mkstemp made it 0600
         for name, written in tmp.items():
             os.replace(written, path / name)
     finally:
@@ -303,6 +311,16 @@ def read_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}/config.json: not a DFlash or DFlash2 drafter (architectures={architectures})")
     check_supported(config, path / CONFIG_FILE)
     return config
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the export's model.safetensors, from its header (no data read)."""
+    try:
+        with safe_open(Path(path) / WEIGHTS_FILE, framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as exc:  # safetensors' own errors name no file
+        raise ValueError(f"{Path(path) / WEIGHTS_FILE}: cannot read the drafter's weights ({exc}); the export is "
+                         "damaged: export it again (flashdraft export)") from None
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:

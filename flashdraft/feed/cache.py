@@ -33,7 +33,9 @@ pipeline is sequential). ``stats()`` copies plain counters and may be read from 
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import tempfile
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -44,6 +46,8 @@ import torch
 
 from flashdraft.feed.flow import HostWorkers, record_event
 from flashdraft.metrics import format_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class CacheStats:
     entries: int = 0  # samples held
     ram_bytes: int = 0  # bytes held in RAM
     disk_bytes: int = 0  # bytes held on disk
+    disk_full: bool = False  # the disk tier's file could not grow (a full disk): it holds no more since
 
     @property
     def hit_rate(self) -> float:
@@ -69,7 +74,7 @@ class CacheStats:
         return (f"feature cache: {self.hits} hits / {self.misses} misses ({100 * self.hit_rate:.1f}%), "
                 f"{self.skipped_forwards} target forwards skipped, {self.partial_forwards} partial; "
                 f"{self.entries} samples held, {format_bytes(self.ram_bytes)} RAM + "
-                f"{format_bytes(self.disk_bytes)} disk")
+                f"{format_bytes(self.disk_bytes)} disk" + (" (the disk filled up)" if self.disk_full else ""))
 
 
 class StagingRing:
@@ -153,16 +158,23 @@ class FeatureCache:
         self._storing: set[int] = set()  # sample ids in ``_stores``: room reserved, not readable yet
         self._reserved = {"ram": 0, "disk": 0}  # bytes of ``_stores`` per tier, counted until stored
         self._copiers = HostWorkers(copy_threads) if copy_threads > 1 else None
+        self.directory = Path(directory) if directory is not None else None
         if disk_bytes:
             if directory is None:
                 raise ValueError("FeatureCache: disk_bytes > 0 needs a directory for the scratch file")
             try:
                 Path(directory).mkdir(parents=True, exist_ok=True)
                 self._file = tempfile.TemporaryFile(dir=directory, prefix="features-", buffering=0)
+                free = shutil.disk_usage(directory).free
             except OSError as exc:
                 raise ValueError(
                     f"pipeline.feature_cache_dir={directory}: cannot create the disk tier's scratch file ({exc}); "
                     "point it at a writable local disk, or set pipeline.feature_cache_disk_bytes=0") from None
+            if free < disk_bytes:  # the budget the disk can hold now, not the one asked for (said, not silent)
+                log.warning("feature cache: pipeline.feature_cache_disk_bytes=%d (%s) but %s has %s free: the disk "
+                            "tier holds at most that; free disk space there, or lower the budget",
+                            disk_bytes, format_bytes(disk_bytes), directory, format_bytes(free))
+                self.disk_budget = free
 
     # ---- entries ------------------------------------------------------------------------------
 
@@ -245,8 +257,14 @@ class FeatureCache:
             done = 0
             while done < data.nbytes:
                 done += os.pwrite(self._file.fileno(), data[done:], offset + done)
-        except OSError:  # e.g. ENOSPC: the cache is an optimisation; the run goes on without more entries
+        except OSError as exc:  # e.g. ENOSPC: the cache is an optimisation; the run goes on without more entries
+            log.warning("feature cache: the disk tier's scratch file in %s could not grow past %s of its %s budget "
+                        "(%s): it holds no more samples, and later epochs run the target for those it does not "
+                        "hold; free disk space there, or lower pipeline.feature_cache_disk_bytes", self.directory,
+                        format_bytes(self._stats.disk_bytes), format_bytes(self.disk_budget),
+                        exc.strerror or exc)
             self.disk_budget = self._stats.disk_bytes
+            self._stats.disk_full = True
             return False
         return True
 

@@ -20,6 +20,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from flashdraft.config import check_model_sizes
+
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +62,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.layers)")
+        raise ValueError(f"{type(model).__name__}: not a decoder-only causal LM flashdraft can tap (no decoder layers "
+                         "at model.layers); give a causal LM target such as Qwen3 or Llama")
     return layers
 
 
@@ -69,14 +72,78 @@ def _final_norm(model: nn.Module) -> nn.Module:
     return base.norm
 
 
-def _model_dir(path: str | os.PathLike) -> Path:
+def _model_dir(path: str | os.PathLike, trust_remote_code: bool = False) -> Path:
+    """``path`` as a target directory whose config.json passed ``read_model_config``: every
+    reader of a target (train, eval, plan) goes through here before anything is built."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path}: no config.json; model.target must be a local Hugging Face model directory "
             "(download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
         )
+    read_model_config(path, trust_remote_code)
     return path
+
+
+def read_model_config(path: Path, trust_remote_code: bool = False) -> dict:
+    """The target directory's config.json as a dict, refused in one line naming the file (and
+    the field) when it is not a JSON object, when a size is out of bounds (config.check_model_sizes:
+    before transformers builds anything from it), or when it names Python code of its own
+    (``auto_map``) and ``trust_remote_code`` is off (transformers' refusal shows a hub URL made
+    of the local path)."""
+    file = path / "config.json"
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else getattr(exc, "strerror", None) or exc
+        raise ValueError(f"{file}: not a readable JSON model config ({why}); give a Hugging Face model directory "
+                         "whose config.json is the model's own") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: a model config is a JSON object of fields, not {type(values).__name__}; give a "
+                         "Hugging Face model directory whose config.json is the model's own")
+    check_model_sizes(values, str(file))
+    if values.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"{file}: this target's architecture is Python code in its own directory (auto_map "
+                         f"{_abridged(values['auto_map'])}), which runs only with model.trust_remote_code=true: "
+                         "read that code first, or use a model transformers implements")
+    return values
+
+
+def _abridged(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_weights(path: Path) -> None:
+    """Every safetensors file the target directory's weights are in (model.safetensors, or the
+    shards model.safetensors.index.json names) has a readable header that fits the file: a
+    truncated or corrupt file is one line naming it, before any weight loads (transformers
+    raises a bare SafetensorError mid-load)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc}); download the model again") from None
+    else:
+        files = ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+    for name in files:
+        try:
+            with safe_open(path / name, framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors' own errors name no file
+            raise ValueError(f"{path / name}: cannot read the target's weights ({str(exc).splitlines()[0][:200]}); "
+                             "the file is damaged or incomplete: download the model again") from None
+
+
+def check_layer_ids(ids: list[int], num_layers: int) -> None:
+    """Refuse taps that are not distinct layers of a ``num_layers``-layer target (train and plan)."""
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"model.target_layer_ids={ids} is invalid for this {num_layers}-layer target: "
+            f"use distinct ids in [0, {num_layers - 1}] (layer i is the output of decoder layer i)"
+        )
 
 
 def _heads_only_model(path: Path, device: torch.device, dtype: torch.dtype,
@@ -135,6 +202,27 @@ def _load_sharded(path: Path, device: torch.device, dtype: torch.dtype, attn_imp
     if meshes is None:
         raise RuntimeError("a tensor-parallel target needs distributed.init_distributed(tensor_parallel=T) first")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model_class = check_tensor_parallel(path, config, tensor_parallel, expert_parallel)
+
+    class Sharded(model_class):
+        @classmethod
+        def prepare_distribute_model(cls, distributed_config, device_map=None):
+            return distributed_config, device, TransformersDeviceMesh(*meshes)
+
+    Sharded.__name__ = Sharded.__qualname__ = model_class.__name__
+    settings = DistributedConfig(tp_size=tensor_parallel, ep_size=tensor_parallel if expert_parallel else None)
+    model = Sharded.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                    trust_remote_code=trust_remote_code, distributed_config=settings)
+    # Each rank read its shards from shared storage at its own pace: meet host-side, on the
+    # start-up clock, before the mesh's first collective (the embedding and head's gather).
+    distributed.host_barrier("loading the sharded target", "startup")
+    return model
+
+
+def check_tensor_parallel(path, config, tensor_parallel: int, expert_parallel: bool) -> type:
+    """Refuse a target that ``model.tensor_parallel`` cannot shard (no transformers class or
+    plan, no expert plan, counts the group size does not divide), naming the fix; its causal LM
+    class. Train's loading and the memory plan both ask this."""
     try:
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
@@ -150,20 +238,7 @@ def _load_sharded(path: Path, device: torch.device, dtype: torch.dtype, attn_imp
         raise ValueError(f"{path}: {model_class.__name__} has no expert-parallel plan (not a mixture-of-experts "
                          "model, or none in transformers); use model.expert_parallel=false")
     _check_divisible(path, config, tensor_parallel, expert_parallel)
-
-    class Sharded(model_class):
-        @classmethod
-        def prepare_distribute_model(cls, distributed_config, device_map=None):
-            return distributed_config, device, TransformersDeviceMesh(*meshes)
-
-    Sharded.__name__ = Sharded.__qualname__ = model_class.__name__
-    settings = DistributedConfig(tp_size=tensor_parallel, ep_size=tensor_parallel if expert_parallel else None)
-    model = Sharded.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                    trust_remote_code=trust_remote_code, distributed_config=settings)
-    # Each rank read its shards from shared storage at its own pace: meet host-side, on the
-    # start-up clock, before the mesh's first collective (the embedding and head's gather).
-    distributed.host_barrier("loading the sharded target", "startup")
-    return model
+    return model_class
 
 
 # Head and expert counts a tensor-parallel plan splits over the group (transformers' plans split
@@ -223,12 +298,7 @@ class TargetModel(nn.Module):
         self.num_layers = len(self.layers)
         ids = (list(target_layer_ids) if target_layer_ids is not None
                else default_target_layer_ids(self.num_layers, num_taps))
-        bad = [i for i in ids if not 0 <= i < self.num_layers]
-        if bad or len(set(ids)) != len(ids):
-            raise ValueError(
-                f"model.target_layer_ids={ids} is invalid for this {self.num_layers}-layer target: "
-                f"use distinct ids in [0, {self.num_layers - 1}] (layer i is the output of decoder layer i)"
-            )
+        check_layer_ids(ids, self.num_layers)
         self.layer_ids = ids
         self.final_state = final_state
         self.hidden_size = int(self.config.hidden_size)
@@ -272,7 +342,8 @@ class TargetModel(nn.Module):
         init_distributed(tensor_parallel=T) built); ``expert_parallel``: its experts split over
         the group instead (a MoE target with an expert plan). See _load_sharded. ``final_state``:
         the training features end in the final normed hidden state (soft labels; TargetModel)."""
-        path = _model_dir(path)
+        path = _model_dir(path, trust_remote_code)
+        check_weights(path)
         device = torch.device(device)
         torch_dtype = resolve_dtype(dtype, device)
         if tensor_parallel > 1:

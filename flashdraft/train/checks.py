@@ -70,14 +70,19 @@ def check_paths(cfg: Config) -> None:
 def _check_output_dir(cfg: Config) -> None:
     """train.output_dir receives checkpoints, metrics and a lock file: never the target's directory
     or a path inside it, one of the run's data files or inside a data directory (a checkpoint
-    written there would change what the next run reads), nor inside any run's checkpoints."""
-    from flashdraft.outputs import checkpoints_around
+    written there would change what the next run reads), nor inside any run's checkpoints or
+    another run's own outputs (its export, its logs: flashdraft.outputs.RUN_OUTPUTS)."""
+    from flashdraft.outputs import checkpoints_around, run_output_around
 
     out = Path(cfg.train.output_dir).resolve()
     protected = checkpoints_around(out)
     if protected is not None:
         raise ValueError(f"train.output_dir {cfg.train.output_dir} lies inside {protected}, a training run's "
                          "checkpoints; give a directory outside it")
+    own = run_output_around(out)
+    if own is not None:
+        raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {own}, an output of the training "
+                         f"run in {own.parent} (its {own.name}); give a directory outside it")
     for field, given in (("model.target", cfg.model.target), ("data.path", cfg.data.path),
                          ("data.eval_path", cfg.data.eval_path), ("data.eval_prompts", cfg.data.eval_prompts)):
         if given and out.is_relative_to(Path(given).resolve()):
@@ -97,7 +102,8 @@ def check_drafter_sizes(cfg: Config, device=None) -> None:
 
     from flashdraft.target.model import _model_dir
 
-    target = AutoConfig.from_pretrained(_model_dir(cfg.model.target), trust_remote_code=cfg.model.trust_remote_code)
+    target = AutoConfig.from_pretrained(_model_dir(cfg.model.target, cfg.model.trust_remote_code),
+                                        trust_remote_code=cfg.model.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target
     hidden, vocab = int(target.hidden_size), int(target.vocab_size)
     if hidden % cfg.model.conv_group_size:

@@ -41,6 +41,10 @@ class RunSchedule:
         first, position, rate = next(s for s in reversed(self.segments) if s[0] <= step)
         return position + (step - first) * rate
 
+    def ended(self, step: int) -> bool:
+        """Whether the schedule is over at ``step``: its learning rate is 0 from there on."""
+        return self.position(step) >= self.total
+
     def end_step(self) -> float:
         """The step at which the current mapping reaches the schedule's end."""
         first, position, rate = self.segments[-1]
@@ -93,6 +97,10 @@ class RunScheduler(torch.optim.lr_scheduler.LambdaLR):
     def continue_over(self, step: int, remaining: int) -> bool:
         """RunSchedule.continue_over: the rest of the schedule spread over ``remaining`` steps."""
         return self.schedule.continue_over(step, remaining)
+
+    def ended(self, step: int) -> bool:
+        """RunSchedule.ended: the learning rate is 0 from optimizer step ``step`` on."""
+        return self.schedule.ended(step)
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int, device: torch.device):

@@ -158,7 +158,12 @@ class RunCheckpoints:
                              f"paths changed ({'; '.join(diffs)}); point model.target / data.path at what the run was "
                              "trained with, or start a fresh run with another train.output_dir")
         for name, component in self.components.items():
-            self._load(name, component, parts[name])
+            try:
+                self._load(name, component, parts[name])
+            except ValueError as exc:  # e.g. the data cursor's batch plan: said with the checkpoint it came from
+                if str(exc).startswith("cannot resume"):
+                    raise
+                raise ValueError(f"cannot resume from {self.manager.root} (step {loaded.step}): {exc}") from None
         if int(parts["trainer"]["world_size"]) == world_size:  # else every rank re-seeds its generators
             for name, component in self.per_rank.items():
                 if name in parts:

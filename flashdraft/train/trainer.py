@@ -228,6 +228,15 @@ class Trainer:
         (the budget belongs to the run, not to its layout), and the LR schedule spread over them
         when their number changed (no jump, still ending at 0)."""
         step, remaining = self.state.step, steps_left(self.sampler, self.config, self.state.step)
+        if remaining > 0 and self.scheduler.ended(step):  # raised max_steps / epochs after the run's end
+            train = self.config.train
+            budget = f"train.max_steps={train.max_steps}" if train.max_steps else f"train.epochs={train.epochs}"
+            raise ValueError(
+                f"cannot train {remaining} more steps in {self.output}: its run ended its learning-rate schedule at "
+                f"step {step} (warmup, then cosine down to 0), so with {budget} every added step would train at "
+                f"learning rate 0 and change nothing. The run is complete (its export: {self.output / 'drafter'}); "
+                "restore the budget it ran with, or train more in a new run with another train.output_dir (a schedule "
+                "of its own; it starts from a fresh drafter)")
         self.total_steps = step + remaining
         if self.scheduler.continue_over(step, remaining) and self.dist.is_main:
             log.warning("resumed at step %d with %d steps left (world size %d, grad_accum %d): the learning-rate "
