@@ -1,0 +1,194 @@
+"""`flashdraft bench engine-features`: the target's features from a vLLM engine against the
+in-process transformers forward, on CPU (model.target_backend, flashdraft.target.engine).
+
+Two parts, each on random-weight Qwen3 targets of the chosen sizes (``--sizes``):
+
+1. features: ``--samples`` samples of ``--length`` random tokens in batches of ``--batch``, through
+   TargetModel.features (in-process, ``--threads`` torch threads) and EngineTarget.features (vLLM's
+   CPU build in its own process, its own thread binding), each after one warm-up batch, the
+   engine's start-up timed apart; median of ``--repeats`` passes. Reported: tokens/s and samples/s
+   of each, their ratio, the engine's split (waiting on its prefills vs copying the captures in),
+   the bytes that cross between the processes per sample (the captured states, written once by
+   the engine into a tmpfs and read once here, and the ids sent), and the largest relative error
+   per tap against the in-process forward (flashdraft.target.feature_check).
+2. overlap (``--train-steps`` > 0): the real trainer with each backend, sequential and pipelined
+   (the engine's prefill of step n + 1 overlapping the drafter's step n), steps/s, the bound, the
+   efficiency (pipelined / 1 over the slowest stage measured sequentially) and the stage table.
+
+On a machine of few cores both processes share them: a figure says where it was taken (``uptime``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# name -> (vocab, layers, hidden, query heads, KV heads, MLP, taps); head_dim >= 32 (vLLM's CPU attention)
+SIZES = {
+    "quickstart": (1100, 4, 128, 4, 2, 256, [1, 2]),  # the quickstart target's shape and taps
+    "h1024": (32000, 8, 1024, 16, 8, 3072, [1, 3, 5]),  # hidden 1024, 8 layers, Qwen3-0.6B's head shape
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="quickstart,h1024", help=f"targets to measure: {', '.join(SIZES)}")
+    parser.add_argument("--samples", type=int, default=64, help="samples per pass")
+    parser.add_argument("--length", type=int, default=256, help="tokens per sample")
+    parser.add_argument("--batch", type=int, default=16, help="samples per features call (one engine request each)")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per backend; medians are reported")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of the in-process forward (the engine binds its own)")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="steps per trainer run of the overlap part (0: skip it; 24 measures it)")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+
+
+def build_target(root: Path, name: str) -> Path:
+    from flashdraft.toy import tiny_causal_lm
+
+    vocab, layers, hidden, heads, kv_heads, mlp, _ = SIZES[name]
+    model = tiny_causal_lm(vocab, "qwen3", num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                           intermediate=mlp, max_position_embeddings=4096, seed=0)
+    model.save_pretrained(root / name)
+    return root / name
+
+
+def _passes(features, batches, repeats: int) -> float:
+    """Median seconds of one pass over ``batches`` (after one warm-up call)."""
+    features(*batches[0])
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        for batch in batches:
+            features(*batch)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def measure_features(target_dir: Path, taps: list[int], args) -> dict:
+    from flashdraft.target import TargetModel
+    from flashdraft.target.engine import EngineTarget
+    from flashdraft.target.feature_check import check_engine_features
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    vocab = SIZES[target_dir.name][0]
+    ids = torch.randint(0, vocab, (args.samples, args.length), generator=gen)
+    batches = [(ids[i:i + args.batch], torch.ones_like(ids[i:i + args.batch]))
+               for i in range(0, args.samples, args.batch)]
+    tokens = args.samples * args.length
+    local = TargetModel.from_pretrained(target_dir, target_layer_ids=taps, dtype="float32")
+    local_s = _passes(local.features, batches, args.repeats)
+    begin = time.perf_counter()
+    engine = EngineTarget.from_pretrained(target_dir, target_layer_ids=taps, dtype="float32",
+                                          max_model_len=args.length + 1)
+    start_s = time.perf_counter() - begin
+    try:
+        check = check_engine_features(engine, local, ids[:4].tolist())
+        stats = engine.engine.stats
+        before = (stats.prefill_s, stats.read_s, stats.requests, stats.feature_bytes, stats.id_bytes)
+        engine_s = _passes(engine.features, batches, args.repeats)
+        prefill_s, read_s, requests, feature_bytes, id_bytes = (now - was for now, was in zip(
+            (stats.prefill_s, stats.read_s, stats.requests, stats.feature_bytes, stats.id_bytes), before))
+    finally:
+        engine.close()
+    return {"tokens_per_s": {"in_process": tokens / local_s, "engine": tokens / engine_s},
+            "samples_per_s": {"in_process": args.samples / local_s, "engine": args.samples / engine_s},
+            "ratio": local_s / engine_s, "engine_start_s": start_s,
+            # the split over every timed call (warm-up included): waiting on the engine vs copying captures in
+            "engine_prefill_share": prefill_s / (prefill_s + read_s),
+            "engine_read_share": read_s / (prefill_s + read_s),
+            "bytes_per_sample": {"features": feature_bytes / requests, "ids": id_bytes / requests},
+            "relative_error": {t["layer"]: t["relative_error"] for t in check["taps"]}}
+
+
+def measure_overlap(target_dir: Path, taps: list[int], backend: str, pipelined: bool, steps: int, root: Path,
+                    threads: int) -> dict:
+    """The real trainer on ``target_dir`` with random data: steps/s (warm-up steps excluded) and
+    the run's stage report."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.bench.jobs import StepClock, trainer_for, write_job
+
+    torch.set_num_threads(threads)
+    job = root / "job"
+    if not (job / "data").exists():
+        write_job(job, AutoModelForCausalLM.from_pretrained(target_dir), samples=64, length=256, prompt_length=64,
+                  max_id=SIZES[target_dir.name][0] - 2)
+    out = root / f"run-{backend}-{pipelined}"
+    overrides = {
+        "model.target": job / "target", "model.mask_token_id": SIZES[target_dir.name][0] - 1,
+        "model.num_draft_layers": 1, "model.block_size": 8, "model.target_layer_ids": json.dumps(taps),
+        "model.target_backend": backend, "data.path": job / "data", "data.token_budget": 2048,
+        "data.max_batch_size": 8, "objective.num_anchors": 32, "train.max_steps": steps, "train.log_every": steps,
+        "train.save_every": 0, "train.output_dir": out, "train.device": "cpu", "train.metrics": "[jsonl]",
+        "train.resume": "never", "pipeline.enabled": str(pipelined).lower(),
+    }
+    trainer, clock = trainer_for(overrides), StepClock()
+    try:
+        trainer.fit(on_step=clock)
+    finally:
+        if hasattr(trainer.target, "close"):
+            trainer.target.close()
+    return {"steps_per_s": clock.steady_rate(min(3, steps // 3)), "report": trainer.pipeline_report}
+
+
+def run(args) -> int:
+    import logging
+    import subprocess
+
+    logging.basicConfig(level=logging.WARNING)
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    if unknown:
+        raise SystemExit(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"engine vs in-process features, CPU, fp32, {args.samples} samples x {args.length} tokens, batches of "
+          f"{args.batch}; in-process {args.threads} threads; load: {load}")
+    results: dict = {"load_before": load, "settings": vars(args).copy(), "sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="flashdraft-bench-engine-") as tmp:
+        for name in args.sizes.split(","):
+            taps = SIZES[name][-1]
+            target_dir = build_target(Path(tmp), name)
+            row = measure_features(target_dir, taps, args)
+            results["sizes"][name] = row
+            tps, bps = row["tokens_per_s"], row["bytes_per_sample"]
+            print(f"\n{name} (taps {taps}): in-process {tps['in_process']:,.0f} tok/s, engine {tps['engine']:,.0f} "
+                  f"tok/s ({row['ratio']:.2f}x; engine start {row['engine_start_s']:.0f} s, excluded)")
+            print(f"  engine time: {100 * row['engine_prefill_share']:.0f}% waiting on its prefills, "
+                  f"{100 * row['engine_read_share']:.0f}% copying the captures in")
+            print(f"  bytes crossing per sample: {bps['features']:,.0f} of captured states (written once, read once) "
+                  f"+ {bps['ids']:,.0f} of ids")
+            print("  largest relative error per tap vs in-process: "
+                  + ", ".join(f"layer {k}: {v:.1e}" for k, v in row["relative_error"].items()))
+            if args.train_steps:
+                results["sizes"][name]["overlap"] = _overlap_part(target_dir, taps, args, Path(tmp) / f"{name}-train")
+    results["load_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"\nload after: {results['load_after']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
+def _overlap_part(target_dir: Path, taps: list[int], args, root: Path) -> dict:
+    found = {}
+    for backend in ("transformers", "vllm"):
+        runs = {p: measure_overlap(target_dir, taps, backend, p, args.train_steps, root, args.threads)
+                for p in (False, True)}
+        ideal = runs[False]["report"].ideal_items_per_s
+        found[backend] = {"sequential_steps_per_s": runs[False]["steps_per_s"],
+                          "pipelined_steps_per_s": runs[True]["steps_per_s"], "ideal_steps_per_s": ideal,
+                          "efficiency": runs[True]["steps_per_s"] / ideal if ideal else None,
+                          "bound": runs[True]["report"].bound, "pipelined_report": runs[True]["report"].format()}
+        row = found[backend]
+        print(f"  trainer, {backend}: sequential {row['sequential_steps_per_s']:.2f} steps/s, pipelined "
+              f"{row['pipelined_steps_per_s']:.2f} (ideal {ideal:.2f}, efficiency {row['efficiency']:.2f}, "
+              f"{row['bound']})")
+        print("    " + row["pipelined_report"].replace("\n", "\n    "))
+    return found
