@@ -237,7 +237,9 @@ class FeatureEngine:
         options = options or EngineOptions()
         python = engine_interpreter(options)
         self.storage = Path(tempfile.mkdtemp(prefix="flashdraft-engine-", dir=_storage_root()))
-        self.log_path = Path(tempfile.mkstemp(prefix="flashdraft-vllm-", suffix=".log")[1])
+        handle, log_path = tempfile.mkstemp(prefix="flashdraft-vllm-", suffix=".log")
+        os.close(handle)
+        self.log_path = Path(log_path)
         start = {"model": str(Path(model_dir).resolve()), "aux_layer_ids": self.aux_layer_ids,
                  "storage": str(self.storage), "dtype": dtype, "seed": seed,
                  "max_model_len": options.max_model_len or max_model_len, "engine_args": options.engine_args()}

@@ -114,6 +114,14 @@ def check_engine(cfg: Config, target, dataset: TokenDataset) -> None:
              report["tolerance"], report["dtype"])
 
 
+def close_target(target) -> None:
+    """End what the target holds beyond this process (issue 39's hook: an engine target's engine
+    process ends with the run, not when the target is collected); nothing for a TargetModel."""
+    close = getattr(target, "close", None)
+    if close is not None:
+        close()
+
+
 @dataclass
 class RunData:
     """The run's training and held-out data, and its eval prompts (token ids)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import traceback
 
@@ -122,12 +123,15 @@ def main(start_json: str) -> int:
     except Exception as exc:  # the engine's own reason, for flashdraft to show
         send(_error(exc))
         return 1
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            send({"paths": _prefill(llm, request["prefill"])})
-        except Exception as exc:  # this batch failed; flashdraft decides whether the run goes on
-            send(_error(exc))
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            try:
+                send({"paths": _prefill(llm, request["prefill"])})
+            except Exception as exc:  # this batch failed; flashdraft decides whether the run goes on
+                send(_error(exc))
+    finally:  # flashdraft removes it too; this covers a flashdraft that died (a tmpfs holds RAM)
+        shutil.rmtree(start["storage"], ignore_errors=True)
     return 0
 
 
