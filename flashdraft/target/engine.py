@@ -98,14 +98,16 @@ class EngineOptions:
     quantization: str = ""  # vLLM quantization ("": the checkpoint's own)
     gpu_memory_utilization: float = 0.9  # vLLM gpu_memory_utilization
     max_model_len: int = 0  # vLLM max_model_len (0: what the caller needs, see FeatureEngine)
+    devices: str = ""  # the engine's CUDA_VISIBLE_DEVICES ("": the caller's)
     extra: dict = field(default_factory=dict)  # further vLLM LLM(...) keyword arguments
+    env: dict = field(default_factory=dict)  # further environment variables of the engine's process
 
     @classmethod
     def of(cls, model_config) -> EngineOptions:
         """The options a run's ``model`` config section gives."""
         m = model_config
         return cls(m.vllm_python, m.vllm_tensor_parallel, m.vllm_expert_parallel, m.vllm_quantization,
-                   m.vllm_gpu_memory_utilization, m.vllm_max_model_len)
+                   m.vllm_gpu_memory_utilization, m.vllm_max_model_len, m.vllm_devices)
 
     def engine_args(self) -> dict:
         args = {"tensor_parallel_size": self.tensor_parallel, "gpu_memory_utilization": self.gpu_memory_utilization}
@@ -247,7 +249,9 @@ class FeatureEngine:
         # own processes (tensor parallel) find the connector on PYTHONPATH; vLLM's CPU build caps
         # its KV cache at 1 GiB unless told otherwise (the judge's setting).
         env = {**os.environ, "PYTHONPATH": str(ENGINE_ENV), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **options.env}
+        if options.devices:
+            env["CUDA_VISIBLE_DEVICES"] = options.devices
         begin = time.perf_counter()
         with open(self.log_path, "w") as engine_log:
             # its own session: a Ctrl-C meant for the trainer (a graceful stop) does not kill the engine
