@@ -1,6 +1,7 @@
 """Training with the vLLM target backend (model.target_backend=vllm): the same per-step losses as
 the transformers backend, fp32, same seed, on samples of several lengths (padded batches), with the
-start-up feature check on. One engine start (the trainer's)."""
+start-up feature check on and the feature cache serving the engine's features from the second epoch
+(20 steps: 8 per epoch). One engine start (the trainer's)."""
 
 from __future__ import annotations
 
@@ -53,11 +54,13 @@ def test_training_on_the_engines_features_gives_the_transformers_backends_losses
     caplog.set_level(logging.INFO, logger="flashdraft.train.startup")
     mask_id = make_job(tmp_path)
     runs = {}
-    for backend in ("transformers", "vllm"):
+    for backend, cache in (("transformers", 0), ("vllm", int(1e8))):  # the engine's features cached from epoch 2 on
         out = tmp_path / backend
         assert main(["train", *overrides(tmp_path, out, train__max_steps=STEPS, model__target_backend=backend,
-                                         model__mask_token_id=mask_id)]) == 0
+                                         model__mask_token_id=mask_id, pipeline__feature_cache_bytes=cache)]) == 0
         runs[backend] = losses(out)
     assert len(runs["vllm"]) == len(runs["transformers"]) == STEPS
     np.testing.assert_allclose(runs["vllm"], runs["transformers"], rtol=1e-4, atol=0)
     assert "the vLLM engine's features match the in-process forward on 4 samples" in caplog.text
+    last = json.loads((tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["cache/hits"] > 0 and last["cache/skipped_forwards"] > 0  # later epochs trained on cached features
