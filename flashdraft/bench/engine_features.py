@@ -6,16 +6,18 @@ Two parts, each on random-weight Qwen3 targets of the chosen sizes (``--sizes``)
 1. features: ``--samples`` samples of ``--length`` random tokens in batches of ``--batch``, through
    TargetModel.features (in-process, ``--threads`` torch threads) and EngineTarget.features (vLLM's
    CPU build in its own process, its own thread binding), each after one warm-up batch, the
-   engine's start-up timed apart; median of ``--repeats`` passes. Reported: tokens/s and samples/s
-   of each, their ratio, the engine's split (waiting on its prefills vs copying the captures in),
-   the bytes that cross between the processes per sample (the captured states, written once by
-   the engine into a tmpfs and read once here, and the ids sent), and the largest relative error
-   per tap against the in-process forward (flashdraft.target.feature_check).
+   engine's start-up timed apart; ``--repeats`` passes of each, alternating, and their medians.
+   Reported: tokens/s and samples/s of each, their ratio (the median pair's), the engine's split
+   (waiting on its prefills vs copying the captures in), the bytes that cross between the
+   processes per sample (the captured states, written once by the engine into a tmpfs and read
+   once here, and the ids sent), and the largest errors per tap against the in-process forward
+   (flashdraft.target.feature_check).
 2. overlap (``--train-steps`` > 0): the real trainer with each backend, sequential and pipelined
    (the engine's prefill of step n + 1 overlapping the drafter's step n), steps/s, the bound, the
    efficiency (pipelined / 1 over the slowest stage measured sequentially) and the stage table.
 
-On a machine of few cores both processes share them: a figure says where it was taken (``uptime``).
+On a machine of few cores both processes share them, and other jobs share them too: each figure
+comes with the load average it was taken under.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=64, help="samples per pass")
     parser.add_argument("--length", type=int, default=256, help="tokens per sample")
     parser.add_argument("--batch", type=int, default=16, help="samples per features call (one engine request each)")
-    parser.add_argument("--repeats", type=int, default=3, help="passes per backend; medians are reported")
+    parser.add_argument("--repeats", type=int, default=5, help="passes per backend, alternating; medians reported")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of the in-process forward (the engine binds its own)")
     parser.add_argument("--train-steps", type=int, default=0,
@@ -60,19 +62,18 @@ def build_target(root: Path, name: str) -> Path:
     return root / name
 
 
-def _passes(features, batches, repeats: int) -> float:
-    """Median seconds of one pass over ``batches`` (after one warm-up call)."""
-    features(*batches[0])
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        for batch in batches:
-            features(*batch)
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+def _pass(features, batches) -> float:
+    """Seconds of one pass over ``batches``."""
+    begin = time.perf_counter()
+    for batch in batches:
+        features(*batch)
+    return time.perf_counter() - begin
 
 
 def measure_features(target_dir: Path, taps: list[int], args) -> dict:
+    """Both backends on the same batches, passes alternating (in-process, engine, in-process, ...)
+    so that a change in the machine's load falls on both; medians, and the median of the pairs'
+    ratios."""
     from flashdraft.target import TargetModel
     from flashdraft.target.engine import EngineTarget
     from flashdraft.target.feature_check import check_engine_features
@@ -85,24 +86,27 @@ def measure_features(target_dir: Path, taps: list[int], args) -> dict:
                for i in range(0, args.samples, args.batch)]
     tokens = args.samples * args.length
     local = TargetModel.from_pretrained(target_dir, target_layer_ids=taps, dtype="float32")
-    local_s = _passes(local.features, batches, args.repeats)
     begin = time.perf_counter()
     engine = EngineTarget.from_pretrained(target_dir, target_layer_ids=taps, dtype="float32",
                                           max_model_len=args.length + 1)
     start_s = time.perf_counter() - begin
     try:
         check = check_engine_features(engine, local, ids[:4].tolist())
+        local.features(*batches[0]), engine.features(*batches[0])  # warm-up
         stats = engine.engine.stats
         before = (stats.prefill_s, stats.read_s, stats.requests, stats.feature_bytes, stats.id_bytes)
-        engine_s = _passes(engine.features, batches, args.repeats)
+        load = os.getloadavg()[0]
+        pairs = [(_pass(local.features, batches), _pass(engine.features, batches)) for _ in range(args.repeats)]
         prefill_s, read_s, requests, feature_bytes, id_bytes = (now - was for now, was in zip(
             (stats.prefill_s, stats.read_s, stats.requests, stats.feature_bytes, stats.id_bytes), before))
     finally:
         engine.close()
+    local_s, engine_s = (statistics.median(p[i] for p in pairs) for i in (0, 1))
     return {"tokens_per_s": {"in_process": tokens / local_s, "engine": tokens / engine_s},
             "samples_per_s": {"in_process": args.samples / local_s, "engine": args.samples / engine_s},
-            "ratio": local_s / engine_s, "engine_start_s": start_s,
-            # the split over every timed call (warm-up included): waiting on the engine vs copying captures in
+            "ratio": statistics.median(a / b for a, b in pairs), "pairs_s": pairs, "engine_start_s": start_s,
+            "load_1min": (load, os.getloadavg()[0]),
+            # the engine's time: waiting on its prefills vs copying the captures in
             "engine_prefill_share": prefill_s / (prefill_s + read_s),
             "engine_read_share": read_s / (prefill_s + read_s),
             "bytes_per_sample": {"features": feature_bytes / requests, "ids": id_bytes / requests},
@@ -161,7 +165,8 @@ def run(args) -> int:
             results["sizes"][name] = row
             tps, bps = row["tokens_per_s"], row["bytes_per_sample"]
             print(f"\n{name} (taps {taps}): in-process {tps['in_process']:,.0f} tok/s, engine {tps['engine']:,.0f} "
-                  f"tok/s ({row['ratio']:.2f}x; engine start {row['engine_start_s']:.0f} s, excluded)")
+                  f"tok/s ({row['ratio']:.2f}x, the median pair; engine start {row['engine_start_s']:.0f} s, excluded; "
+                  "load average %.1f -> %.1f)" % row["load_1min"])
             print(f"  engine time: {100 * row['engine_prefill_share']:.0f}% waiting on its prefills, "
                   f"{100 * row['engine_read_share']:.0f}% copying the captures in")
             print(f"  bytes crossing per sample: {bps['features']:,.0f} of captured states (written once, read once) "
