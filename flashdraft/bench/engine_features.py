@@ -7,7 +7,8 @@ Two parts, each on random-weight Qwen3 targets of the chosen sizes (``--sizes``)
    TargetModel.features (in-process, ``--threads`` torch threads) and EngineTarget.features (vLLM's
    CPU build in its own process, its own thread binding), each after one warm-up batch, the
    engine's start-up timed apart; ``--repeats`` passes of each, alternating, and their medians.
-   Reported: tokens/s and samples/s of each, their ratio (the median pair's), the engine's split
+   Reported: tokens/s and samples/s of each, their ratio (the median pair's), tokens per CPU
+   second (both processes' CPU time: what moves least when other jobs share the cores), the engine's split
    (waiting on its prefills vs copying the captures in), the bytes that cross between the
    processes per sample (the captured states, written once by the engine into a tmpfs and read
    once here, and the ids sent), and the largest errors per tap against the in-process forward
@@ -62,12 +63,24 @@ def build_target(root: Path, name: str) -> Path:
     return root / name
 
 
-def _pass(features, batches) -> float:
-    """Seconds of one pass over ``batches``."""
-    begin = time.perf_counter()
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds used so far by this process, plus by process ``pid`` (the engine) when given."""
+    import psutil
+
+    used = time.process_time()
+    if pid is not None:
+        times = psutil.Process(pid).cpu_times()
+        used += times.user + times.system
+    return used
+
+
+def _pass(features, batches, engine_pid: int | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of both processes) of one pass over ``batches``: the CPU time
+    moves much less than the wall time when other jobs share the cores."""
+    begin, cpu = time.perf_counter(), _cpu_s(engine_pid)
     for batch in batches:
         features(*batch)
-    return time.perf_counter() - begin
+    return time.perf_counter() - begin, _cpu_s(engine_pid) - cpu
 
 
 def measure_features(target_dir: Path, taps: list[int], args) -> dict:
@@ -96,15 +109,20 @@ def measure_features(target_dir: Path, taps: list[int], args) -> dict:
         stats = engine.engine.stats
         before = (stats.prefill_s, stats.read_s, stats.requests, stats.feature_bytes, stats.id_bytes)
         load = os.getloadavg()[0]
-        pairs = [(_pass(local.features, batches), _pass(engine.features, batches)) for _ in range(args.repeats)]
+        pid = engine.engine.process.pid
+        pairs = [(_pass(local.features, batches), _pass(engine.features, batches, pid)) for _ in range(args.repeats)]
         prefill_s, read_s, requests, feature_bytes, id_bytes = (now - was for now, was in zip(
             (stats.prefill_s, stats.read_s, stats.requests, stats.feature_bytes, stats.id_bytes), before))
     finally:
         engine.close()
-    local_s, engine_s = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+    local_s, local_cpu, engine_s, engine_cpu = (statistics.median(pair[side][what] for pair in pairs)
+                                                for side in (0, 1) for what in (0, 1))
     return {"tokens_per_s": {"in_process": tokens / local_s, "engine": tokens / engine_s},
+            "tokens_per_cpu_s": {"in_process": tokens / local_cpu, "engine": tokens / engine_cpu},
             "samples_per_s": {"in_process": args.samples / local_s, "engine": args.samples / engine_s},
-            "ratio": statistics.median(a / b for a, b in pairs), "pairs_s": pairs, "engine_start_s": start_s,
+            "ratio": statistics.median(a[0] / b[0] for a, b in pairs),
+            "cpu_ratio": statistics.median(a[1] / b[1] for a, b in pairs), "pairs": pairs,
+            "engine_start_s": start_s,
             "load_1min": (load, os.getloadavg()[0]),
             # the engine's time: waiting on its prefills vs copying the captures in
             "engine_prefill_share": prefill_s / (prefill_s + read_s),
@@ -167,6 +185,9 @@ def run(args) -> int:
             print(f"\n{name} (taps {taps}): in-process {tps['in_process']:,.0f} tok/s, engine {tps['engine']:,.0f} "
                   f"tok/s ({row['ratio']:.2f}x, the median pair; engine start {row['engine_start_s']:.0f} s, excluded; "
                   "load average %.1f -> %.1f)" % row["load_1min"])
+            cpu = row["tokens_per_cpu_s"]
+            print(f"  per CPU second (both processes): in-process {cpu['in_process']:,.0f} tok, engine "
+                  f"{cpu['engine']:,.0f} tok ({row['cpu_ratio']:.2f}x)")
             print(f"  engine time: {100 * row['engine_prefill_share']:.0f}% waiting on its prefills, "
                   f"{100 * row['engine_read_share']:.0f}% copying the captures in")
             print(f"  bytes crossing per sample: {bps['features']:,.0f} of captured states (written once, read once) "
