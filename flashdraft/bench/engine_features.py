@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="passes per backend, alternating; medians reported")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of the in-process forward (the engine binds its own)")
+    parser.add_argument("--taps", default="", help="tapped layers for every size, e.g. 1,3,6 (default: each size's)")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="steps per trainer run of the overlap part (0: skip it; 24 measures it)")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
@@ -177,7 +178,7 @@ def run(args) -> int:
     results: dict = {"load_before": load, "settings": vars(args).copy(), "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="flashdraft-bench-engine-") as tmp:
         for name in args.sizes.split(","):
-            taps = SIZES[name][-1]
+            taps = [int(t) for t in args.taps.split(",")] if args.taps else SIZES[name][-1]
             target_dir = build_target(Path(tmp), name)
             row = measure_features(target_dir, taps, args)
             results["sizes"][name] = row
@@ -185,6 +186,12 @@ def run(args) -> int:
             print(f"\n{name} (taps {taps}): in-process {tps['in_process']:,.0f} tok/s, engine {tps['engine']:,.0f} "
                   f"tok/s ({row['ratio']:.2f}x, the median pair; engine start {row['engine_start_s']:.0f} s, excluded; "
                   "load average %.1f -> %.1f)" % row["load_1min"])
+            # the engine runs every layer (and the last token's head); in-process stops after the last tap
+            layers = SIZES[name][1]
+            row["layer_ratio"] = (max(taps) + 1) / layers
+            print(f"  layers computed: in-process {max(taps) + 1} of {layers} (it stops after the last tap), the "
+                  f"engine all {layers}: at equal speed per layer the engine would reach {row['layer_ratio']:.2f}x; "
+                  f"per layer it runs at {row['ratio'] / row['layer_ratio']:.2f}x")
             cpu = row["tokens_per_cpu_s"]
             print(f"  per CPU second (both processes): in-process {cpu['in_process']:,.0f} tok, engine "
                   f"{cpu['engine']:,.0f} tok ({row['cpu_ratio']:.2f}x)")
