@@ -134,9 +134,9 @@ def measure_features(target_dir: Path, taps: list[int], args) -> dict:
 
 
 def measure_overlap(target_dir: Path, taps: list[int], backend: str, pipelined: bool, steps: int, root: Path,
-                    threads: int) -> dict:
-    """The real trainer on ``target_dir`` with random data: steps/s (warm-up steps excluded) and
-    the run's stage report."""
+                    out: Path, threads: int) -> dict:
+    """The real trainer on ``target_dir`` with random data (made once in ``root``), its output in
+    ``out``: steps/s (warm-up steps excluded) and the run's stage report."""
     from transformers import AutoModelForCausalLM
 
     from flashdraft.bench.jobs import StepClock, trainer_for, write_job
@@ -146,7 +146,6 @@ def measure_overlap(target_dir: Path, taps: list[int], backend: str, pipelined: 
     if not (job / "data").exists():
         write_job(job, AutoModelForCausalLM.from_pretrained(target_dir), samples=64, length=256, prompt_length=64,
                   max_id=SIZES[target_dir.name][0] - 2)
-    out = root / f"run-{backend}-{pipelined}"
     overrides = {
         "model.target": job / "target", "model.mask_token_id": SIZES[target_dir.name][0] - 1,
         "model.num_draft_layers": 1, "model.block_size": 8, "model.target_layer_ids": json.dumps(taps),
@@ -211,18 +210,24 @@ def run(args) -> int:
 
 
 def _overlap_part(target_dir: Path, taps: list[int], args, root: Path) -> dict:
+    """Each backend's trainer sequential and pipelined, in ABBA order (a drift in the machine's load
+    falls on both modes); medians. The ideal is 1 / the slowest stage of the sequential runs."""
     found = {}
     for backend in ("transformers", "vllm"):
-        runs = {p: measure_overlap(target_dir, taps, backend, p, args.train_steps, root, args.threads)
-                for p in (False, True)}
-        ideal = runs[False]["report"].ideal_items_per_s
-        found[backend] = {"sequential_steps_per_s": runs[False]["steps_per_s"],
-                          "pipelined_steps_per_s": runs[True]["steps_per_s"], "ideal_steps_per_s": ideal,
-                          "efficiency": runs[True]["steps_per_s"] / ideal if ideal else None,
-                          "bound": runs[True]["report"].bound, "pipelined_report": runs[True]["report"].format()}
+        runs = {False: [], True: []}
+        for i, pipelined in enumerate((False, True, True, False)):
+            runs[pipelined].append(measure_overlap(target_dir, taps, backend, pipelined, args.train_steps, root,
+                                                   root / f"run-{backend}-{i}", args.threads))
+        rate = {p: statistics.median(r["steps_per_s"] for r in runs[p]) for p in runs}
+        ideal = statistics.median(r["report"].ideal_items_per_s for r in runs[False])
+        found[backend] = {"sequential_steps_per_s": rate[False], "pipelined_steps_per_s": rate[True],
+                          "ideal_steps_per_s": ideal, "efficiency": rate[True] / ideal if ideal else None,
+                          "bound": runs[True][-1]["report"].bound,
+                          "sequential_report": runs[False][-1]["report"].format(),
+                          "pipelined_report": runs[True][-1]["report"].format()}
         row = found[backend]
-        print(f"  trainer, {backend}: sequential {row['sequential_steps_per_s']:.2f} steps/s, pipelined "
-              f"{row['pipelined_steps_per_s']:.2f} (ideal {ideal:.2f}, efficiency {row['efficiency']:.2f}, "
-              f"{row['bound']})")
-        print("    " + row["pipelined_report"].replace("\n", "\n    "))
+        print(f"  trainer, {backend}: sequential {rate[False]:.2f} steps/s, pipelined {rate[True]:.2f} (ideal "
+              f"{ideal:.2f}, efficiency {row['efficiency']:.2f}, {row['bound']}; medians of 2 runs each, ABBA)")
+        for mode in ("sequential", "pipelined"):
+            print("    " + row[f"{mode}_report"].replace("\n", "\n    "))
     return found
