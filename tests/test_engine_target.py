@@ -97,8 +97,9 @@ def test_a_planted_tap_off_by_one_is_refused_naming_the_tap_the_sample_and_the_e
         check_engine_features(planted, reference(target_dir, [1, 2]), samples())
     error = refused.value
     assert error.tap in (0, 1) and error.layer in (1, 2) and 0 <= error.sample < len(LENGTHS)
-    assert error.relative_error > 0.1 and error.max_abs_error > 0.01
-    assert f"at tap {error.tap} (target layer {error.layer}" in str(error) and f"sample {error.sample}" in str(error)
+    assert error.relative_error > 0.1 and error.max_abs_error > 0.01 and error.aux_layer == error.layer
+    assert f"at tap {error.tap} (target layer {error.layer}, read from vLLM aux layer {error.layer})" in str(error)
+    assert f"sample {error.sample}: relative error {error.relative_error:.2e}" in str(error)
 
 
 @pytest.mark.slow

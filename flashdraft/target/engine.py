@@ -353,12 +353,12 @@ class EngineTarget:
         if engine.ready["dtype"] != str(self.dtype).removeprefix("torch."):
             raise EngineError(f"the engine computes in {engine.ready['dtype']}, the target's features are "
                               f"{self.dtype}: start the engine with the run's dtype")
-        aux = [vllm_aux_layer_id(i) for i in self.layer_ids]
-        missing = sorted(set(aux) - set(engine.aux_layer_ids))
+        self.aux_layer_ids = [vllm_aux_layer_id(i) for i in self.layer_ids]  # vLLM's id of each tap, tap order
+        missing = sorted(set(self.aux_layer_ids) - set(engine.aux_layer_ids))
         if missing:
             raise EngineError(f"the engine captures aux layers {engine.aux_layer_ids}, the taps {self.layer_ids} need "
-                              f"{aux} ({missing} missing): start it for these taps")
-        self._rows = torch.tensor([engine.aux_layer_ids.index(a) for a in aux])  # the file's aux index, tap order
+                              f"{self.aux_layer_ids} ({missing} missing): start it for these taps")
+        self._rows = torch.tensor([engine.aux_layer_ids.index(a) for a in self.aux_layer_ids])  # the file's index
         self.lock = threading.Lock()  # held by the feed around every features call (feed.stages)
         self._channel = threading.Lock()  # one request at a time on the engine's pipe, whoever calls
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.target.engine import EngineError, vllm_aux_layer_id
+from flashdraft.target.engine import EngineError
 
 # Largest relative row error accepted per dtype. Measured here (vLLM's CPU build against transformers
 # on CPU, docs/benchmarks.md): fp32 3e-7 (a 4-layer Qwen3, hidden 64) to 3e-6 (hidden 1024, 8
@@ -27,13 +27,13 @@ TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 class EngineFeatureMismatch(EngineError):
     """The engine's features are not the in-process forward's: which tap, which sample, how far."""
 
-    def __init__(self, tap: int, layer: int, sample: int, relative_error: float, max_abs_error: float,
-                 tolerance: float, dtype: torch.dtype):
-        self.tap, self.layer, self.sample = tap, layer, sample
+    def __init__(self, tap: int, layer: int, aux_layer: int, sample: int, relative_error: float,
+                 max_abs_error: float, tolerance: float, dtype: torch.dtype):
+        self.tap, self.layer, self.aux_layer, self.sample = tap, layer, aux_layer, sample
         self.relative_error, self.max_abs_error, self.tolerance = relative_error, max_abs_error, tolerance
         super().__init__(
-            f"the engine's features differ from the in-process forward at tap {tap} (target layer {layer}, vLLM aux "
-            f"layer {vllm_aux_layer_id(layer)}), sample {sample}: relative error {relative_error:.2e} per token row "
+            f"the engine's features differ from the in-process forward at tap {tap} (target layer {layer}, read from "
+            f"vLLM aux layer {aux_layer}), sample {sample}: relative error {relative_error:.2e} per token row "
             f"(tolerance {tolerance:.0e} in {str(dtype).removeprefix('torch.')}), largest absolute error "
             f"{max_abs_error:.2e}. A wrong capture trains and serves, only worse: check that the engine runs the same "
             "model directory and dtype, and report it with the engine's log")
@@ -56,12 +56,13 @@ def check_engine_features(engine_target, reference_target, samples: list[list[in
                           *, batch_size: int = 4) -> dict:
     """Compare ``samples`` (token ids, any lengths) through both targets, tap by tap.
 
-    ``engine_target``: an EngineTarget; ``reference_target``: a TargetModel of the same model
+    ``engine_target``: an EngineTarget (its ``aux_layer_ids``: where each tap was read from);
+    ``reference_target``: a TargetModel of the same model
     with the same taps (its transformers forward). The samples go in right-padded batches of
     ``batch_size``, so padding is part of what is checked. ``dtype`` picks the tolerance
     (TOLERANCES; default: the engine target's dtype). Raises EngineFeatureMismatch for the worst
-    (tap, sample) beyond the tolerance; else returns the report: per tap its layer, vLLM aux
-    layer, largest relative and absolute errors and the sample they came from."""
+    (tap, sample) beyond the tolerance; else returns the report: per tap its layer, the vLLM aux
+    layer it was read from, its largest relative and absolute errors and the sample they came from."""
     if list(reference_target.layer_ids) != list(engine_target.layer_ids):
         raise ValueError(f"the reference taps {reference_target.layer_ids}, the engine target "
                          f"{engine_target.layer_ids}: compare the same taps")
@@ -87,12 +88,13 @@ def check_engine_features(engine_target, reference_target, samples: list[list[in
             for k, (rel, err) in enumerate(tap_errors(engine[b], reference[b], len(sample), num_taps)):
                 if rel > worst[k][0]:
                     worst[k] = (rel, err, first + b)
-    taps = [{"tap": k, "layer": layer, "vllm_aux_layer": vllm_aux_layer_id(layer), "relative_error": rel,
-             "max_abs_error": err, "sample": b}
-            for k, (layer, (rel, err, b)) in enumerate(zip(engine_target.layer_ids, worst))]
+    taps = [{"tap": k, "layer": layer, "vllm_aux_layer": aux, "relative_error": rel, "max_abs_error": err,
+             "sample": b}
+            for k, (layer, aux, (rel, err, b)) in enumerate(zip(engine_target.layer_ids, engine_target.aux_layer_ids,
+                                                                  worst))]
     bad = max(taps, key=lambda t: t["relative_error"])
     if bad["relative_error"] > tolerance:
-        raise EngineFeatureMismatch(bad["tap"], bad["layer"], bad["sample"], bad["relative_error"],
-                                    bad["max_abs_error"], tolerance, dtype)
+        raise EngineFeatureMismatch(bad["tap"], bad["layer"], bad["vllm_aux_layer"], bad["sample"],
+                                    bad["relative_error"], bad["max_abs_error"], tolerance, dtype)
     return {"samples": len(samples), "tokens": sum(map(len, samples)), "dtype": str(dtype).removeprefix("torch."),
             "tolerance": tolerance, "taps": taps}
