@@ -111,6 +111,18 @@ def test_a_capture_of_other_tokens_is_refused_and_removed(engine):
     assert os.listdir(engine.storage) == []
 
 
+@pytest.mark.slow
+def test_a_batch_whose_captures_would_not_fit_is_refused_before_it_is_sent(engine, monkeypatch):
+    batch = [list(range(1, 101))]  # 100 tokens x 3 aux layers x 64 x 4 bytes = 76,800 bytes of captures
+    real = engine_module.shutil.disk_usage
+    monkeypatch.setattr(engine_module.shutil, "disk_usage", lambda path: real(path)._replace(free=50_000))
+    with pytest.raises(EngineError, match="FLASHDRAFT_ENGINE_STORAGE"):
+        engine.prefill(batch)
+    monkeypatch.setattr(engine_module.shutil, "disk_usage", lambda path: real(path)._replace(free=80_000))
+    (path,) = engine.prefill(batch)  # the engine took nothing of the refused one: the next request is answered
+    read_capture(path, batch[0], torch.tensor([0]), torch.empty(100, 64))
+
+
 def test_a_last_layer_tap_is_refused_before_any_engine_starts(target_dir):
     assert last_layer_refusal([1, 2], 4) is None
     with pytest.raises(ValueError, match=r"taps the target's last layer \(3\).*before it"):

@@ -270,7 +270,16 @@ class FeatureEngine:
                  self.storage)
 
     def prefill(self, samples: list[list[int]]) -> list[str]:
-        """One prefill request per sample (token ids); their capture paths, in order."""
+        """One prefill request per sample (token ids); their capture paths, in order. Refused
+        before it is sent when the capture directory cannot hold the batch's captures (a
+        container's /dev/shm is often 64 MB)."""
+        need = sum(map(len, samples)) * len(self.aux_layer_ids) * self.ready["hidden_size"] * \
+            getattr(torch, self.ready["dtype"]).itemsize
+        free = shutil.disk_usage(self.storage).free
+        if need > free:
+            raise EngineError(f"the engine's captures of this batch take {need / 2**20:.1f} MiB, and {self.storage} "
+                              f"has {free / 2**20:.1f} MiB free: point {STORAGE_ENV} at a directory with room (a tmpfs "
+                              "keeps them off the disk), or lower data.token_budget")
         request = json.dumps({"prefill": samples}) + "\n"
         begin = time.perf_counter()
         try:
