@@ -47,6 +47,8 @@ DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, 
 METRIC_SINKS = ("jsonl", "tensorboard", "wandb")  # train.metrics (metrics.MetricsLogger)
 # pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (distributed.role_layout)
 PLACEMENTS = ("colocated", "disaggregated")
+# model.target_backend: who computes the target's features (transformers in-process, or a vLLM engine: target.engine)
+TARGET_BACKENDS = ("transformers", "vllm")
 # The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
 # far below it sampling is greedy anyway. Smaller positive values are refused where they are given
 # (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
@@ -59,6 +61,7 @@ MAX_TIMEOUT_S = 1e9
 # ---- marks on fields: the lists of fields other parts need are derived from them (marked_fields) --
 RESUME = "resume"  # a resume must find the field unchanged: it changes what is trained or in which order
 DFLASH2 = "dflash2"  # a DFlash2 knob: refused unless model.drafter=dflash2 (it would be ignored)
+VLLM = "vllm"  # a knob of the vLLM target backend: refused unless model.target_backend=vllm (it would be ignored)
 
 
 def _marked(default: Any, *marks: str) -> Any:
@@ -106,6 +109,18 @@ class ModelConfig:
     init_from: str = _marked("", RESUME)
     tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
     expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
+    # ---- the target's backend (issue 39; these move into the target's own config section) ----
+    # transformers (in-process forward) | vllm (a vLLM engine in its own process; docs/architecture.md)
+    target_backend: str = "transformers"  # who computes the target's features
+    vllm_python: str = _marked("", VLLM)  # interpreter with vLLM installed ("": flashdraft's cached CPU build)
+    vllm_tensor_parallel: int = _marked(1, VLLM)  # the engine's tensor_parallel_size (GPUs of its own)
+    vllm_expert_parallel: bool = _marked(False, VLLM)  # the engine's enable_expert_parallel (a MoE target)
+    vllm_quantization: str = _marked("", VLLM)  # the engine's quantization, e.g. fp8 ("": the checkpoint's own)
+    vllm_gpu_memory_utilization: float = _marked(0.9, VLLM)  # share of each engine GPU's memory vLLM may take
+    vllm_max_model_len: int = _marked(0, VLLM)  # the engine's max_model_len (0: data.max_length + 1)
+    vllm_devices: str = _marked("", VLLM)  # the engine's CUDA_VISIBLE_DEVICES, e.g. "0" ("": the trainer's)
+    # samples compared tap by tap with the in-process transformers forward at start-up (0: none)
+    vllm_check_samples: int = _marked(4, VLLM)
 
     @property
     def layer_types(self) -> list[str] | None:
@@ -155,6 +170,14 @@ class ModelConfig:
                "expert parallelism splits the experts over a target group: set model.tensor_parallel > 1 too")
         for key in ("conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, key) >= 1, f"model.{key}", f"{getattr(self, key)}", "use 1 or more")
+        _check(self.target_backend in TARGET_BACKENDS, "model.target_backend", self.target_backend,
+               f"use {' or '.join(TARGET_BACKENDS)}")
+        _check(self.vllm_tensor_parallel >= 1, "model.vllm_tensor_parallel", f"{self.vllm_tensor_parallel}",
+               "use 1 or the engine's GPUs to shard the target over")
+        _check(0 < self.vllm_gpu_memory_utilization <= 1, "model.vllm_gpu_memory_utilization",
+               f"{self.vllm_gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.9")
+        for key in ("vllm_max_model_len", "vllm_check_samples"):
+            _check(getattr(self, key) >= 0, f"model.{key}", f"{getattr(self, key)}", "use 0 or more")
         if self.target_layer_ids is not None:
             ids = self.target_layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
@@ -389,6 +412,11 @@ class Config:
                    for name, _ in _sections()]
         _refuse_unselected(dflash2, self.model.drafter == "dflash2", "DFlash2's conv and selector",
                            "set model.drafter=dflash2 too")
+        vllm = [(self.model, "model", tuple(k for s, k in marked_fields(VLLM) if s == "model"))]
+        _refuse_unselected(vllm, self.model.target_backend == "vllm", "the vLLM target backend",
+                           "set model.target_backend=vllm too")
+        if self.model.target_backend == "vllm":
+            self._check_vllm_backend()
         if self.model.tensor_parallel > 1:
             _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
                    "data.eval_path / data.eval_prompts", self.data.eval_path or self.data.eval_prompts,
@@ -406,6 +434,17 @@ class Config:
             _check(self.data.max_length >= need, "data.max_length", f"{self.data.max_length}",
                    f"every sample needs 2 * model.block_size = {need} supervised tokens (DFlash's filter), so use "
                    f"data.max_length >= {need}, or set data.min_supervised explicitly")
+
+    def _check_vllm_backend(self) -> None:
+        """What the vLLM target backend cannot do (yet): decode (the in-training tau), or be sharded
+        by flashdraft (the engine shards the target itself)."""
+        _check(self.model.tensor_parallel == 1, "model.tensor_parallel", f"{self.model.tensor_parallel}",
+               "with model.target_backend=vllm the engine shards the target: use model.vllm_tensor_parallel")
+        tau = bool(self.data.eval_prompts or self.data.eval_path) and self.train.eval_prompts > 0
+        _check(not tau, "train.eval_prompts", f"{self.train.eval_prompts}",
+               "the in-training tau decodes with the target in-process, which model.target_backend=vllm does not "
+               "load: set train.eval_prompts=0 (the held-out loss of data.eval_path still runs) and judge the export "
+               "with `flashdraft eval --engine vllm`")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))

@@ -67,7 +67,7 @@ def test_every_bench_entry_parses_its_options(capsys):
     from flashdraft.bench import SUBBENCHES
 
     assert set(SUBBENCHES) == {"data", "prepare", "step", "train", "pipeline", "soak", "gpu-pipeline", "gpu-check",
-                               "plan"}
+                               "plan", "engine-features"}
     for name in SUBBENCHES:
         with pytest.raises(SystemExit) as exit_:
             main(["bench", name, "--help"])

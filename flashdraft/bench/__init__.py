@@ -22,6 +22,7 @@ SUBBENCHES: dict[str, str] = {
     "gpu-pipeline": "GPU: the trainer sequential vs pipelined on a Qwen3-0.6B-shaped target (--smoke: on CPU)",
     "plan": "the memory plan of public targets' config.json files at several lengths and device sizes",
     "gpu-check": "GPU: parts of benchmarks/gpu_checks.sh (the one-GPU check; --smoke: on CPU)",
+    "engine-features": "the target's features from a vLLM engine vs the in-process forward (CPU): rate, bytes, overlap",
 }
 
 

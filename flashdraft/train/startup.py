@@ -94,8 +94,11 @@ def check_run(config: Config, dist: Dist) -> None:
 def load_target(config: Config, dist: Dist) -> TargetModel:
     """The frozen target on this rank's device: whole, sharded over a target group (its
     tensor- / expert-parallel plan), or on a disaggregated drafter rank the embedding and LM head
-    only (the loss's share of it; the rank that runs evals loads it all)."""
+    only (the loss's share of it; the rank that runs evals loads it all). With
+    ``model.target_backend=vllm`` a rank that computes features gets an EngineTarget instead."""
     cfg = config
+    if cfg.model.target_backend == "vllm" and dist.role != "drafter":  # issue 39's hook: moves into the builder
+        return _engine_target(cfg, dist)
     evaluates = dist.is_main and plan.evaluates(cfg)  # the memory plan counts the same rule
     target = TargetModel.from_pretrained(
         cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
@@ -116,6 +119,51 @@ def load_target(config: Config, dist: Dist) -> TargetModel:
                     cfg.model.tensor_parallel, "expert" if cfg.model.expert_parallel else "tensor",
                     local / 2**30, whole / 2**30)
     return target
+
+
+def _engine_target(cfg: Config, dist: Dist):
+    """The target whose features a vLLM engine computes (flashdraft.target.engine): its heads on
+    this rank's device, the engine started on the same directory in the run's dtype."""
+    from flashdraft.target.engine import EngineOptions, EngineTarget
+
+    return EngineTarget.from_pretrained(
+        cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
+        device=dist.device, dtype=cfg.model.dtype, max_model_len=cfg.data.max_length + 1,
+        options=EngineOptions.of(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
+
+
+def check_engine(cfg: Config, target, dataset: TokenDataset) -> None:
+    """An engine target's features against the in-process forward on the first
+    ``model.vllm_check_samples`` samples of the run's data, before the run trusts them
+    (flashdraft.target.feature_check; a mismatch stops the run naming the tap, sample and error).
+    The transformers target is loaded for the check alone, on this rank's device, and freed."""
+    from flashdraft.target.feature_check import check_engine_features
+
+    count = min(cfg.model.vllm_check_samples, len(dataset))
+    if count == 0:
+        log.warning("warning: the vLLM engine's features are not checked (model.vllm_check_samples=0)")
+        return
+    reference = TargetModel.from_pretrained(
+        cfg.model.target, target_layer_ids=target.layer_ids, device=target.device, dtype=cfg.model.dtype,
+        attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+    try:
+        report = check_engine_features(target, reference, [dataset[i][0].tolist() for i in range(count)])
+    finally:
+        del reference
+        if target.device.type == "cuda":
+            torch.cuda.empty_cache()
+    errors = ", ".join(f"layer {t['layer']}: {t['relative_error']:.1e}" for t in report["taps"])
+    log.info("the vLLM engine's features match the in-process forward on %d samples (%d tokens): largest relative "
+             "error per tap %s (tolerance %.0e in %s)", report["samples"], report["tokens"], errors,
+             report["tolerance"], report["dtype"])
+
+
+def close_target(target) -> None:
+    """End what the target holds beyond this process (issue 39's hook: an engine target's engine
+    process ends with the run, not when the target is collected); nothing for a TargetModel."""
+    close = getattr(target, "close", None)
+    if close is not None:
+        close()
 
 
 @dataclass
@@ -140,6 +188,8 @@ def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: in
     for found in (dataset, eval_dataset):
         if found is not None:
             checks.check_lengths(found, cfg, target.config)
+    if getattr(target, "backend", None) == "vllm":  # issue 39's hook: an engine's features are checked first
+        check_engine(cfg, target, dataset)
     return RunData(dataset, eval_dataset, checks.load_eval_prompts(cfg, eval_dataset, target.config))
 
 

@@ -344,9 +344,12 @@ def train(config: Config, on_step: StepHook | None = None) -> TrainResult:
     release DDP and the process group whatever happened."""
     dist = startup.start_process(config)
     if dist.role == "target":  # a disaggregated target rank serves features; it builds no Trainer
+        rank = None
         try:
-            return TrainResult(TargetRank(config, dist).serve(), None, None)
+            rank = TargetRank(config, dist)
+            return TrainResult(rank.serve(), None, None)
         finally:
+            startup.close_target(rank.target if rank else None)
             distributed.teardown()
     trainer = Trainer(config, dist)
     try:
@@ -354,4 +357,5 @@ def train(config: Config, on_step: StepHook | None = None) -> TrainResult:
         return TrainResult(metrics, trainer.pipeline_report, trainer.feature_cache_stats)
     finally:
         trainer.release_ddp()
+        startup.close_target(trainer.target)
         distributed.teardown()
