@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("flashdraft.data.regenerate", "replace assistant turns by the target's own replies"),
     "config": ("flashdraft.config", "print the resolved training config as documented YAML (no arguments: defaults)"),
     "train": ("flashdraft.train.cli", "train a DFlash drafter online against a frozen target (torchrun for many GPUs)"),
-    "plan": ("flashdraft.plan", "whether a run fits its GPU: the per-device peak memory, from config.json alone"),
+    "plan": ("flashdraft.train.plan", "whether a run fits its GPU: the per-device peak memory, from config.json alone"),
     "export": ("flashdraft.export", "write the serving-format drafter of a checkpoint (newest by default), verified"),
     "eval": ("flashdraft.evaluate", "speculative decoding with a drafter: tau, per-position acceptance, losslessness"),
     "inspect": ("flashdraft.data.inspect", "summarise a training dataset: samples, tokens, lengths, padding, problems"),

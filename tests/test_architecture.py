@@ -252,3 +252,36 @@ def test_the_identifier_check_sees_attributes_keywords_imports_and_arguments():
                                               "candidate_selector", "alpha", "SelectorLoss", "f", "g", "x", "y"}
     assert naming({"m": ast.parse(source)}, ["m"], ("selector",)) == [
         "m: SelectorLoss", "m: candidate_selector", "m: selector_loss"]
+
+
+def patched_imports(tree: ast.Module) -> list[str]:
+    """Assignments to an attribute of something imported from the package (``module.name = ...``,
+    ``Class.method = ...``): run-time patching of another module's code."""
+    imported = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+                and (getattr(node, "module", None) or "").startswith("flashdraft") | any(
+                    a.name.startswith("flashdraft") for a in node.names) for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in (t for outer in targets for t in (outer.elts if isinstance(outer, ast.Tuple) else [outer])):
+            base = target
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(target, ast.Attribute) and isinstance(base, ast.Name) and base.id in imported:
+                found.append(f"line {target.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_no_module_patches_another_at_run_time():
+    """The memory plan used to swap the drafter's attention plan and kernels for stand-ins in every
+    training process; its stand-ins are now named implementations the drafter registers."""
+    patches = {name: found for name, tree in _modules().items() if (found := patched_imports(tree))}
+    assert not patches, patches
+
+
+def test_the_patch_check_finds_a_patch():
+    tree = ast.parse("from flashdraft.drafter import model as m\nimport flashdraft.x\n"
+                     "m.DFlashDrafter.attend, y = f, 1\nflashdraft.x.z = 2\nlocal = object()\nlocal.a = 1\n")
+    assert patched_imports(tree) == ["line 3: m.DFlashDrafter.attend", "line 4: flashdraft.x.z"]

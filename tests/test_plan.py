@@ -1,4 +1,4 @@
-"""The memory plan (flashdraft/plan.py): its estimate against the measured peak of real CPU
+"""The memory plan (flashdraft/train/plan.py): its estimate against the measured peak of real CPU
 training steps, `train` refusing a run that cannot fit before it loads any weights, the
 `flashdraft plan` command, and the plan of each public target config kept in
 tests/fixtures/configs (Qwen3-8B, Qwen3-32B, Qwen3-30B-A3B, Qwen3-235B-A22B, Llama-3.1-8B-Instruct,
@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from flashdraft import plan as plan_module
+from flashdraft.train import plan as plan_module
 from flashdraft.cli import main
 from flashdraft.config import load_config
-from flashdraft.plan import GiB, batch_size_at, plan_memory
+from flashdraft.train.plan import GiB, batch_size_at, plan_memory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 ROOT = Path(__file__).parent.parent
@@ -296,3 +297,15 @@ def test_the_plan_over_a_billion_lengths_takes_seconds(tmp_path):
     planning.join(timeout=120)
     assert found, "the plan of data.max_length=10^9 did not end within 120 s"
     assert 2 <= found[0].seq_len <= 10**9 and found[0].batch_size >= 1
+
+
+def test_the_stand_in_attention_is_named_and_no_config_picks_it():
+    """The plan's stand-ins are implementations the drafter registers (drafter/stand_in.py), not
+    patches; a user's config cannot select them."""
+    from flashdraft.drafter.attention import EXTRA_IMPLS, resolve_attention
+    from flashdraft.drafter.stand_in import stand_in_name
+
+    assert {stand_in_name("flex"), stand_in_name("blockwise"), stand_in_name("split")} == set(EXTRA_IMPLS)
+    assert resolve_attention(stand_in_name("flex"), torch.device("cpu"), True) == "stand-in:flex"
+    with pytest.raises(ValueError, match="model.drafter_attention"):
+        load_config(None, ["model.drafter_attention=stand-in:flex"])

@@ -217,10 +217,10 @@ def _run(overrides: dict, stop_after: int | None = None, shapes: set | None = No
 # ---- the parts ----------------------------------------------------------------------------------------
 
 def plan_at(config, seq: int):
-    """The memory plan (flashdraft.plan.plan_memory) at padded length ``seq``: the run's own
+    """The memory plan (flashdraft.train.plan.plan_memory) at padded length ``seq``: the run's own
     micro-batch, not the worst one; (None, why) when it cannot be made."""
     try:
-        from flashdraft.plan import plan_memory
+        from flashdraft.train.plan import plan_memory
     except ImportError as exc:
         return None, f"plan unavailable ({exc})"
     return plan_memory(config, seq_len=seq), ""
@@ -229,7 +229,7 @@ def plan_at(config, seq: int):
 def trainer_path(job: Path, seq: int, smoke: bool) -> dict:
     """The trainer's path at S = ``seq`` with the defaults: the measured peak (allocated, and
     reserved plus what the allocator does not see) against the plan of the same micro-batch."""
-    from flashdraft.plan import MemoryPlan
+    from flashdraft.train.plan import MemoryPlan
 
     seq = SMOKE_SEQS[SEQS.index(seq)] if smoke else seq
     with tempfile.TemporaryDirectory() as out:

@@ -1,7 +1,7 @@
 """`flashdraft bench plan`: the memory plan's tables of public targets (docs/memory.md).
 
 For each target directory holding a config.json (tests/fixtures/configs keeps six public
-ones), the plan (flashdraft.plan) with the default run config at each padded length, on each
+ones), the plan (flashdraft.train.plan) with the default run config at each padded length, on each
 device size: the per-device peak, its largest consumers and the verdict. Only config.json is
 read; each plan runs one fake drafter step (seconds).
 """
@@ -29,7 +29,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from flashdraft.config import load_config
-    from flashdraft.plan import GiB, MemoryPlan, plan_memory
+    from flashdraft.train.plan import GiB, MemoryPlan, plan_memory
 
     logging.getLogger("flashdraft").setLevel(logging.WARNING)
     lengths = [int(s) for s in args.lengths.split(",")]

@@ -9,6 +9,7 @@ the export files). The choice lists and each layer's pattern (``LayerMask``) are
 (``flashdraft.config``), so nothing outside the drafter imports this package only for them.
 """
 
+from flashdraft.drafter import stand_in  # noqa: F401 - registers the memory plan's stand-in attention
 from flashdraft.drafter.attention import resolve_attention
 from flashdraft.drafter.model import ContextCache, DFlashDrafter
 from flashdraft.drafter.serving import drafter_config_from_target

@@ -15,6 +15,7 @@ are the config's vocabulary, declared in ``flashdraft.config``; every implementa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,6 +34,8 @@ def resolve_attention(impl: str, device: torch.device, needs_grad: bool, sinks: 
     "flex" asked for where it cannot run backward (CPU with grad) falls back to "blockwise":
     flex_attention has no CPU backward. "flex" with ``sinks`` is refused (ValueError).
     """
+    if impl in EXTRA_IMPLS:
+        return impl
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
     if sinks and impl not in SINK_IMPLS:
@@ -45,6 +48,18 @@ def resolve_attention(impl: str, device: torch.device, needs_grad: bool, sinks: 
             return "flex"  # forward-only flex runs (unfused) on CPU: used by the tests
         return "blockwise"
     return impl
+
+
+# Named implementations besides ATTENTION_IMPLS, which no config can pick: name -> (plan builder
+# (anchors, valid, seq_len, block_size, dtype) -> BlockAttentionPlan, kernel with attend's
+# arguments). The memory plan's stand-ins register here (drafter/stand_in.py).
+EXTRA_IMPLS: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_attention(name: str, plan: Callable, kernel: Callable) -> None:
+    if name in ATTENTION_IMPLS:
+        raise ValueError(f"attention {name!r} is a built-in implementation")
+    EXTRA_IMPLS[name] = (plan, kernel)
 
 
 def _flex_available() -> bool:
@@ -522,6 +537,8 @@ def attention_plan(
     resolved on the anchors' device (resolve_attention); ``group_blocks``: blocks per group for
     "split" and "blockwise" (0: auto); ``dtype``: the blockwise bias dtype (the queries')."""
     impl = resolve_attention(impl, anchors.device, needs_grad)
+    if impl in EXTRA_IMPLS:
+        return EXTRA_IMPLS[impl][0](anchors, valid, seq_len, block_size, dtype)
     bs = block_size
     if impl == "dense":
         return BlockAttentionPlan("dense", mask=dense_block_mask(anchors, valid, seq_len, bs, layer))
@@ -550,6 +567,8 @@ def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan: BlockAttentionPlan, sink: torch.
     Hq may be a multiple of Hkv (GQA). ``sink`` [Hq]: an attention sink's per-head logit s_h,
     one more column in every row's softmax, visible to every query, with no value (DFLASH2.md
     3.1: exp(z_j) / (exp(s_h) + sum_i exp(z_i))); flex has none (resolve_attention refuses it)."""
+    if plan.impl in EXTRA_IMPLS:
+        return EXTRA_IMPLS[plan.impl][1](q, k_blk, v_blk, k_ctx, v_ctx, plan, sink)
     if plan.impl == "blockwise":  # GQA without repeated heads (query heads stacked per KV head)
         return blockwise_attention(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink)
     heads, kv_heads = q.shape[1], k_blk.shape[1]

@@ -25,7 +25,14 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from flashdraft.config import ATTENTION_IMPLS
 from flashdraft.drafter import serving
-from flashdraft.drafter.attention import BlockAttentionPlan, attend, attention_plan, decode_mask, resolve_attention
+from flashdraft.drafter.attention import (
+    EXTRA_IMPLS,
+    BlockAttentionPlan,
+    attend,
+    attention_plan,
+    decode_mask,
+    resolve_attention,
+)
 from flashdraft.drafter.dflash2 import CandidateSelector, GroupedDynamicConv
 from flashdraft.drafter.kernels import RMSNorm, RotaryEmbedding, apply_rope, swiglu, use_lean
 from flashdraft.drafter.serving import drafter_config_from_target
@@ -174,7 +181,7 @@ class DFlashDrafter(nn.Module):
         set_lean). Inference always runs the stock modules.
         None of these touch the weights or the serving config."""
         super().__init__()
-        if attention not in ATTENTION_IMPLS:
+        if attention not in ATTENTION_IMPLS and attention not in EXTRA_IMPLS:
             raise ValueError(f"attention={attention!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
         self.attention = attention
         self.group_blocks = int(group_blocks)

@@ -11,7 +11,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from flashdraft import distributed, plan
+import torch
+
+from flashdraft import distributed
+from flashdraft.train import plan
 from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist

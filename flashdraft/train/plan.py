@@ -197,83 +197,6 @@ class _HeadsStub:
         return torch.nn.functional.embedding(ids, self.lm_head.weight)
 
 
-class _SavedLike(torch.autograd.Function):
-    """An attention stand-in: returns a tensor shaped like q and saves ``saved`` for backward
-    (what the real kernel keeps); its backward returns gradients of the inputs' shapes (no values)."""
-
-    @staticmethod
-    def forward(ctx, q, k1, v1, k2, v2, *saved):
-        out = torch.empty_like(q)
-        ctx.save_for_backward(q, k1, v1, k2, v2, out, *saved)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k1, v1, k2, v2, _, *rest = ctx.saved_tensors  # read once (activation checkpointing allows no more)
-        return (torch.empty_like(q), torch.empty_like(k1), torch.empty_like(v1), torch.empty_like(k2),
-                torch.empty_like(v2), *([None] * len(rest)))
-
-
-def _blockwise_shape(b: int, n: int, seq_len: int, bs: int) -> list[tuple[int, int]]:
-    """(query rows, keys) of each batched call of the blockwise plan (drafter/attention.py
-    query_groups): groups of 64 // bs blocks, 256 query rows per call; a call's context is its
-    last anchor (anchors sorted, spread evenly over the sequence: the expected order statistic)."""
-    group = min(max(1, 64 // bs), n)
-    per_call = max(1, 256 // (group * bs))
-    out, first = [], 0
-    while first < n:
-        k = min(per_call, (n - first) // group)
-        blocks, g = (k * group, group) if k else (n - first, n - first)
-        first += blocks
-        context = min(seq_len, math.ceil(first * seq_len / n))
-        out.append((blocks * bs, context + g * bs))
-    return out
-
-
-@contextlib.contextmanager
-def _attention_stand_in(impl: str):
-    """Swap the drafter's attention plan and kernels for stand-ins that keep what the real ones
-    keep (see the module doc); restores them on exit."""
-    from flashdraft.drafter import attention
-    from flashdraft.drafter import model as drafter_model
-
-    real_attend = drafter_model.attend
-
-    def plan(self, anchors, valid, seq_len, attention_impl=None, needs_grad=True, dtype=torch.float32, layer=None):
-        b, n = anchors.shape
-        if impl == "flex":
-            return attention.BlockAttentionPlan("flex", num_blocks=n)
-        calls = _blockwise_shape(b, n, seq_len, self.block_size)
-        # the plan's additive masks [B, rows, keys] per call, alive for the whole forward + backward
-        bias = anchors.new_empty(sum(b * r * k for r, k in calls), dtype=dtype)
-        return attention.BlockAttentionPlan("blockwise", num_blocks=n, groups=[(calls, bias)])
-
-    def attend(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink=None):
-        if plan.impl == "flex":  # CUDA's path: [context | blocks] keys, GQA without repeated heads
-            k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-            return _SavedLike.apply(q, k, v, k[..., :0, :], v[..., :0, :], lse)
-        return real_attend(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink)
-
-    def blockwise(q, k_blk, v_blk, k_ctx, v_ctx, plan, sink=None):
-        calls, bias = plan.groups[0]
-        dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
-        tensors = [t.to(dtype) for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
-        saved = [bias]
-        if plan.keep_probs and torch.is_grad_enabled():  # the last layer's probabilities, per call
-            saved.append(q.new_empty(sum(q.shape[0] * q.shape[1] * r * k for r, k in calls), dtype=dtype))
-        with torch.autocast(q.device.type, enabled=False):
-            return _SavedLike.apply(*tensors, *saved)
-
-    saved = (drafter_model.DFlashDrafter.attention_plan, drafter_model.attend, attention.blockwise_attention)
-    drafter_model.DFlashDrafter.attention_plan, drafter_model.attend = plan, attend
-    attention.blockwise_attention = blockwise
-    try:
-        yield
-    finally:
-        drafter_model.DFlashDrafter.attention_plan, drafter_model.attend, attention.blockwise_attention = saved
-
-
 class LiveBytes(TorchDispatchMode):
     """The live bytes of the tensors created while it is active, and their peak: each op's new
     storages are counted once and uncounted when freed (a weakref finalizer). Works on fake
@@ -336,6 +259,7 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
 
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.drafter.attention import resolve_attention
+    from flashdraft.drafter.stand_in import stand_in_name
     from flashdraft.objective import Blocks, SelectorLoss, SlotLoss
     from flashdraft.target import resolve_dtype
     from flashdraft.train.backend import Backend
@@ -354,8 +278,8 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
     # autocast is CPU autocast here, the same casts of the drafter's matmuls.
     host = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=False), _attention_stand_in(impl):
-        drafter = DFlashDrafter(config, attention=cfg.model.drafter_attention,
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        drafter = DFlashDrafter(config, attention=stand_in_name(impl),
                                 activation_checkpointing=cfg.model.activation_checkpointing)
         freeze_untrained(drafter, cfg.objective)
         heads = _HeadsStub(shape.vocab, shape.hidden, dtype, host)
