@@ -33,9 +33,15 @@ def measure(libc, target: str, seq_len: int, overrides: list[str]) -> dict:
     from flashdraft.config import load_config
     from flashdraft.drafter import DFlashDrafter
     from flashdraft.objective import default_gamma, make_blocks
-    from flashdraft.train.plan import _drafter_config, _target_shape, anchors_per_pass, batch_size_at, target_config_path
     from flashdraft.train.backend import Backend
     from flashdraft.train.optim import build_optimizer
+    from flashdraft.train.plan import (
+        _drafter_config,
+        _target_shape,
+        anchors_per_pass,
+        batch_size_at,
+        target_config_path,
+    )
     from flashdraft.train.step import forward_backward
     from flashdraft.train.strategy import strategy_for
 

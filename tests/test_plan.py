@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.train import plan as plan_module
 from flashdraft.cli import main
 from flashdraft.config import load_config
+from flashdraft.train import plan as plan_module
 from flashdraft.train.plan import GiB, batch_size_at, plan_memory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft import distributed
-from flashdraft.train import plan
 from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist
 from flashdraft.engine import last_layer_warning
 from flashdraft.target import TargetModel
-from flashdraft.train import checks
+from flashdraft.train import checks, plan
 from flashdraft.train.runtime import deterministic_mode, keep_freed_host_memory
 
 log = logging.getLogger(__name__)
