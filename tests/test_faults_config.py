@@ -41,7 +41,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
     ({"model__drafter": "dflash2", "model__selector_top_k": 400},
      r"model.selector_top_k=400 exceeds the target's vocabulary \(300\)"),
 ], ids=["tap_beyond_layers", "mask_outside_vocab", "budget_below_longest_sample", "conv_groups", "top_k"])
-def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(tiny_job, tmp_path, extra, message):  # noqa: F811
+def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(tiny_job, tmp_path, extra, message):
     extra = {k: str(v).replace("{job}", str(tiny_job)) for k, v in extra.items()}
     with pytest.raises(ValueError, match=message):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", **extra)))
@@ -65,7 +65,7 @@ def test_config_mistakes_are_refused_before_anything_loads(override, message):
         load_config(overrides=[*base, override])
 
 
-def test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_first_eval(tiny_job, tmp_path):  # noqa: F811
+def test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_first_eval(tiny_job, tmp_path):
     import numpy as np
 
     from flashdraft.data.shards import write_token_shard
@@ -75,7 +75,7 @@ def test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_firs
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_path=tmp_path / "long_heldout")))
 
 
-def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_path):  # noqa: F811
+def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_path):
     """The start-up check itself (train.checks.check_lengths; the trainer runs it on both data
     sets: test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_first_eval)."""
     from transformers import AutoConfig
@@ -91,7 +91,7 @@ def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_pat
         check_lengths(open_dataset(tiny_job / "data", progress=False), cfg, short)
 
 
-def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, tmp_path):  # noqa: F811
+def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, tmp_path):
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
     with pytest.raises(ValueError, match=r"(?s)prompts.jsonl: prompt 1 has token id \d+.*vocabulary \[0, 300\)"):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run",
@@ -107,7 +107,7 @@ def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, t
      r"model.drafter_layer_types: checkpoint \[\] vs now \['sliding_attention'\]"),
     ({"model__drafter_causal": "true"}, r"model.drafter_causal: checkpoint None vs now True"),
 ])
-def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tmp_path, change, message):  # noqa: F811
+def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tmp_path, change, message):
     out = tmp_path / "run"
     first = Trainer(load_config(overrides=overrides(tiny_job, out)))
     first.checkpoints.save(first.step)  # step 0: what a preempted run leaves behind
@@ -118,7 +118,7 @@ def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tm
     assert changed.step == 0
 
 
-def test_a_resume_the_data_cursor_refuses_names_the_checkpoint_and_the_field(tiny_job, tmp_path):  # noqa: F811
+def test_a_resume_the_data_cursor_refuses_names_the_checkpoint_and_the_field(tiny_job, tmp_path):
     """The batch plan's own inputs (not RESUME keys: objective.num_anchors, data.row_budget) are
     refused by the data cursor, which named neither the section nor the checkpoint."""
     out = tmp_path / "run"
@@ -145,7 +145,7 @@ def test_a_feature_cache_refusal_names_the_tier_that_is_set(given, named):
         load_config(overrides=given)
 
 
-def test_train_output_dir_is_never_another_runs_export_or_logs(tiny_job, tmp_path):  # noqa: F811
+def test_train_output_dir_is_never_another_runs_export_or_logs(tiny_job, tmp_path):
     """A run directory inside another run's export (RUN/drafter) would put checkpoints among the
     files served from there; its own directory, resumed, is fine."""
     from flashdraft.train.checks import check_paths
@@ -159,7 +159,7 @@ def test_train_output_dir_is_never_another_runs_export_or_logs(tiny_job, tmp_pat
             check_paths(load_config(overrides=overrides(tiny_job, run / inside)))
 
 
-def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):  # noqa: F811
+def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):
     """A checkpoint whose saved config predates model.drafter_layer_types & co. had their
     defaults then (full, bidirectional layers): it resumes under the defaults, and only them."""
     trainer = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run")))
@@ -172,7 +172,7 @@ def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tm
         swa.checkpoints._check_compatible(saved)
 
 
-def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(tiny_job, tmp_path):  # noqa: F811
+def test_resume_with_another_target_or_dataset_behind_the_same_paths_is_refused(tiny_job, tmp_path):
     """The config's paths are unchanged, but what they point to is not: a resume must notice."""
     out, job = tmp_path / "run", tmp_path / "job"
     shutil.copytree(tiny_job, job)
@@ -216,7 +216,7 @@ def test_a_version_1_checkpoint_resumes_and_a_newer_format_is_refused(tiny_job, 
         CheckpointManager(out / "checkpoints").load(newest)
 
 
-def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tiny_job, tmp_path):  # noqa: F811
+def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tiny_job, tmp_path):
     """train.resume=never in a directory that holds checkpoints would prune them (they are newer
     than the fresh run's first save) and overwrite the export: it is refused, nothing touched."""
     out = tmp_path / "run"
@@ -277,7 +277,7 @@ def test_a_pickle_planted_in_a_checkpoint_is_never_unpickled_even_with_a_matchin
     assert not marker.exists()
 
 
-def test_trainer_checkpoints_and_exports_are_safetensors_and_json_only(tiny_job, tmp_path):  # noqa: F811
+def test_trainer_checkpoints_and_exports_are_safetensors_and_json_only(tiny_job, tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=1)))
     trainer.fit()
@@ -322,7 +322,7 @@ def test_the_command_line_prints_a_mistake_as_one_line_with_the_fix(monkeypatch)
         entry(["train", "model.block_size=1"])
 
 
-def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(tiny_job, tmp_path):  # noqa: F811
+def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(tiny_job, tmp_path):
     """Two runs in one train.output_dir would re-save each other's steps and interleave metrics.jsonl."""
     from flashdraft.train.runtime import output_lock
 

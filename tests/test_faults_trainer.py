@@ -87,7 +87,7 @@ def _spawn_train(server, args: list[str], sleep: float, **env: str) -> tuple[int
 # ---- preemption ---------------------------------------------------------------------------
 
 
-def test_sigterm_at_a_random_step_checkpoints_exits_143_and_resumes_exactly(tiny_job, straight, tmp_path,  # noqa: F811
+def test_sigterm_at_a_random_step_checkpoints_exits_143_and_resumes_exactly(tiny_job, straight, tmp_path,
                                                                           forkserver):
     rng = random.Random(int(os.environ.get("FLASHDRAFT_FAULT_SEED", time.time_ns())))
     after_step, delay = rng.randint(1, STEPS - 3), rng.uniform(0, 0.3)
@@ -114,7 +114,7 @@ def test_sigterm_at_a_random_step_checkpoints_exits_143_and_resumes_exactly(tiny
     _assert_same_as_straight(out, straight)
 
 
-def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_path, forkserver):  # noqa: F811
+def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_path, forkserver):
     """The final eval and save run after the loop; a preemption there used to kill the process
     (default SIGTERM action) before the final checkpoint."""
     out = tmp_path / "run"
@@ -135,7 +135,7 @@ def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_p
 
 
 @pytest.mark.parametrize("cache", ["off", "on"])
-def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_complete(  # noqa: F811
+def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_complete(
         tiny_job, straight, tmp_path, forkserver, cache):
     """One run, killed 10 times at random moments: during start-up, mid-step, and while a
     checkpoint is being written (a ``.tmp-*`` dir exists). After each kill every visible
@@ -200,7 +200,7 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
 
 
 def test_disk_full_at_save_time_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(
-        tiny_job, tmp_path, forkserver):  # noqa: F811
+        tiny_job, tmp_path, forkserver):
     """After the step-2 checkpoint the process may no longer write files larger than a few KB
     (RLIMIT_FSIZE: writes fail with EFBIG, like ENOSPC). The step-4 save must fail loudly, leave
     step 2 and `latest` intact, and the run must stop there instead of training on unsaved."""
@@ -228,7 +228,7 @@ def test_disk_full_at_save_time_stops_with_a_clear_error_and_keeps_the_previous_
 
 
 @pytest.fixture(scope="module")
-def poisoned_job(tiny_job, tmp_path_factory) -> tuple[Path, int]:  # noqa: F811
+def poisoned_job(tiny_job, tmp_path_factory) -> tuple[Path, int]:
     """The tiny target with a NaN embedding row for one token id unused by the data, and the
     training data with that token planted in the prompt of one sample (source row 5)."""
     from transformers import AutoModelForCausalLM
@@ -247,12 +247,12 @@ def poisoned_job(tiny_job, tmp_path_factory) -> tuple[Path, int]:  # noqa: F811
     return root, 5
 
 
-def _poisoned_overrides(tiny_job, poisoned_job, out, **extra):  # noqa: F811
+def _poisoned_overrides(tiny_job, poisoned_job, out, **extra):
     root, _ = poisoned_job
     return overrides(tiny_job, out, model__target=root / "target", data__path=root / "data", **extra)
 
 
-def test_nonfinite_features_skip_the_step_count_it_and_name_sample_and_stage(tiny_job, poisoned_job, tmp_path,  # noqa: F811
+def test_nonfinite_features_skip_the_step_count_it_and_name_sample_and_stage(tiny_job, poisoned_job, tmp_path,
                                                                              caplog):
     # 8 steps of 4 samples = one epoch: the poisoned sample is in exactly one step.
     trainer = Trainer(load_config(overrides=_poisoned_overrides(tiny_job, poisoned_job, tmp_path / "run",
@@ -269,7 +269,7 @@ def test_nonfinite_features_skip_the_step_count_it_and_name_sample_and_stage(tin
     assert logged[-1]["skipped_steps"] == 1
 
 
-def test_nonfinite_steps_beyond_the_limit_stop_the_run_with_a_diagnostic(tiny_job, poisoned_job, tmp_path):  # noqa: F811
+def test_nonfinite_steps_beyond_the_limit_stop_the_run_with_a_diagnostic(tiny_job, poisoned_job, tmp_path):
     trainer = Trainer(load_config(overrides=_poisoned_overrides(
         tiny_job, poisoned_job, tmp_path / "run", train__max_steps=8, train__max_nonfinite_steps=0)))
     with pytest.raises(FloatingPointError, match=r"(?s)step \d+: non-finite.*samples \[5\].*"
@@ -282,7 +282,7 @@ def test_nonfinite_steps_beyond_the_limit_stop_the_run_with_a_diagnostic(tiny_jo
 
 
 @pytest.mark.parametrize("how", ["die", "hang"])
-def test_a_dead_or_hung_rank_fails_the_other_within_the_collective_timeout(tiny_job, tmp_path, forkserver,  # noqa: F811
+def test_a_dead_or_hung_rank_fails_the_other_within_the_collective_timeout(tiny_job, tmp_path, forkserver,
                                                                            how):
     timeout_s = 5.0
     args = overrides(tiny_job, tmp_path / "run", train__collective_timeout_s=timeout_s)

@@ -186,7 +186,7 @@ def test_config_mistakes_name_the_fix(bad, match):
     assert load_config().pipeline.feature_cache_bytes == 0  # off by default
 
 
-def test_budgets_read_like_people_write_them_and_the_bench_says_whether_they_cover_a_full_cache(tiny_job):  # noqa: F811
+def test_budgets_read_like_people_write_them_and_the_bench_says_whether_they_cover_a_full_cache(tiny_job):
     from flashdraft.bench.pipeline import cache_budget_verdict, feature_cache_estimate
 
     # YAML 1.1 reads 64e9 as a string; it is an integer byte count.
@@ -202,7 +202,7 @@ def test_budgets_read_like_people_write_them_and_the_bench_says_whether_they_cov
 
 
 @pytest.fixture(scope="module")
-def varied(tiny_job) -> Path:  # noqa: F811
+def varied(tiny_job) -> Path:
     """32 samples of 16..40 tokens: padding and batch shapes change from epoch to epoch."""
     rng = np.random.default_rng(0)
     rows = [(rng.integers(0, 298, n), np.r_[np.zeros(4), np.ones(n - 4)]) for n in rng.integers(16, 41, 32)]
@@ -221,7 +221,7 @@ def run(job: Path, data: Path, out: Path, **extra) -> tuple[Trainer, list[float]
 
 
 @pytest.mark.parametrize("pipelined", ["true", "false"])
-def test_a_cached_run_trains_like_an_uncached_one_and_skips_the_target(tiny_job, varied, tmp_path, pipelined):  # noqa: F811
+def test_a_cached_run_trains_like_an_uncached_one_and_skips_the_target(tiny_job, varied, tmp_path, pipelined):
     _, plain, plain_forwards = run(tiny_job, varied, tmp_path / "plain", pipeline__enabled=pipelined)
     cached, losses, forwards = run(tiny_job, varied, tmp_path / "cached", pipeline__enabled=pipelined,
                                    pipeline__feature_cache_bytes=10**7)
@@ -239,7 +239,7 @@ def test_a_cached_run_trains_like_an_uncached_one_and_skips_the_target(tiny_job,
     assert "feature cache: 64 hits / 32 misses" in cached.pipeline_report.format()
 
 
-def test_a_cache_too_small_for_the_data_still_trains_the_same(tiny_job, varied, tmp_path):  # noqa: F811
+def test_a_cache_too_small_for_the_data_still_trains_the_same(tiny_job, varied, tmp_path):
     _, plain, _ = run(tiny_job, varied, tmp_path / "plain")
     ram = 200 * 2 * 32 * 4  # 200 tokens of 2 taps x hidden 32 in fp32: about 7 of the 32 samples
     cached, losses, forwards = run(tiny_job, varied, tmp_path / "small", pipeline__feature_cache_bytes=ram)
@@ -250,7 +250,7 @@ def test_a_cache_too_small_for_the_data_still_trains_the_same(tiny_job, varied, 
     assert losses == pytest.approx(plain, rel=1e-5)
 
 
-def test_the_disk_tier_serves_what_ram_cannot_hold(tiny_job, varied, tmp_path):  # noqa: F811
+def test_the_disk_tier_serves_what_ram_cannot_hold(tiny_job, varied, tmp_path):
     _, plain, _ = run(tiny_job, varied, tmp_path / "plain")
     scratch = tmp_path / "scratch"
     cached, losses, forwards = run(tiny_job, varied, tmp_path / "disk", pipeline__feature_cache_bytes=200 * 2 * 32 * 4,
@@ -261,7 +261,7 @@ def test_the_disk_tier_serves_what_ram_cannot_hold(tiny_job, varied, tmp_path): 
     assert scratch.is_dir() and os.listdir(scratch) == []  # the scratch file is gone with the run
 
 
-def test_each_of_two_ranks_caches_what_it_sees(tiny_job, tmp_path, forkserver):  # noqa: F811
+def test_each_of_two_ranks_caches_what_it_sees(tiny_job, tmp_path, forkserver):
     """3 epochs at world size 2 (4 steps per epoch per rank): the counters are summed over
     ranks at every log, and the ranks stay in lockstep."""
     two = run_ranks(forkserver, "train_ranks", json.dumps(overrides(
@@ -276,7 +276,7 @@ def test_each_of_two_ranks_caches_what_it_sees(tiny_job, tmp_path, forkserver): 
     assert 0 < cache["cache/hits"] < 64 and cache["cache/entries"] >= 32
 
 
-def test_a_resume_with_the_cache_on_stays_within_float_rounding_of_an_uninterrupted_run(tiny_job, varied, tmp_path):  # noqa: F811
+def test_a_resume_with_the_cache_on_stays_within_float_rounding_of_an_uninterrupted_run(tiny_job, varied, tmp_path):
     """What docs/pipeline.md states: the cache starts empty after a resume, so the resumed run
     recomputes the features the interrupted run had cached, in other batches; a batched target
     forward differs in the last bits with the batch's shape, so the run goes on from features

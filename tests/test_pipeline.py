@@ -324,7 +324,7 @@ def _weights(trainer: Trainer) -> dict:
     return {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
 
 
-def test_pipelined_trainer_equals_sequential(tiny_job, tmp_path):  # noqa: F811
+def test_pipelined_trainer_equals_sequential(tiny_job, tmp_path):
     runs = {}
     for enabled in (False, True):
         cfg = load_config(overrides=overrides(tiny_job, tmp_path / str(enabled), train__max_steps=6,
@@ -388,7 +388,7 @@ class Faulty:
 
 
 @pytest.mark.parametrize("stage", ["data", "target", "drafter"])
-def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage,  # noqa: F811
+def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage,
                                                                            monkeypatch):
     out = tmp_path / "run"
     trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, train__save_every=2)))
@@ -403,7 +403,7 @@ def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_
     assert loaded is not None and loaded.step == trainer.step - trainer.step % 2 >= 2
 
 
-def test_sigterm_stops_the_pipeline_and_writes_the_final_checkpoint(tiny_job, tmp_path):  # noqa: F811
+def test_sigterm_stops_the_pipeline_and_writes_the_final_checkpoint(tiny_job, tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20)))
     step_fn = trainer.step_fn
