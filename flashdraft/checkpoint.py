@@ -402,6 +402,168 @@ def _warn_if_slow(seconds: float, path: Path) -> None:
                     "slower save fails the job", path, seconds, distributed.describe_clock("pause"))
 
 
+class CheckpointDir:
+    """A run's checkpoint directory, rank-local: the step directories, the ``latest`` pointer,
+    rank 0's atomic write of one checkpoint, the pruning to ``keep_last`` and the housekeeping of
+    interrupted saves and abandoned timelines. CheckpointManager adds the job-wide protocol."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3):
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} is invalid: keep at least 1 checkpoint")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def checkpoints(self) -> list[Path]:
+        """Step directories under root, newest first (complete or not)."""
+        if not self.root.is_dir():
+            return []
+        entries = [(s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None and p.is_dir()]
+        return [p for _, p in sorted(entries, reverse=True)]
+
+    def latest_complete(self) -> Path | None:
+        """The newest checkpoint whose manifest verifies (rank-local, reads every file)."""
+        for p in self.checkpoints():
+            try:
+                verify_checkpoint(p)
+                return p
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s", p, exc)
+        return None
+
+    def write(self, step: int, final: Path, parts: Mapping[str, Any], gathered: list[dict[str, tuple[bytes, bytes]]],
+               world: int, config: dict | None, export_fn: Callable[[Path], None] | None) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            tmp.mkdir()
+            for name, state in parts.items():
+                _write_part(tmp, name, state)
+            for r, payload in enumerate(gathered):
+                for name, (st_bytes, skel_bytes) in payload.items():
+                    _write_bytes(tmp / f"{name}_rank{r}.safetensors", st_bytes)
+                    _write_bytes(tmp / f"{name}_rank{r}.json", skel_bytes)
+            if config is not None:
+                _write_json(tmp / CONFIG, config)
+            if export_fn is not None:
+                ours = set(tmp.iterdir())
+                export_fn(tmp)
+                for f in tmp.rglob("*"):  # the caller's files: make them as durable as ours
+                    if f.is_file() and f not in ours:
+                        _fsync_file(f)
+            files = {}
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+            for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                _fsync_dir(d)
+            manifest = {"format": FORMAT, "version": VERSION, "flashdraft_version": __version__,
+                        "step": step, "world_size": world,
+                        "parts": list(parts), "per_rank_parts": sorted(gathered[0]) if gathered else [],
+                        "files": files}
+            manifest["digest"] = manifest_digest(manifest)
+            _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving a step after resuming from an earlier one: the old copy is kept aside
+                trash = self.root / f"{_REPLACED}{final.name}-{os.getpid()}"  # restored if we die before the next line
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                self.set_aside(trash, final.name, f"a run resumed from an earlier step saved step {step} again")
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.set_latest(final.name)
+        self.prune(step, final.name)
+
+    def set_latest(self, name: str) -> None:
+        tmp = self.root / f".{LATEST}.tmp-{os.getpid()}"
+        try:
+            _write_bytes(tmp, (name + "\n").encode())
+            os.replace(tmp, self.root / LATEST)
+            _fsync_dir(self.root)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"{self.root / name} is complete but updating {self.root / LATEST} failed: {exc}") \
+                from exc
+
+    def read_latest_pointer(self) -> str | None:
+        try:
+            return (self.root / LATEST).read_text().strip() or None
+        except OSError:
+            return None
+
+    def prune(self, step: int, just_written: str) -> None:
+        """Remove complete checkpoints older than the newest ``keep_last``; never one this save did
+        not supersede. "Complete" here means "has a manifest" (cheap); loading verifies hashes.
+        A checkpoint with a step above the one just written belongs to a timeline abandoned by
+        resuming from an earlier step: it is moved out of the way (``abandoned-step_X``, kept on
+        disk), since the next load_latest would resume from it; a damaged one stays (loads skip
+        it, and a save of its step moves it aside like a complete one)."""
+        protected = {just_written, self.read_latest_pointer()}
+        entries = sorted(((s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None), reverse=True)
+        kept = 0
+        for s, p in entries:  # newest first
+            complete = (p / MANIFEST).is_file()
+            if s > step:
+                if complete:
+                    self.set_aside(p, p.name, f"it is newer than the checkpoint just written (step {step}), from a "
+                                               "run that was resumed from an earlier step")
+                continue
+            elif p.name in protected:
+                kept += complete
+                continue
+            elif not complete:
+                continue  # partial or damaged: load_latest skips it with a warning
+            elif kept < self.keep_last:
+                kept += 1
+                continue
+            # Rename first so a crash mid-delete leaves a stale temp dir, never a damaged step dir.
+            doomed = self.root / f".tmp-prune-{p.name}-{os.getpid()}"
+            try:
+                os.replace(p, doomed)
+            except OSError as exc:
+                log.warning("could not prune %s: %s", p, exc)
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def set_aside(self, path: Path, name: str, why: str) -> None:
+        """Keep checkpoint ``name`` (now at ``path``) of an abandoned timeline as ``abandoned-NAME``:
+        out of load_latest's way, never deleted by flashdraft."""
+        dest, n = self.root / f"abandoned-{name}", 1
+        while dest.exists():
+            dest, n = self.root / f"abandoned-{name}-{n}", n + 1
+        try:
+            os.replace(path, dest)
+        except OSError as exc:
+            log.warning("could not move %s aside: %s", path, exc)
+            return
+        size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+        log.warning("kept %s of an abandoned run as %s (%.1f MB): %s; delete it once you no longer need it",
+                    name, dest, size / 1e6, why)
+
+    def remove_stale_tmp(self) -> None:
+        if not self.root.is_dir():
+            return
+        for p in self.root.iterdir():
+            if p.name.startswith(_REPLACED):  # a re-save of this step died between its two renames
+                name = p.name[len(_REPLACED):].rsplit("-", 1)[0]
+                if not (self.root / name).exists() and (p / MANIFEST).is_file():
+                    log.warning("restoring checkpoint %s: a re-save of it was interrupted", name)
+                    os.replace(p, self.root / name)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+                continue
+            if p.name.startswith(".tmp-") or p.name.startswith(f".{LATEST}.tmp-"):
+                log.warning("removing stale partial checkpoint %s (a save was interrupted)", p)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+
 class CheckpointManager:
     """Saves and restores training state under ``root``, keeping the last ``keep_last``.
 
@@ -414,10 +576,16 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 3):
-        if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} is invalid: keep at least 1 checkpoint")
-        self.root = Path(root)
-        self.keep_last = keep_last
+        self.dir = CheckpointDir(root, keep_last)
+        self.root = self.dir.root
+
+    def checkpoints(self) -> list[Path]:
+        """Step directories under root, newest first (complete or not)."""
+        return self.dir.checkpoints()
+
+    def latest_complete(self) -> Path | None:
+        """The newest checkpoint whose manifest verifies (rank-local, reads every file)."""
+        return self.dir.latest_complete()
 
     # ---------------------------------------------------------------------------- save
     def save(
@@ -467,7 +635,7 @@ class CheckpointManager:
         if rank == 0:
             started = time.monotonic()
             try:
-                self._write(step, final, parts, gathered or [payload], world, config, export_fn)
+                self.dir.write(step, final, parts, gathered or [payload], world, config, export_fn)
             except Exception as exc:  # reported to every rank below, then raised everywhere
                 error = f"{type(exc).__name__}: {exc}"
                 log.error("checkpoint save of step %d to %s failed: %s", step, final, error)
@@ -487,138 +655,7 @@ class CheckpointManager:
                                   "permissions of the output directory.")
         return final
 
-    def _write(self, step: int, final: Path, parts: Mapping[str, Any], gathered: list[dict[str, tuple[bytes, bytes]]],
-               world: int, config: dict | None, export_fn: Callable[[Path], None] | None) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        try:
-            tmp.mkdir()
-            for name, state in parts.items():
-                _write_part(tmp, name, state)
-            for r, payload in enumerate(gathered):
-                for name, (st_bytes, skel_bytes) in payload.items():
-                    _write_bytes(tmp / f"{name}_rank{r}.safetensors", st_bytes)
-                    _write_bytes(tmp / f"{name}_rank{r}.json", skel_bytes)
-            if config is not None:
-                _write_json(tmp / CONFIG, config)
-            if export_fn is not None:
-                ours = set(tmp.iterdir())
-                export_fn(tmp)
-                for f in tmp.rglob("*"):  # the caller's files: make them as durable as ours
-                    if f.is_file() and f not in ours:
-                        _fsync_file(f)
-            files = {}
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
-            for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                _fsync_dir(d)
-            manifest = {"format": FORMAT, "version": VERSION, "flashdraft_version": __version__,
-                        "step": step, "world_size": world,
-                        "parts": list(parts), "per_rank_parts": sorted(gathered[0]) if gathered else [],
-                        "files": files}
-            manifest["digest"] = manifest_digest(manifest)
-            _write_json(tmp / MANIFEST, manifest)  # last: its presence marks the directory complete
-            _fsync_dir(tmp)
-            if final.exists():  # re-saving a step after resuming from an earlier one: the old copy is kept aside
-                trash = self.root / f"{_REPLACED}{final.name}-{os.getpid()}"  # restored if we die before the next line
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                self._set_aside(trash, final.name, f"a run resumed from an earlier step saved step {step} again")
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._set_latest(final.name)
-        self._prune(step, final.name)
-
-    def _set_latest(self, name: str) -> None:
-        tmp = self.root / f".{LATEST}.tmp-{os.getpid()}"
-        try:
-            _write_bytes(tmp, (name + "\n").encode())
-            os.replace(tmp, self.root / LATEST)
-            _fsync_dir(self.root)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointError(f"{self.root / name} is complete but updating {self.root / LATEST} failed: {exc}") \
-                from exc
-
-    def _read_latest_pointer(self) -> str | None:
-        try:
-            return (self.root / LATEST).read_text().strip() or None
-        except OSError:
-            return None
-
-    def _prune(self, step: int, just_written: str) -> None:
-        """Remove complete checkpoints older than the newest ``keep_last``; never one this save did
-        not supersede. "Complete" here means "has a manifest" (cheap); loading verifies hashes.
-        A checkpoint with a step above the one just written belongs to a timeline abandoned by
-        resuming from an earlier step: it is moved out of the way (``abandoned-step_X``, kept on
-        disk), since the next load_latest would resume from it; a damaged one stays (loads skip
-        it, and a save of its step moves it aside like a complete one)."""
-        protected = {just_written, self._read_latest_pointer()}
-        entries = sorted(((s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None), reverse=True)
-        kept = 0
-        for s, p in entries:  # newest first
-            complete = (p / MANIFEST).is_file()
-            if s > step:
-                if complete:
-                    self._set_aside(p, p.name, f"it is newer than the checkpoint just written (step {step}), from a "
-                                               "run that was resumed from an earlier step")
-                continue
-            elif p.name in protected:
-                kept += complete
-                continue
-            elif not complete:
-                continue  # partial or damaged: load_latest skips it with a warning
-            elif kept < self.keep_last:
-                kept += 1
-                continue
-            # Rename first so a crash mid-delete leaves a stale temp dir, never a damaged step dir.
-            doomed = self.root / f".tmp-prune-{p.name}-{os.getpid()}"
-            try:
-                os.replace(p, doomed)
-            except OSError as exc:
-                log.warning("could not prune %s: %s", p, exc)
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
-
-    def _set_aside(self, path: Path, name: str, why: str) -> None:
-        """Keep checkpoint ``name`` (now at ``path``) of an abandoned timeline as ``abandoned-NAME``:
-        out of load_latest's way, never deleted by flashdraft."""
-        dest, n = self.root / f"abandoned-{name}", 1
-        while dest.exists():
-            dest, n = self.root / f"abandoned-{name}-{n}", n + 1
-        try:
-            os.replace(path, dest)
-        except OSError as exc:
-            log.warning("could not move %s aside: %s", path, exc)
-            return
-        size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
-        log.warning("kept %s of an abandoned run as %s (%.1f MB): %s; delete it once you no longer need it",
-                    name, dest, size / 1e6, why)
-
     # ---------------------------------------------------------------------------- load
-    def checkpoints(self) -> list[Path]:
-        """Step directories under root, newest first (complete or not)."""
-        if not self.root.is_dir():
-            return []
-        entries = [(s, p) for p in self.root.iterdir() if (s := _parse_step(p.name)) is not None and p.is_dir()]
-        return [p for _, p in sorted(entries, reverse=True)]
-
-    def latest_complete(self) -> Path | None:
-        """The newest checkpoint whose manifest verifies (rank-local, reads every file)."""
-        for p in self.checkpoints():
-            try:
-                verify_checkpoint(p)
-                return p
-            except CheckpointError as exc:
-                log.warning("skipping checkpoint %s: %s", p, exc)
-        return None
-
     def load_latest(self, rank: int | None = None, verified: Path | None = None) -> Loaded | None:
         """Load the newest complete checkpoint, or return None when there is none.
 
@@ -631,8 +668,8 @@ class CheckpointManager:
         """
         choice: str | None = None
         if distributed.get_rank() == 0:
-            self._remove_stale_tmp()
-            found = verified if verified is not None else self.latest_complete()
+            self.dir.remove_stale_tmp()
+            found = verified if verified is not None else self.dir.latest_complete()
             choice = str(found) if found is not None else None
         choice = distributed.broadcast_object(choice, src=0)
         if choice is None:
@@ -721,22 +758,3 @@ class CheckpointManager:
             except (ValueError, KeyError, safetensors.SafetensorError) as exc:
                 raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
         return parts
-
-    def _remove_stale_tmp(self) -> None:
-        if not self.root.is_dir():
-            return
-        for p in self.root.iterdir():
-            if p.name.startswith(_REPLACED):  # a re-save of this step died between its two renames
-                name = p.name[len(_REPLACED):].rsplit("-", 1)[0]
-                if not (self.root / name).exists() and (p / MANIFEST).is_file():
-                    log.warning("restoring checkpoint %s: a re-save of it was interrupted", name)
-                    os.replace(p, self.root / name)
-                else:
-                    shutil.rmtree(p, ignore_errors=True)
-                continue
-            if p.name.startswith(".tmp-") or p.name.startswith(f".{LATEST}.tmp-"):
-                log.warning("removing stale partial checkpoint %s (a save was interrupted)", p)
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)

@@ -137,6 +137,14 @@ def test_no_function_is_over_80_lines():
     assert not long, long
 
 
+def test_no_class_is_over_300_lines():
+    """CheckpointManager was 325: the directory's housekeeping is CheckpointDir's now."""
+    long = [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for name, tree in _modules().items() for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300]
+    assert not long, long
+
+
 def test_the_training_loop_fits_in_300_lines():
     tree = _modules()["flashdraft.train.trainer"]
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
