@@ -259,7 +259,7 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
             "blocks": blocks, "target_sharded": trainer.target.sharded, "steps": steps,
             "total_steps": trainer.total_steps, "stopped": stopped, "final_step": trainer.step,
             "built": _trainer_parts(built)})
-    trainer.release_ddp()
+    trainer.close()
     D.teardown()
 
 
@@ -293,7 +293,7 @@ def train_collectives(overrides_json: str) -> None:
     trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
     trainer.fit(on_step=hook)
     result({"per_step": per_step})
-    trainer.release_ddp()
+    trainer.close()
     D.teardown()
 
 
@@ -338,7 +338,7 @@ def train_slow_loader(overrides_json: str, sleep_s: str, what: str = "target") -
         err = f"{type(exc).__name__}: {exc}"
     result({"rank": int(os.environ["RANK"]), "error": err, "steps": steps})
     if err is None:
-        trainer.release_ddp()
+        trainer.close()
         D.teardown()
     os._exit(0 if err is None else 1)  # a failed rank skips the teardown (its peer may be gone)
 

@@ -187,3 +187,25 @@ def test_resume_after_sigkill_is_exact(tiny_job, tmp_path, references, forkserve
     for name, value in reference.items():
         assert torch.equal(weights[name], value), name
     assert _losses(resumed) == _losses(straight)
+
+
+def test_a_trainer_closes_its_target_on_exit_and_when_its_start_fails(tiny_job, tmp_path, monkeypatch):
+    """The lifecycle in one place: ``with Trainer(...)`` releases DDP and closes the target (an
+    engine target's process) on exit; a start that fails after the target loaded closes it too."""
+    from flashdraft.train import startup
+    from flashdraft.train.trainer import Trainer
+
+    closed = []
+    real_close = startup.close_target
+    monkeypatch.setattr(startup, "close_target", lambda target: (closed.append(target), real_close(target)))
+    with Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "ok", train__max_steps=1))) as trainer:
+        trainer.fit()
+    assert closed == [trainer.target]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the data broke after the target loaded")
+
+    monkeypatch.setattr(startup, "open_data", broken)
+    with pytest.raises(RuntimeError, match="the data broke"):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "broken")))
+    assert len(closed) == 2 and closed[1] is not None and closed[1] is not trainer.target

@@ -207,10 +207,11 @@ def _run(overrides: dict, stop_after: int | None = None, shapes: set | None = No
         if stop_after is not None and t.step >= stop_after:
             raise _Enough
 
-    try:
-        trainer.fit(on_step=on_step)
-    except _Enough:
-        pass
+    with trainer:
+        try:
+            trainer.fit(on_step=on_step)
+        except _Enough:
+            pass
     return trainer
 
 

@@ -70,8 +70,8 @@ def run(args) -> int:
             samples.append(sample(trainer.step, t0))
             print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
 
-    trainer = Trainer(config)
-    trainer.fit(on_step=after_step)
+    with Trainer(config) as trainer:
+        trainer.fit(on_step=after_step)
     samples.append(sample(trainer.step, t0))
     base = next(s for s in samples if s["step"] >= min(args.warmup, trainer.step))
     last = samples[-1]

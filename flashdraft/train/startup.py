@@ -161,8 +161,8 @@ def check_engine(cfg: Config, target, dataset: TokenDataset) -> None:
 
 
 def close_target(target) -> None:
-    """End what the target holds beyond this process (issue 39's hook: an engine target's engine
-    process ends with the run, not when the target is collected); nothing for a TargetModel."""
+    """End what the target holds beyond this process (an engine target's engine process ends with
+    the run, not when the target is collected); nothing for a TargetModel or None."""
     close = getattr(target, "close", None)
     if close is not None:
         close()

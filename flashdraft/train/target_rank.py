@@ -27,10 +27,24 @@ class TargetRank:
         cfg = startup.with_init_from(config)  # the drafter's shape: the data's block size
         self.config, self.dist = cfg, dist
         startup.check_run(cfg, dist)
-        target = startup.load_target(cfg, dist)
-        mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
-        self.target, self.dataset = target, startup.open_data(cfg, dist, target, mask_token_id).dataset
-        startup.meet()  # where the drafter ranks meet it, once they have built their parts
+        self.target = startup.load_target(cfg, dist)
+        try:
+            mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
+            self.dataset = startup.open_data(cfg, dist, self.target, mask_token_id).dataset
+            startup.meet()  # where the drafter ranks meet it, once they have built their parts
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End what the target holds beyond this process (an engine target's engine). Idempotent."""
+        startup.close_target(self.target)
+
+    def __enter__(self) -> TargetRank:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def serve(self) -> dict:
         """Serve the drafter ranks; returns ``{"steps": steps sent to each drafter rank,

@@ -104,6 +104,14 @@ class Trainer:
         self.device = self.dist.device
         startup.check_run(cfg, self.dist)  # before any weights load
         self.output = Path(cfg.train.output_dir)
+        self.target = self.backend = None  # what close() releases, once built
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()  # an engine target's process ends with a failed start too
+            raise
+
+    def _build(self, cfg: Config) -> None:
         self._build_models()
         data = startup.open_data(cfg, self.dist, self.target, self.drafter.mask_token_id)
         self.dataset, self.eval_dataset, self.eval_prompt_ids = data.dataset, data.eval_dataset, data.eval_prompt_ids
@@ -322,10 +330,19 @@ class Trainer:
             )
         log.warning(msg)
 
-    def release_ddp(self) -> None:
-        """Drop the DDP wrapper while the process group is still alive (Backend.release): call
-        before ``distributed.teardown()``."""
-        self.backend.release()
+    def close(self) -> None:
+        """Release what the trainer holds beyond its objects, before ``distributed.teardown()``:
+        the DDP wrapper while the process group is still alive (Backend.release) and the target's
+        engine process, if any. Idempotent; ``with Trainer(...) as trainer`` calls it."""
+        if self.backend is not None:
+            self.backend.release()
+        startup.close_target(self.target)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -343,19 +360,12 @@ def train(config: Config, on_step: StepHook | None = None) -> TrainResult:
     to the end or to a stop request (``on_step`` as in ``Trainer.fit``; ``Stopped`` then), and
     release DDP and the process group whatever happened."""
     dist = startup.start_process(config)
-    if dist.role == "target":  # a disaggregated target rank serves features; it builds no Trainer
-        rank = None
-        try:
-            rank = TargetRank(config, dist)
-            return TrainResult(rank.serve(), None, None)
-        finally:
-            startup.close_target(rank.target if rank else None)
-            distributed.teardown()
-    trainer = Trainer(config, dist)
     try:
-        metrics = trainer.fit(on_step)
-        return TrainResult(metrics, trainer.pipeline_report, trainer.feature_cache_stats)
+        if dist.role == "target":  # a disaggregated target rank serves features; it builds no Trainer
+            with TargetRank(config, dist) as rank:
+                return TrainResult(rank.serve(), None, None)
+        with Trainer(config, dist) as trainer:
+            metrics = trainer.fit(on_step)
+            return TrainResult(metrics, trainer.pipeline_report, trainer.feature_cache_stats)
     finally:
-        trainer.release_ddp()
-        startup.close_target(trainer.target)
         distributed.teardown()
