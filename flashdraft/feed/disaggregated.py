@@ -48,7 +48,6 @@ from flashdraft.feed.wire import (
     DATA,
     DONE,
     END,
-    FEATURE_DTYPES,
     HELLO_SIZE,
     STOP,
     Header,
@@ -133,19 +132,13 @@ class _DrafterLink:
     def _receive_payload(self, h: torch.Tensor) -> list[Micro]:
         """The micro-batches whose shapes the header ``h`` gives (device tensors; host lengths
         and sample ids from the header)."""
-        layout, device = self.header, self.device
-        width, dtype = int(h[2]), FEATURE_DTYPES[int(h[3])]
+        device = self.device
+        width, dtype = self.header.features(h)
         micro, transfers = [], []
-        for j in range(layout.grad_accum):
-            o = layout.micro_offset(j)
-            rows, seq = int(h[o]), int(h[o + 1])
-            if rows == 0:  # a last step of the plan holds fewer than grad_accum micro-batches
-                continue
+        for rows, seq, lengths, ids in self.header.micro_batches(h):
             fields = {name: torch.empty(rows, seq, dtype=dt, device=device) for name, dt in BATCH_DTYPES.items()}
             features = torch.empty(rows, seq, width, dtype=dtype, device=device)
             transfers += [distributed.irecv(t, self.peer) for t in (*fields.values(), features)]
-            lengths = h[o + 2 : o + 2 + rows].clone()
-            ids = h[o + 2 + layout.max_rows : o + 2 + layout.max_rows + rows].numpy().copy()
             micro.append(Micro(Batch(**fields, lengths=lengths), ids,
                                device_batch=Batch(**fields, lengths=lengths.to(device)),
                                device_ids=torch.from_numpy(ids).to(device), features=features))

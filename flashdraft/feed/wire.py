@@ -25,6 +25,7 @@ receive, posted ahead of the step's sends, would hold them back until the collec
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from flashdraft.feed.steps import StepInput
@@ -82,6 +83,22 @@ class Header:
             h[o + 2 + self.max_rows : o + 2 + self.max_rows + rows] = torch.from_numpy(m.sample_ids)
             payload += [getattr(m.device_batch, name).contiguous() for name in BATCH_DTYPES] + [m.features.contiguous()]
         return h, payload
+
+    def features(self, h: torch.Tensor) -> tuple[int, torch.dtype]:
+        """The width and dtype of the features of the step whose header is ``h``."""
+        return int(h[2]), FEATURE_DTYPES[int(h[3])]
+
+    def micro_batches(self, h: torch.Tensor) -> list[tuple[int, int, torch.Tensor, np.ndarray]]:
+        """(rows, padded length, lengths [rows], sample ids [rows]) of each micro-batch the header
+        ``h`` announces, in send order (a last step of the plan may hold fewer than grad_accum)."""
+        out = []
+        for j in range(self.grad_accum):
+            o = self.micro_offset(j)
+            rows, seq = int(h[o]), int(h[o + 1])
+            if rows:
+                out.append((rows, seq, h[o + 2 : o + 2 + rows].clone(),
+                            h[o + 2 + self.max_rows : o + 2 + self.max_rows + rows].numpy().copy()))
+        return out
 
     def cursor(self, h: torch.Tensor) -> dict:
         """The data cursor after the step whose header is ``h``."""
