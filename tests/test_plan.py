@@ -309,3 +309,16 @@ def test_the_stand_in_attention_is_named_and_no_config_picks_it():
     assert resolve_attention(stand_in_name("flex"), torch.device("cpu"), True) == "stand-in:flex"
     with pytest.raises(ValueError, match="model.drafter_attention"):
         load_config(None, ["model.drafter_attention=stand-in:flex"])
+
+
+def test_soft_labels_add_the_final_state_to_every_feature_the_plan_counts():
+    """objective.kd_weight > 0: each token's features are its K taps and the target's final normed
+    state (TargetModel's final_state), in flight, in the target forward and in the measured step."""
+    base = [f"model.target={FIXTURES / 'Qwen3-8B'}", "model.mask_token_id=0", "model.num_taps=5"]
+    plans = {kd: plan_memory(load_config(None, [*base, f"objective.kd_weight={kd}"]), seq_len=2048)
+             for kd in (0.0, 0.5)}
+    flight = {kd: dict(p.consumers)["features in flight"] for kd, p in plans.items()}
+    assert flight[0.5] * 5 == flight[0.0] * 6
+    step = {kd: next(v for name, v in p.consumers if name.startswith("drafter saved activations"))
+            for kd, p in plans.items()}
+    assert step[0.5] > step[0.0]  # the teacher's rows in the head's chunks, the final states' slice
