@@ -337,3 +337,17 @@ def supervised_runs(tok, ids, mask) -> list[str]:
             runs.append(tok.decode(run))
             run = []
     return runs + ([tok.decode(run)] if run else [])
+
+
+# ---- eval_dir: a saved target, drafter and prompts (issue 31's eval, export, config, data, window tests) --
+
+
+@pytest.fixture(scope="module")
+def eval_dir(tmp_path_factory):
+    """A 4-layer target, a block-4 drafter of it, and two prompts."""
+    d = tmp_path_factory.mktemp("eval_dir")
+    model = tiny_qwen3(num_layers=4, seed=1)
+    model.save_pretrained(d / "target")
+    make_drafter(TargetModel(model, [1, 2]), num_layers=1, block_size=4).save_pretrained(d / "drafter")
+    write_prompts(d / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
+    return d

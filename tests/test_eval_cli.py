@@ -1,6 +1,7 @@
 """`flashdraft eval` on bad or mismatched inputs: clear errors before any decoding."""
 
 import json
+import re
 
 import pytest
 
@@ -205,3 +206,101 @@ def test_eval_output_never_overwrites_a_runs_own_export_or_logs(tiny_job, tmp_pa
             _ngram(tiny_job / "target", prompts, run / own)
         assert before is None or (run / own).read_bytes() == before
     assert _ngram(tiny_job / "target", prompts, run / "eval-report.json") == 0
+
+
+# ---- issue 31's adversarial trials: the numbers are the rows of its table in docs/reliability.md ---------
+
+def _eval(d, *extra, drafter=True):
+    return main(["eval", "--target", str(d / "target"), "--prompts", str(d / "prompts.jsonl"), "--device", "cpu",
+                 *(["--drafter", str(d / "drafter")] if drafter else ["--baseline", "ngram"]), *extra])
+
+
+# ---- issue 31, 2: eval --output never overwrites the command's own inputs ------------------------
+
+@pytest.mark.parametrize("victim", ["prompts.jsonl", "target/config.json", "drafter/model.safetensors", "target"])
+def test_eval_output_never_overwrites_its_own_inputs(eval_dir, victim):
+    path = eval_dir / victim
+    before = sorted(p.read_bytes() for p in ([path] if path.is_file() else path.iterdir()))
+    with pytest.raises(ValueError, match=rf"--output .*{victim} (is|lies inside|holds) .*an input of this command"):
+        _eval(eval_dir, "--output", str(path), "--max-new-tokens", "4")
+    assert sorted(p.read_bytes() for p in ([path] if path.is_file() else path.iterdir())) == before
+
+
+# ---- issue 31, 3: a tiny positive temperature is refused where it is given, not mid-run ----------
+
+def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_minimum_decodes(eval_dir):
+    from flashdraft.config import MIN_TEMPERATURE, load_config
+
+    with pytest.raises(ValueError, match=r"(?s)train.eval_temperature=1e-40 is invalid.*use 0 \(greedy\).*"
+                                         r"at least 0.0001"):
+        load_config(overrides=["train.eval_temperature=1e-40"])
+    with pytest.raises(ValueError, match=r"--temperature 1e-40: use 0 \(greedy\) or a finite temperature of at least"):
+        _eval(eval_dir, "--temperature", "1e-40", "--max-new-tokens", "4")
+    assert _eval(eval_dir, "--temperature", str(MIN_TEMPERATURE), "--max-new-tokens", "6") == 0
+
+
+# ---- issue 31, 5, 6, 16: eval's block size, token count and report -------------------------------
+
+def test_eval_refuses_a_block_size_the_drafter_does_not_decode_with_and_bad_counts_at_parse(eval_dir, capsys):
+    with pytest.raises(ValueError, match=r"--block-size 8: .*drafter drafts blocks of 4, the size it decodes"):
+        _eval(eval_dir, "--block-size", "8", "--max-new-tokens", "4")
+    for flag, value in [("--block-size", "-3"), ("--block-size", "0"), ("--block-size", "1"),
+                        ("--max-new-tokens", "0"), ("--max-new-tokens", "-5")]:
+        with pytest.raises(SystemExit) as exc:
+            _eval(eval_dir, flag, value, drafter=False)
+        assert exc.value.code == 2 and f"argument {flag}: {value}: use" in capsys.readouterr().err
+    assert _eval(eval_dir, "--block-size", "4", "--max-new-tokens", "6") == 0  # the drafter's own: accepted
+    report = json.loads(capsys.readouterr().out)
+    assert report["settings"]["block_size"] == 4 and report["settings"]["drafter"] == "dflash"
+
+
+def test_the_eval_report_is_strict_json_when_no_tau_was_measured(eval_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    eos = tmp_path / "target"  # the same target, but every token it can emit ends the sequence
+    import shutil
+    shutil.copytree(eval_dir / "target", eos)
+    config = AutoConfig.from_pretrained(eos)
+    config.eos_token_id = list(range(config.vocab_size))
+    config.save_pretrained(eos)
+    (eos / "generation_config.json").unlink(missing_ok=True)
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", str(eos), "--drafter", str(eval_dir / "drafter"), "--prompts",
+                 str(eval_dir / "prompts.jsonl"), "--device", "cpu", "--max-new-tokens", "4",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in the report"))
+    assert report["tau"] is None and report["lossless"] is True
+
+
+# ---- issue 31, 16: messages name the flag, the file and the list's kind --------------------------
+
+def test_eval_tensor_parallel_without_torchrun_names_the_flag(eval_dir, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"(?s)--tensor-parallel 2 on WORLD_SIZE=1.*torchrun --nproc-per-node=2"):
+        _eval(eval_dir, "--tensor-parallel", "2", "--max-new-tokens", "4")
+
+
+# ---- issue 31, the trial's re-run (h31b): defects its probes found -------------------------------
+
+def test_eval_names_a_bad_device_an_unreadable_prompts_file_and_refuses_two_subjects(eval_dir, tmp_path):
+    import torch
+
+    prompts = ["--prompts", str(eval_dir / "prompts.jsonl")]
+    with pytest.raises(ValueError, match=r"--device 'tpu': not a device torch knows"):
+        _eval(eval_dir, "--device", "tpu", *prompts)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"--device cuda:0: this torch sees no CUDA device; use --device cpu"):
+            _eval(eval_dir, "--device", "cuda:0", *prompts)
+    with pytest.raises(ValueError, match=r"--drafter and --baseline: evaluate one of them"):
+        _eval(eval_dir, "--baseline", "ngram", *prompts)
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00\n")
+    for bad in (tmp_path, tmp_path / "binary.jsonl"):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: cannot read the prompts .*give a UTF-8 JSONL"):
+            _eval(eval_dir, "--prompts", str(bad))
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_eval_names_an_output_that_fails_at_the_write_and_keeps_the_report_on_stdout(eval_dir, capsys):
+    with pytest.raises(ValueError, match=r"--output /dev/full: cannot write the report \(No space left on device\)"):
+        _eval(eval_dir, "--prompts", str(eval_dir / "prompts.jsonl"), "--max-new-tokens", "2", "--output", "/dev/full")
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -268,3 +269,73 @@ def test_export_verify_engine_checks_its_prompts_before_exporting(run_dir, tmp_p
         main(["export", str(run_dir), "--out", str(tmp_path / "out"), "--verify-engine", "vllm", "--prompts",
               str(tmp_path / "prompts.jsonl")])
     assert not (tmp_path / "out").exists()
+
+
+# ---- issue 31, 12: export prints the target's absolute path --------------------------------------
+
+def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(tiny_job, tmp_path, monkeypatch,
+                                                                                 capsys):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    monkeypatch.chdir(tiny_job)  # trained with model.target=target, train.output_dir=rel/run
+    given = overrides(tiny_job, tmp_path, train__max_steps=1, model__target="target", train__output_dir="rel/run")
+    train(load_config(overrides=given))
+    monkeypatch.chdir(tmp_path)  # exported from elsewhere
+    assert main(["export", str(tiny_job / "rel" / "run"), "--out", "exp"]) == 0
+    out = capsys.readouterr().out
+    assert f"--model-path {tiny_job / 'target'} " in out and f"vllm serve {tiny_job / 'target'} " in out
+    assert f"--speculative-draft-model-path {tmp_path / 'exp'} " in out
+
+
+# ---- issue 31, 16: the loader names a tampered export in whole sentences -------------------------
+
+def test_a_tampered_export_is_named_in_whole_sentences(eval_dir, tmp_path):
+    import shutil
+
+    from flashdraft.drafter import DFlashDrafter
+
+    bad = tmp_path / "drafter"
+    shutil.copytree(eval_dir / "drafter", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["DFlash2DraftModel"],
+                                                 "final_logit_softcapping": 30.0}))
+    with pytest.raises(ValueError) as exc:
+        DFlashDrafter.from_pretrained(bad)
+    said = str(exc.value)
+    assert said.startswith(f"{bad / 'config.json'}: this DFlash drafter uses what flashdraft does not implement")
+    assert "(vLLM requires all four); got" in said and said.endswith("final_logit_softcapping=30.0.")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad / 'config.json'))}: cannot read the drafter's config"):
+        DFlashDrafter.from_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").write_bytes(b"\x00" * 8)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad / 'model.safetensors'))}: cannot read the drafter's "
+                                         "weights"):
+        DFlashDrafter.from_pretrained(bad)
+
+
+# ---- issue 31, the trial's re-run (h31b): defects its probes found -------------------------------
+
+def test_export_refuses_verify_engine_knobs_without_it(eval_dir, tmp_path):
+    for extra in (["--prompts", str(eval_dir / "prompts.jsonl")], ["--max-new-tokens", "8"]):
+        with pytest.raises(ValueError, match=r"--prompts / --max-new-tokens set how --verify-engine decodes"):
+            main(["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "e"), *extra])
+
+
+def test_an_export_whose_mask_id_or_shapes_do_not_fit_is_named(eval_dir, tmp_path):
+    import shutil
+
+    from flashdraft.drafter import DFlashDrafter
+
+    bad = tmp_path / "drafter"
+    shutil.copytree(eval_dir / "drafter", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "dflash_config": {**config["dflash_config"],
+                                                                             "mask_token_id": 10 ** 9}}))
+    with pytest.raises(ValueError, match=r"dflash_config.mask_token_id=1000000000 is no id of its vocabulary"):
+        DFlashDrafter.from_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    with pytest.raises(ValueError, match=r"model.safetensors does not fit its config.json \(size mismatch"):
+        DFlashDrafter.from_pretrained(bad)

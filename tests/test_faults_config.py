@@ -18,6 +18,7 @@ import torch
 
 from conftest import REPO, overrides
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, manifest_digest, sha256_file
+from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.target import TargetModel
 from flashdraft.train.trainer import Trainer
@@ -584,3 +585,139 @@ def test_an_output_dir_or_checkpoints_path_that_is_a_file_is_refused_at_start(ti
     with pytest.raises(ValueError, match=r"checkpoints is a file"):
         trainer.fit()
     assert trainer.step == 0  # refused before training, not at the first save
+
+
+# ---- issue 31, 8, 16: knobs of an option that is not selected are refused, naming their values ----
+
+@pytest.mark.parametrize("given, refused, fix", [
+    (["objective.dpace_alpha=0.7"], "objective.dpace_alpha=0.7 is", "set objective.weighting=dpace too"),
+    (["objective.weighting=dpace", "objective.gamma=7"], "objective.gamma=7.0 is", "set objective.weighting=decay"),
+    (["objective.weighting=dpace", "objective.gamma=null"], "objective.gamma=null is", "weighting=decay"),
+    (["objective.lk_kl_scale=2"], "objective.lk_kl_scale=2.0 is", "set objective.loss=lk_lambda too"),
+    (["objective.loss=tv", "objective.lk_kl_decay=0.5"], "objective.lk_kl_decay=0.5 is", "loss=lk_lambda"),
+    (["model.drafter=dflash2", "objective.selector_alpha=0", "objective.selector_warmup_frac=0.2",
+      "objective.selector_ramp_frac=0.1"], "objective.selector_warmup_frac=0.2, objective.selector_ramp_frac=0.1 are",
+     "set objective.selector_alpha above 0 too"),
+    (["model.selector_rank=64"], "model.selector_rank=64 is", "set model.drafter=dflash2 too"),  # no "=set"
+])
+def test_knobs_of_an_unselected_option_are_refused_at_load(given, refused, fix):
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=rf"config {re.escape(refused)} ignored: .*{re.escape(fix)}"):
+        load_config(overrides=given)
+
+
+def test_the_selected_options_knobs_and_a_saved_config_load():
+    from flashdraft.config import load_config, to_yaml
+
+    for given in (["objective.weighting=dpace", "objective.dpace_alpha=0.7"], ["objective.gamma=5"],
+                  ["objective.loss=lk_lambda", "objective.lk_kl_scale=2"], ["model.drafter=dflash2",
+                   "objective.selector_warmup_frac=0.2"]):
+        config = load_config(overrides=given)
+        assert load_config(base=__import__("yaml").safe_load(to_yaml(config))) == config
+
+
+# ---- issue 31, 10: one-line errors where tracebacks were -----------------------------------------
+
+def test_a_yaml_alias_bomb_or_deep_nesting_in_a_config_is_one_short_line(tmp_path):
+    layers = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for name, prev in zip("bcdefghi", "abcdefgh"):  # 9^9 strings if expanded
+        layers.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    (tmp_path / "bomb.yaml").write_text("model:\n  target: [" + ", ".join(layers) + "]\n")
+    (tmp_path / "deep.yaml").write_text("model:\n  target_layer_ids: " + "[" * 5000 + "]" * 5000 + "\n")
+    deep = "[" * 5000 + "]" * 5000
+    for args, wanted in [(["--config", str(tmp_path / "bomb.yaml")], "config model.target=[['lol'"),
+                         (["--config", str(tmp_path / "deep.yaml")], f"{tmp_path / 'deep.yaml'}: nested too deeply"),
+                         ([f"model.target_layer_ids={deep}"], "config model.target_layer_ids='[[[[")]:
+        with pytest.raises(ValueError) as exc:  # the command line prints it as one `error:` line
+            main(["config", *args])
+        assert str(exc.value).startswith(wanted) and len(str(exc.value)) < 300 and "\n" not in str(exc.value)
+
+
+def test_a_selector_too_large_for_the_device_is_refused_at_start_up_with_its_size(tiny_job, tmp_path):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.checks import check_drafter_sizes
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", model__drafter="dflash2",
+                                          model__conv_group_size=8, model__selector_rank=1_000_000_000))
+    with pytest.raises(ValueError, match=r"(?s)model.selector_rank=1000000000:.*10,112.0 GB.*GB of this device.*"
+                                         r"use e.g. 256"):
+        check_drafter_sizes(cfg, "cpu")
+
+
+# ---- issue 31, 16: messages name the flag, the file and the list's kind --------------------------
+
+def test_a_list_of_strings_is_asked_for_as_names_not_numbers():
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=r"config train.metrics=3 is invalid: give a list of names, e.g. \[a, b\]"):
+        load_config(overrides=["train.metrics=3"])
+    with pytest.raises(ValueError, match=r"config model.target_layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
+        load_config(overrides=["model.target_layer_ids=x"])
+
+
+# ---- issue 31, 14: accepted silently before, refused now -----------------------------------------
+
+def test_a_duplicate_yaml_key_a_two_conversation_record_and_boolean_token_ids_are_refused(tmp_path, eval_dir):
+    from flashdraft.config import load_config
+    from flashdraft.data.chat import SampleError, normalize_record
+
+    (tmp_path / "dup.yaml").write_text("optim:\n  lr: 6e-4\n  lr: 1e-3\n")
+    with pytest.raises(ValueError, match=r"dup.yaml: not valid YAML at line 3, column 3 \(key 'lr' given twice"):
+        load_config(tmp_path / "dup.yaml")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(SampleError, match=r"r: both 'messages' and 'conversations'; keep one") as exc:
+        normalize_record({"messages": turns, "conversations": [{"from": "human", "value": "other"}]}, "r")
+    assert exc.value.reason == "bad_shape"
+    (tmp_path / "bools.jsonl").write_text('{"input_ids": [true, false, true]}\n')
+    with pytest.raises(ValueError, match=r"bools.jsonl:1: input_ids must be a non-empty list of token ids"):
+        main(["eval", "--target", str(eval_dir / "target"), "--baseline", "ngram", "--prompts",
+              str(tmp_path / "bools.jsonl"), "--device", "cpu"])
+
+
+def test_a_mask_token_id_that_occurs_in_the_training_data_is_warned_at_start_up(tiny_job, tmp_path, caplog):
+    import logging
+
+    import numpy as np
+
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.data.dataset import open_dataset
+    from flashdraft.train.checks import check_mask_token
+    from flashdraft.train.trainer import Trainer
+
+    data = open_dataset(tiny_job / "data")
+    used = int(data[3][0][0])  # the first token of sample 3
+    unused = int(np.setdiff1d(np.arange(300), np.asarray(data.ids))[0])
+    assert check_mask_token(data, unused) == 0
+    assert check_mask_token(data, used, chunk=7) == int((data.ids == used).sum()) > 0  # chunked == whole
+    with caplog.at_level(logging.WARNING):
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__mask_token_id=used)))
+    assert f"model.mask_token_id={used} occurs" in caplog.text and "set model.mask_token_id to an id" in caplog.text
+
+
+# ---- issue 31, the trial's re-run (h31b): defects its probes found -------------------------------
+
+def test_train_output_dir_is_never_the_target_or_the_runs_data(tiny_job, tmp_path):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.checks import check_paths
+
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run"))
+    check_paths(cfg)  # a run directory of its own
+    for out, field in [(cfg.model.target, "model.target"), (f"{cfg.model.target}/run", "model.target"),
+                       (cfg.data.path, "data.path")]:
+        bad = load_config(overrides=overrides(tiny_job, out))
+        with pytest.raises(ValueError, match=rf"train.output_dir .* is or lies inside {field} .*another directory"):
+            check_paths(bad)
+
+
+@pytest.mark.parametrize(("override", "field"), [("data.min_supervised=-2", "data.min_supervised=-2"),
+                                                 ("train.seed=-1", "train.seed=-1"),
+                                                 ("train.output_dir=", "train.output_dir=''")])
+def test_a_negative_seed_or_minimum_or_an_empty_run_directory_is_refused_at_load(override, field):
+    from flashdraft.config import load_config
+
+    with pytest.raises(ValueError, match=rf"config {re.escape(field)} is invalid: (use|give)"):
+        load_config(overrides=[override])

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from flashdraft.cli import main
 from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import pad_batch
 from flashdraft.data.dataset import open_dataset
@@ -228,3 +229,36 @@ def test_resuming_mid_epoch_with_a_remainder_step_is_exact_and_covers_the_epoch_
         seen, dropped = _run(lengths, plan)
         flat = np.concatenate(seen)
         assert len(set(flat.tolist())) == len(flat) and len(flat) + dropped == 10, plan
+
+
+# ---- issue 31, 10: one-line errors where tracebacks were -----------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from flashdraft.toy import train_toy_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tok"
+    train_toy_tokenizer(template="qwen3").save_pretrained(path)
+    return path
+
+
+def test_prepare_explain_of_a_deep_record_or_a_huge_index_is_one_line(qwen3_tokenizer, tmp_path):
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps({**chat, "x": None}).replace("null", "[" * 5000 + "]" * 5000) + "\n")
+    from flashdraft.data.prepare import explain
+
+    said = explain([tmp_path / "in.jsonl"], qwen3_tokenizer, 0, min_supervised=1)
+    assert said.startswith(f"{tmp_path / 'in.jsonl'}:1 (record 0) is dropped: bad_json: ")
+    assert "nested too deeply" in said
+    with pytest.raises(ValueError, match=r"--explain 10{30}: the inputs hold 1 records, numbered from 0"):
+        explain([tmp_path / "in.jsonl"], qwen3_tokenizer, 10**30)
+
+
+# ---- issue 31, the trial's re-run (h31b): defects its probes found -------------------------------
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-length", "0"), ("--block-size", "1"), ("--min-supervised", "-1")])
+def test_prepare_refuses_bad_counts_before_reading_a_record(eval_dir, tmp_path, flag, value):
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=rf"{flag} {value}: use"):
+        main(["prepare", str(tmp_path / "chats.jsonl"), "--tokenizer", str(eval_dir / "target"),
+              "--out", str(tmp_path / "shard"), flag, value])

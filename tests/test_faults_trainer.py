@@ -299,3 +299,41 @@ def test_a_dead_or_hung_rank_fails_the_other_within_the_collective_timeout(tiny_
     assert f"train.collective_timeout_s = {timeout_s:g} s" in r0["error"]
     assert "peer rank probably died or hung" in r0["error"]
     assert waited < timeout_s + 10, f"rank 0 took {waited:.1f} s to exit after the fault"
+
+
+# ---- issue 31, 4: a bf16 / fp16 target trains on CPU ---------------------------------------------
+
+@pytest.mark.parametrize("dtype, family", [("bfloat16", "dflash"), ("float16", "dflash2")])
+def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family):
+    """The fp32 drafter met the target's bf16 / fp16 features in its fc at step 1 (autocast was
+    used on CUDA only): CPU autocasts to the target's dtype now."""
+    import math
+
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    sizes = dict(model__conv_group_size=8, model__selector_rank=8, model__selector_top_k=4)
+    extra = sizes if family == "dflash2" else {}
+    result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
+                                                   model__drafter=family, **extra))).metrics
+    assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
+
+
+# ---- issue 31, 9: a run whose every step was skipped logs no loss, not a perfect one -------------
+
+def test_a_run_whose_every_step_was_skipped_logs_no_loss_or_accuracy(tiny_job, tmp_path, capsys):
+    from conftest import overrides
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    out = tmp_path / "run"  # lambda = 1e300 * exp(...): an infinite loss at every step, each one skipped
+    result = train(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, objective__loss="lk_lambda",
+                                                   objective__lk_kl_scale="1e300"))).metrics
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "skipped_steps" in r]
+    assert [r["skipped_steps"] for r in steps] == [1, 2]
+    assert not any(key in r for r in steps for key in ("loss", "acc", "acc_first", "tau_sim"))
+    assert "loss" not in result and result["skipped_steps"] == 2
+    err = capsys.readouterr().err
+    assert "step 2/2 skipped 2 lr" in err and "loss 0" not in err

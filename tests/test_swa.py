@@ -5,6 +5,8 @@ each engine reads."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_step_equivalence import assert_same, batch, grads_of, make
@@ -134,3 +136,94 @@ def test_decode_mask_is_the_training_rule_for_one_block():
     expected = dense_block_mask(torch.tensor([[10]]), torch.tensor([[True]]), 10, 4, layer)[0, 0]
     assert torch.equal(mask, expected)
     assert decode_mask(10, 4, LayerMask(), "cpu") is None
+
+
+# ---- issue 31, 14 (its first sub-item): a sliding window that leaves a block slot blind to the target ----
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_blind_slots_are_those_the_training_mask_never_connects_to_the_context(block_size, causal):
+    """The rule (config.blind_slots) against the real training mask, layer after layer: a slot
+    learns of the context through its own row of context keys or an in-block slot that learnt of
+    it in an earlier layer."""
+    import torch
+
+    from flashdraft.config import LayerMask, blind_slots
+    from flashdraft.drafter.attention import dense_block_mask
+
+    seq = 3 * block_size
+    anchors, valid = torch.tensor([[2 * block_size]]), torch.tensor([[True]])
+    stacks = [[LayerMask(w, causal)] * n for w in range(1, block_size + 2) for n in (1, 2, 3)]
+    stacks += [[LayerMask(1, causal), LayerMask(None, causal)], [LayerMask(None, causal), LayerMask(2, causal)]]
+    for layers in stacks:
+        informed = torch.zeros(block_size, dtype=torch.bool)
+        for layer in layers:
+            mask = dense_block_mask(anchors, valid, seq, block_size, layer)[0, 0]  # [bs, seq + bs]
+            informed = informed | mask[:, :seq].any(1) | (mask[:, seq:] & informed.view(1, -1)).any(1)
+        assert blind_slots(layers, block_size) == [k for k in range(1, block_size) if not informed[k]], layers
+
+
+def test_a_blind_slot_of_a_real_drafter_has_no_gradient_from_the_target_features(target):
+    """The drafter itself: a window of 2 over 2 layers and a block of 8 gives slots 2..7 no path
+    from the target's features (their gradient is exactly zero), slot 1 one."""
+    import torch
+
+    from conftest import MASK_ID
+    from flashdraft.config import LayerMask, blind_slots
+    from flashdraft.drafter import DFlashDrafter
+
+    drafter = DFlashDrafter.for_target(target, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                       layer_types=["sliding_attention"] * 2, sliding_window=2, causal=False)
+    drafter.reset_parameters(std=0.02, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, MASK_ID, (1, 24), generator=torch.Generator().manual_seed(1))
+    features = target.features(ids).detach().requires_grad_(True)
+    block = torch.full((1, 8), MASK_ID)
+    block[0, 0] = ids[0, 12]
+    out = drafter(features, target.embed(block).unsqueeze(1), torch.tensor([[12]]), torch.tensor([[True]]))[0, 0]
+    reached = [bool(torch.autograd.grad(out[k].sum(), features, retain_graph=True)[0].abs().sum() > 0)
+               for k in range(1, 8)]
+    assert [k for k, r in zip(range(1, 8), reached) if not r] == blind_slots([LayerMask(2, False)] * 2, 8) \
+        == [2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(("window", "block_size", "layers", "message"), [
+    (1, 16, 5, r"model.drafter_sliding_window=1 .*block slots 1..15 can see no target feature.*window of 5 or more"),
+    (2, 16, 5, r"model.drafter_sliding_window=2 .*block slots 5..15 .*window of 5 or more"),
+    (4, 4, 1, r"model.drafter_sliding_window=4 .*block slots 3 can see.*window of 5 or more"),
+])
+def test_a_sliding_window_that_leaves_a_slot_blind_is_refused_at_load(window, block_size, layers, message):
+    from flashdraft.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message + r".*or make a layer full_attention"):
+        ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
+                    drafter_sliding_window=window)
+    # what stays accepted: the released layout's miniature (W 3 < block 4, 2 layers: tests/test_dflash2.py), a
+    # full layer anywhere in the stack, the smallest window the refusal names, the released window
+    ModelConfig(block_size=4, num_draft_layers=2, drafter_layer_types=("sliding_attention",), drafter_sliding_window=3)
+    ModelConfig(block_size=block_size, num_draft_layers=2, drafter_sliding_window=window,
+                drafter_layer_types=("sliding_attention", "full_attention"))
+    ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
+                drafter_sliding_window=5)
+    ModelConfig(drafter_layer_types=("sliding_attention",), drafter_sliding_window=2048)
+
+
+def test_an_export_whose_window_leaves_a_slot_blind_is_refused_on_load(eval_dir, tmp_path):
+    import shutil
+
+    from flashdraft.drafter.serving import read_config
+
+    export = tmp_path / "export"
+    shutil.copytree(eval_dir / "drafter", export)  # 1 layer, block 4
+    config = json.loads((export / "config.json").read_text())
+    config.update(layer_types=["sliding_attention"], sliding_window=2, use_sliding_window=True)
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"(?s)config.json: .*sliding_window=2.*block_size 4.*1 sliding layer.*"
+                                         r"slots 1..3.*window of 5 or more"):
+        read_config(export)
+    (export / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
+    assert read_config(export)["sliding_window"] == 5
+    del config["block_size"]
+    config["dflash_config"].pop("block_size", None)
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"block_size=None: give the drafter's block size"):
+        read_config(export)
