@@ -252,3 +252,20 @@ def test_the_identifier_check_sees_attributes_keywords_imports_and_arguments():
                                               "candidate_selector", "alpha", "SelectorLoss", "f", "g", "x", "y"}
     assert naming({"m": ast.parse(source)}, ["m"], ("selector",)) == [
         "m: SelectorLoss", "m: candidate_selector", "m: selector_loss"]
+
+
+def test_the_engine_environment_has_one_owner_below_the_judges_and_the_target():
+    """flashdraft.vllm_env picks the engine's interpreter for the judges and the vLLM target alike:
+    it imports nothing of flashdraft, so the target uses it without an arrow up to the judges;
+    nothing below the commands imports flashdraft.judge, and the judges' workers import no
+    flashdraft at all (they run under the engine's interpreter)."""
+    graph = import_graph()
+    assert graph["flashdraft.vllm_env"] == set(), graph["flashdraft.vllm_env"]
+    assert "flashdraft.vllm_env" in graph["flashdraft.target.engine"]
+    assert "flashdraft.vllm_env" in graph["flashdraft.judge.engine"]
+    for low in ("flashdraft.target", "flashdraft.train", "flashdraft.feed", "flashdraft.drafter", "flashdraft.data"):
+        found = imports_of(graph, low, "flashdraft.judge")
+        assert not found, found
+    for worker in ("engine_worker", "reference_worker", "worker_io"):
+        tree = _modules()[f"flashdraft.judge.workers.{worker}"]
+        assert not [n for n in outside_imports(tree) if "flashdraft" in n], worker

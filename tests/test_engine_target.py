@@ -132,12 +132,13 @@ def test_a_last_layer_tap_is_refused_before_any_engine_starts(target_dir):
 def test_without_vllm_the_backend_is_refused_with_the_reason_and_nothing_is_installed(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")  # what a CUDA machine's training environment has
     monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(tmp_path / "engine"))
-    with pytest.raises(EngineError, match="vLLM CPU build here: .*model.vllm_python") as refused:
+    with pytest.raises(EngineError, match="cannot start its engine: .*model.vllm_python") as refused:
         engine_interpreter(EngineOptions())
     # the reason is the torch it would replace (elsewhere than Linux x86-64: the platform)
     assert "this environment has torch 2.13.0+cu130" in str(refused.value) or "Linux x86-64" in str(refused.value)
     assert not (tmp_path / "engine").exists()
-    with pytest.raises(EngineError, match="not an executable interpreter"):
+    with pytest.raises(EngineError, match=r"interpreter .*python \(model.vllm_python\) does not exist: name the "
+                                          "python of an environment where vLLM is installed"):
         engine_interpreter(EngineOptions(python=str(tmp_path / "python")))
 
 

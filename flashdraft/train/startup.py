@@ -11,12 +11,14 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from flashdraft import distributed, plan
 from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist
-from flashdraft.engine import last_layer_warning
 from flashdraft.target import TargetModel
+from flashdraft.target.engine import last_layer_warning
 from flashdraft.train import checks
 from flashdraft.train.runtime import deterministic_mode, keep_freed_host_memory
 
