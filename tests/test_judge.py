@@ -261,14 +261,22 @@ def test_an_engine_interpreter_that_is_not_one_with_vllm_is_refused_naming_the_f
 
 
 @pytest.mark.slow
-def test_eval_engine_beside_a_cuda_torch_runs_the_vllm_the_user_names(vllm_python, untrained_eval, tmp_path,
-                                                                       monkeypatch, capsys):
+def test_eval_engine_beside_a_cuda_torch_runs_the_vllm_the_user_names(vllm_python, tmp_path, monkeypatch, capsys):
     """A GPU user's training environment has a CUDA torch, where flashdraft's CPU build is refused:
     the judge runs with the interpreter they name (here the cached CPU build's, named as a user
-    would), and nothing is installed anywhere (the CPU build's directory is never consulted)."""
+    would), and nothing is built anywhere (the CPU build's directory is never consulted)."""
+    from conftest import make_drafter
+    from flashdraft.evaluate import write_prompts
+    from flashdraft.target import TargetModel
+
+    model = tiny_causal_lm(300, arch="qwen3", num_layers=4, hidden=64, num_heads=2, num_kv_heads=1, seed=1,
+                           max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    model.save_pretrained(tmp_path / "target")  # head_dim 32: vLLM's CPU attention takes it
+    make_drafter(TargetModel(model, [1, 2]), num_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
+    write_prompts(tmp_path / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")  # what a CUDA machine's training environment has
     monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(tmp_path / "never-built"))
-    assert main(_eval_engine(untrained_eval, "--engine-python", str(vllm_python))) in (0, 1)
+    assert main(_eval_engine(tmp_path, "--engine-python", str(vllm_python))) in (0, 1)
     report = json.loads(capsys.readouterr().out)["engine"]
     assert "engine_error" not in report, report
     assert report["vllm_version"] == "0.32.0" and report["lossless"] is True and report["same_outputs"] is True
