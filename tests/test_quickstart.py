@@ -97,3 +97,17 @@ def test_bad_variant_flags_are_refused_before_any_stage_runs(tmp_path, flags, me
     with pytest.raises(ValueError, match=re.escape(message)):
         main(["quickstart", "--smoke", "--output", str(tmp_path / "qs"), *flags])
     assert not (tmp_path / "qs").exists()  # nothing written, no target trained
+
+
+def test_the_vllm_target_backend_runs_without_in_training_evals(tmp_path, capsys):
+    """--target-backend vllm: the engine computes the features; the in-training tau (which decodes
+    in-process) is off, the final eval (stage 6) still judges the export with the target in-process."""
+    from flashdraft.quickstart import TRAINING, _drafter_config
+
+    config = _drafter_config(tmp_path / "qs", SMOKE, {**TRAINING, "model.target_backend": "vllm"}, 0)
+    assert config.model.target_backend == "vllm" and config.train.eval_prompts == 0
+    assert config.data.eval_prompts  # the final eval's prompts: written and used by stage 6
+    assert _drafter_config(tmp_path / "qs", SMOKE, TRAINING, 0).train.eval_prompts == SMOKE.num_eval_prompts
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--help"])
+    assert "--target-backend {transformers,vllm}" in " ".join(capsys.readouterr().out.split())
