@@ -296,3 +296,24 @@ def test_the_plan_over_a_billion_lengths_takes_seconds(tmp_path):
     planning.join(timeout=120)
     assert found, "the plan of data.max_length=10^9 did not end within 120 s"
     assert 2 <= found[0].seq_len <= 10**9 and found[0].batch_size >= 1
+
+
+def test_a_rank_whose_features_a_vllm_engine_computes_holds_the_heads_and_the_features_only():
+    """model.target_backend=vllm: the rank loads the target's embedding and LM head only
+    (EngineTarget) and runs no forward; the engine's memory is its own devices' (model.vllm_devices),
+    or, sharing the rank's GPU, its gpu_memory_utilization of it. Before, the plan counted the whole
+    in-process target and its forward: Qwen3-8B's 15 GiB of weights the rank never loads."""
+    base = [f"model.target={FIXTURES / 'Qwen3-8B'}", "model.mask_token_id=0"]
+    shape = plan_module._target_shape(str(FIXTURES / "Qwen3-8B" / "config.json"), False)
+    inprocess = plan_memory(load_config(None, base), device_bytes=80 * GiB, seq_len=2048)
+    engine = plan_memory(load_config(None, [*base, "model.target_backend=vllm", "model.vllm_devices=0"]),
+                         device_bytes=80 * GiB, seq_len=2048)
+    parts, before = dict(engine.consumers), dict(inprocess.consumers)
+    assert parts["target embedding + LM head (the vLLM engine holds the rest)"] == shape.head_params * 2
+    assert not [k for k in parts if k.startswith(("target weights", "target forward", "vLLM engine"))], parts
+    assert parts["features in flight"] == before["features in flight"]  # the same features, from the engine
+    assert inprocess.peak_bytes - engine.peak_bytes >= (shape.params - shape.head_params) * 2
+    assert any("vLLM's own plan" in note for note in engine.notes)
+    shared = load_config(None, [*base, "model.target_backend=vllm", "model.vllm_gpu_memory_utilization=0.5"])
+    shared = plan_memory(shared, device_bytes=80 * GiB, seq_len=2048)
+    assert dict(shared.consumers)["vLLM engine on this device (model.vllm_gpu_memory_utilization of it)"] == 40 * GiB
