@@ -109,7 +109,7 @@ class ModelConfig:
     init_from: str = _marked("", RESUME)
     tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
     expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
-    # ---- the target's backend (issue 39; these move into the target's own config section) ----
+    # ---- the target's backend: who computes the features (model.target_backend, the vllm_* knobs) ----
     # transformers (in-process forward) | vllm (a vLLM engine in its own process; docs/architecture.md)
     target_backend: str = "transformers"  # who computes the target's features
     vllm_python: str = _marked("", VLLM)  # interpreter with vLLM installed ("": flashdraft's cached CPU build)
