@@ -118,7 +118,7 @@ class ModelConfig:
     vllm_quantization: str = _marked("", VLLM)  # the engine's quantization, e.g. fp8 ("": the checkpoint's own)
     vllm_gpu_memory_utilization: float = _marked(0.9, VLLM)  # share of each engine GPU's memory vLLM may take
     vllm_max_model_len: int = _marked(0, VLLM)  # the engine's max_model_len (0: data.max_length + 1)
-    vllm_devices: str = _marked("", VLLM)  # the engine's CUDA_VISIBLE_DEVICES, e.g. "0" ("": the trainer's)
+    vllm_devices: str = _marked("", VLLM)  # the engine's CUDA_VISIBLE_DEVICES, e.g. "4,5,6,7" ("": the rank's own GPU)
     # samples compared tap by tap with the in-process transformers forward at start-up (0: none)
     vllm_check_samples: int = _marked(4, VLLM)
 

@@ -731,7 +731,9 @@ def _notes(cfg: Config, dev: str) -> list[str]:
     if cfg.model.target_backend == "vllm":
         notes.append("model.target_backend=vllm: the engine's weights, KV cache and activations are vLLM's own plan "
                      "(model.vllm_gpu_memory_utilization of each of model.vllm_devices" +
-                     (")" if cfg.model.vllm_devices else "; none set: it shares this rank's device, counted above)")
+                     (": GPUs of its own, not counted here; naming this rank's own GPU, lower the utilization "
+                      "to leave it the rest)" if cfg.model.vllm_devices else
+                      "; none set: it runs on this rank's GPU, counted above)")
                      + "; the start-up feature check briefly loads the whole target in-process on this device "
                      "(model.vllm_check_samples=0 skips it)")
     return notes

@@ -184,3 +184,15 @@ def test_an_engine_that_died_is_reported_with_its_log_not_waited_for(engine, tar
         target.features(torch.ones(1, 4, dtype=torch.long))
     assert str(engine.log_path) in str(refused.value)
     engine.log_path.unlink()  # kept for the user after a failure; this one was planted
+
+
+def test_the_engine_runs_on_the_ranks_own_gpu_unless_the_config_names_others(monkeypatch):
+    """model.vllm_devices empty: the engine's CUDA_VISIBLE_DEVICES is the rank's own GPU (its
+    physical index under the caller's CUDA_VISIBLE_DEVICES), where the memory plan counts its
+    share; named devices stand; a CPU rank changes nothing."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert EngineOptions().on_device(torch.device("cuda", 2)).devices == "2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert EngineOptions().on_device(torch.device("cuda", 2)).devices == "6"
+    assert EngineOptions(devices="0,1").on_device(torch.device("cuda", 2)).devices == "0,1"
+    assert EngineOptions().on_device(torch.device("cpu")) == EngineOptions()

@@ -33,6 +33,7 @@ tap by tap with the transformers forward.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -122,7 +123,7 @@ class EngineOptions:
     quantization: str = ""  # vLLM quantization ("": the checkpoint's own)
     gpu_memory_utilization: float = 0.9  # vLLM gpu_memory_utilization
     max_model_len: int = 0  # vLLM max_model_len (0: what the caller needs, see FeatureEngine)
-    devices: str = ""  # the engine's CUDA_VISIBLE_DEVICES ("": the caller's)
+    devices: str = ""  # the engine's CUDA_VISIBLE_DEVICES ("": the caller's device, see on_device)
     extra: dict = field(default_factory=dict)  # further vLLM LLM(...) keyword arguments
     env: dict = field(default_factory=dict)  # further environment variables of the engine's process
 
@@ -132,6 +133,16 @@ class EngineOptions:
         m = model_config
         return cls(m.vllm_python, m.vllm_tensor_parallel, m.vllm_expert_parallel, m.vllm_quantization,
                    m.vllm_gpu_memory_utilization, m.vllm_max_model_len, m.vllm_devices)
+
+    def on_device(self, device: torch.device) -> EngineOptions:
+        """These options with the engine on ``device`` (the rank's own GPU: the memory plan counts
+        the engine's share there) unless ``devices`` names others; the device's physical index
+        under the caller's CUDA_VISIBLE_DEVICES. Unchanged on a CPU."""
+        if self.devices or device.type != "cuda":
+            return self
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return dataclasses.replace(self, devices=visible[index] if index < len(visible) else str(index))
 
     def engine_args(self) -> dict:
         args = {"tensor_parallel_size": self.tensor_parallel, "gpu_memory_utilization": self.gpu_memory_utilization}
@@ -410,7 +421,8 @@ class EngineTarget:
         positions = getattr(text, "max_position_embeddings", None) or max_model_len
         engine = FeatureEngine(path, [vllm_aux_layer_id(i) for i in heads.layer_ids],
                                dtype=str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch."),
-                               max_model_len=min(max_model_len, positions), options=options)
+                               max_model_len=min(max_model_len, positions),
+                               options=(options or EngineOptions()).on_device(heads.device))
         try:
             return cls(heads, engine)
         except BaseException:
