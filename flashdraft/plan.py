@@ -734,8 +734,8 @@ def _notes(cfg: Config, dev: str) -> list[str]:
                      (": GPUs of its own, not counted here; naming this rank's own GPU, lower the utilization "
                       "to leave it the rest)" if cfg.model.vllm_devices else
                       "; none set: it runs on this rank's GPU, counted above)")
-                     + "; the start-up feature check briefly loads the whole target in-process on this device "
-                     "(model.vllm_check_samples=0 skips it)")
+                     + ("; the start-up feature check briefly loads the whole target in-process on this device "
+                        "(model.vllm_check_samples=0 skips it)" if cfg.model.vllm_check_samples else ""))
     return notes
 
 
