@@ -3,13 +3,13 @@ docs/benchmarks.md, "Served by vLLM".
 
     python benchmarks/engine_families.py OUT_DIR [--only vllm|reference] [dflash swa sinks dflash2]
 
-Builds tests/test_engine.py's job in OUT_DIR (a tiny Qwen3 target, head_dim 32, and its greedy
-continuations), trains a 150-step drafter of each family on it, and runs flashdraft.engine's
+Builds tests/test_judge.py's job in OUT_DIR (a tiny Qwen3 target, head_dim 32, and its greedy
+continuations), trains a 150-step drafter of each family on it, and runs flashdraft.judge.engine's
 engine check of every export, in one engine call, on 8 training prompts (40 new tokens, no eos,
 greedy, fp32). Writes OUT_DIR/engine-FAMILY.json and prints each verdict; then
-flashdraft.reference's check of each export on the same prompts with the DFlash authors'
+flashdraft.judge.reference's check of each export on the same prompts with the DFlash authors'
 reference decoder (OUT_DIR/reference-FAMILY.json).
-Needs the engine environment (created on first use, engine.engine_python; dflash installed there
+Needs the engine environment (created on first use, vllm_env.engine_python; dflash installed there
 by reference.reference_python).
 """
 
@@ -36,8 +36,8 @@ FAMILIES = {
 def main(out: Path, names: list[str], only: str | None = None) -> None:
     from conftest import make_job, overrides
     from flashdraft.config import load_config
-    from flashdraft.engine import engine_checks, format_check
-    from flashdraft.reference import format_reference, reference_check
+    from flashdraft.judge.engine import engine_checks, format_check
+    from flashdraft.judge.reference import format_reference, reference_check
     from flashdraft.toy import tiny_causal_lm
     from flashdraft.train.trainer import train
 

@@ -216,7 +216,7 @@ OFFLINE = {"PIP_NO_INDEX": "1"}  # a build that starts fails fast
 
 
 def _engine_dir_refused(ws, make) -> tuple[bool, str]:
-    from flashdraft.engine import EngineUnavailable, engine_python
+    from flashdraft.vllm_env import EngineUnavailable, engine_python
 
     root = ws.fresh("engine-dir")
     given = make(root)
@@ -270,7 +270,7 @@ for _name, _make in (("home", _home), ("vllm_venv", _venv_like), ("link", _linke
 
 @probe("engine_dir_empty_is_built_in", "engine environment", "1", timeout=600)
 def _(ws):
-    from flashdraft.engine import EngineUnavailable, engine_python
+    from flashdraft.vllm_env import EngineUnavailable, engine_python
 
     root = ws.fresh("engine-empty") / "env"
     root.mkdir()
@@ -287,7 +287,7 @@ def _(ws):
 
 
 def _broken_env(ws, kind: str) -> tuple[bool, str]:
-    from flashdraft.engine import ENGINE_PINS
+    from flashdraft.vllm_env import ENGINE_PINS
 
     root = ws.fresh(f"engine-{kind}")
     env = root / "env"
@@ -317,7 +317,7 @@ for _kind in ("missing", "not_executable", "directory", "relative"):
 
 @probe("flashdraft_env_with_a_broken_engine_environment", "engine environment", "12")
 def _(ws):
-    from flashdraft.engine import ENGINE_PINS
+    from flashdraft.vllm_env import ENGINE_PINS
 
     env = ws.fresh("env-cmd") / "env"
     env.mkdir()
@@ -830,7 +830,7 @@ def _(ws):
 
 @probe("engine_checks_api_refuses_sampling", "eval --engine", "7")
 def _(ws):
-    from flashdraft.engine import engine_checks
+    from flashdraft.judge.engine import engine_checks
     from flashdraft.speculative import Sampling
 
     exc, msg = call(engine_checks, ws.target, [ws.run / "drafter"], [[1, 2, 3]], max_new_tokens=4,

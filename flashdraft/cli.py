@@ -65,7 +65,7 @@ def entry(argv: list[str] | None = None) -> int:
     the traceback of a mistake; anything else propagates as usual."""
     import os
 
-    from flashdraft.train.runtime import Stopped
+    from flashdraft.signals import Stopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # `flashdraft env` 
 def run(args) -> int:
     """`flashdraft env` (and `--version`): flashdraft's version and where it runs from, Python,
     torch with its accelerator, each REPORTED package against its declared range, and the engine
-    environment's state and versions (engine.environment_versions)."""
+    environment's state and versions (vllm_env.environment_versions)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
     from pathlib import Path
@@ -102,7 +102,7 @@ def run(args) -> int:
     import torch
 
     import flashdraft
-    from flashdraft.engine import environment_versions
+    from flashdraft.vllm_env import environment_versions
 
     declared = declared_ranges()
     print(f"flashdraft {flashdraft.__version__} ({Path(flashdraft.__file__).parent})")

@@ -109,7 +109,7 @@ class ModelConfig:
     init_from: str = _marked("", RESUME)
     tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
     expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
-    # ---- the target's backend (issue 39; these move into the target's own config section) ----
+    # ---- the target's backend: who computes the features (model.target_backend, the vllm_* knobs) ----
     # transformers (in-process forward) | vllm (a vLLM engine in its own process; docs/architecture.md)
     target_backend: str = "transformers"  # who computes the target's features
     vllm_python: str = _marked("", VLLM)  # interpreter with vLLM installed ("": flashdraft's cached CPU build)
@@ -118,7 +118,7 @@ class ModelConfig:
     vllm_quantization: str = _marked("", VLLM)  # the engine's quantization, e.g. fp8 ("": the checkpoint's own)
     vllm_gpu_memory_utilization: float = _marked(0.9, VLLM)  # share of each engine GPU's memory vLLM may take
     vllm_max_model_len: int = _marked(0, VLLM)  # the engine's max_model_len (0: data.max_length + 1)
-    vllm_devices: str = _marked("", VLLM)  # the engine's CUDA_VISIBLE_DEVICES, e.g. "0" ("": the trainer's)
+    vllm_devices: str = _marked("", VLLM)  # the engine's CUDA_VISIBLE_DEVICES, e.g. "4,5,6,7" ("": the rank's own GPU)
     # samples compared tap by tap with the in-process transformers forward at start-up (0: none)
     vllm_check_samples: int = _marked(4, VLLM)
 
@@ -436,10 +436,15 @@ class Config:
                    f"data.max_length >= {need}, or set data.min_supervised explicitly")
 
     def _check_vllm_backend(self) -> None:
-        """What the vLLM target backend cannot do (yet): decode (the in-training tau), or be sharded
-        by flashdraft (the engine shards the target itself)."""
+        """What the vLLM target backend cannot do (yet): decode (the in-training tau), give the
+        target's final normed state (the soft labels), or be sharded by flashdraft (the engine
+        shards the target itself)."""
         _check(self.model.tensor_parallel == 1, "model.tensor_parallel", f"{self.model.tensor_parallel}",
                "with model.target_backend=vllm the engine shards the target: use model.vllm_tensor_parallel")
+        _check(self.objective.kd_weight == 0, "objective.kd_weight", f"{self.objective.kd_weight}",
+               "soft labels need the target's final normed state, which the vLLM engine cannot capture (it "
+               "records the stream entering a layer, before the final norm): set objective.kd_weight=0, or use "
+               "model.target_backend=transformers")
         tau = bool(self.data.eval_prompts or self.data.eval_path) and self.train.eval_prompts > 0
         _check(not tau, "train.eval_prompts", f"{self.train.eval_prompts}",
                "the in-training tau decodes with the target in-process, which model.target_backend=vllm does not "

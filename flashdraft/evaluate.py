@@ -247,6 +247,10 @@ def add_arguments(parser) -> None:
                         help="also decode the prompts with the drafter in this serving engine and report its counters "
                              "next to flashdraft's own decode of the same prompts (docs/evaluation.md; CPU: vLLM's "
                              "CPU build in an environment created and cached on first use)")
+    parser.add_argument("--engine-python", metavar="PATH",
+                        help="with --engine: the python of an environment where vLLM is installed (a GPU machine's "
+                             "serving environment; default: $FLASHDRAFT_ENGINE_PYTHON, else flashdraft's CPU build); "
+                             "flashdraft installs nothing there")
 
 
 def _check_device(device: str) -> None:
@@ -284,16 +288,18 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts)  # before loading models: a bad file fails in seconds
     if args.output:  # found now, not after the whole evaluation; never one of its own inputs (flashdraft.outputs)
         check_report(args.output, flag="--output", inputs=[args.prompts], model_dirs=[args.target, args.drafter])
+    if args.engine_python and not args.engine:
+        raise ValueError("--engine-python names the interpreter --engine runs vLLM with: add --engine vllm, or drop it")
     if args.engine:  # found before minutes of decoding, not after
-        from flashdraft.engine import why_unavailable
+        from flashdraft.vllm_env import why_unavailable
 
-        reason = why_unavailable()
+        reason = why_unavailable(args.engine_python)
         if args.drafter is None or args.baseline or args.tensor_parallel > 1:
             raise ValueError("--engine: give --drafter DIR, with one process (no --baseline / --tensor-parallel)")
         if reason:
             raise ValueError(f"--engine {args.engine}: cannot run here: {reason}")
         if not sampling.greedy:
-            from flashdraft.engine import SAMPLED_UNVERIFIED
+            from flashdraft.judge.engine import SAMPLED_UNVERIFIED
 
             raise ValueError(f"--engine {args.engine} with --temperature {args.temperature:g}: the engine check is "
                              f"greedy only ({SAMPLED_UNVERIFIED}); drop --temperature / --top-p / --top-k for it, "
@@ -337,11 +343,13 @@ def run(args) -> int:
 
 def _engine_check(report: dict, args, prompts, eos, sampling: Sampling) -> bool:
     """The same prompts through the serving engine (``report["engine"]``); whether it agrees."""
-    from flashdraft.engine import EngineUnavailable, engine_check, format_check
+    from flashdraft.judge.engine import engine_check, format_check
+    from flashdraft.vllm_env import EngineUnavailable
 
     try:
         report["engine"] = engine_check(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
-                                        eos_ids=eos, sampling=sampling, log=lambda m: print(m, file=sys.stderr))
+                                        eos_ids=eos, sampling=sampling, device=args.device, python=args.engine_python,
+                                        log=lambda m: print(m, file=sys.stderr))
     except EngineUnavailable as exc:  # keep the minutes of flashdraft's own decode in the report
         report["engine"] = {"engine_error": str(exc)}
     print(format_check(report["engine"]), file=sys.stderr)

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, follow_umask, step_dir_name
-from flashdraft.engine import ENGINES, warn_last_layer
+from flashdraft.judge.engine import ENGINES
 from flashdraft.outputs import check_output
+from flashdraft.target.engine import warn_last_layer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -236,24 +237,28 @@ def add_arguments(parser) -> None:
                              "own decode (flashdraft eval --engine; CPU: vLLM's CPU build in a cached environment)")
     parser.add_argument("--prompts", help="with --verify-engine: JSONL prompts (default: the run's data.eval_prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --verify-engine: tokens per prompt")
+    parser.add_argument("--engine-python", metavar="PATH",
+                        help="with --verify-engine: the python of an environment where vLLM is installed (default: "
+                             "$FLASHDRAFT_ENGINE_PYTHON, else flashdraft's CPU build); flashdraft installs nothing "
+                             "there")
 
 
 def run(args) -> int:
-    if not args.verify_engine and (args.prompts or args.max_new_tokens != 64):  # the parser's default
-        raise ValueError("--prompts / --max-new-tokens set how --verify-engine decodes: add --verify-engine vllm, "
-                         "or drop them")
+    if not args.verify_engine and (args.prompts or args.max_new_tokens != 64 or args.engine_python):  # the default
+        raise ValueError("--prompts / --max-new-tokens / --engine-python set how --verify-engine decodes: add "
+                         "--verify-engine vllm, or drop them")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: use 1 or more")
     checkpoint = find_checkpoint(args.source, args.step)
     if args.verify_engine:  # a missing prompts file is found before the export, not after
-        from flashdraft.engine import why_unavailable
+        from flashdraft.vllm_env import why_unavailable
 
         args.prompts = args.prompts or _run_eval_prompts(checkpoint)
         if not args.prompts:
             raise ValueError("--verify-engine: give --prompts FILE (JSONL of input_ids); the run has no "
                              "data.eval_prompts to use")
         prompts = _engine_prompts(checkpoint, args.prompts, args.max_new_tokens)
-        reason = why_unavailable()
+        reason = why_unavailable(args.engine_python)
         if reason:
             raise ValueError(f"--verify-engine {args.verify_engine}: cannot run here: {reason}")
     for attempt in range(3):  # a checkpoint pruned by a run still training: the next newest one
@@ -276,7 +281,7 @@ def run(args) -> int:
     for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
     if args.verify_engine:
-        return _verify_engine(target, done["path"], prompts, args.max_new_tokens)
+        return _verify_engine(target, done["path"], prompts, args.max_new_tokens, args.engine_python)
     return 0
 
 
@@ -313,16 +318,18 @@ def _run_eval_prompts(checkpoint: Path) -> str | None:
     return _run_path(prompts, config, checkpoint) if prompts else None
 
 
-def _verify_engine(target, path, prompts: list[list[int]], max_new_tokens: int) -> int:
-    """The engine check of the export just written (flashdraft.engine.engine_check), greedy."""
+def _verify_engine(target, path, prompts: list[list[int]], max_new_tokens: int, python=None) -> int:
+    """The engine check of the export just written (flashdraft.judge.engine.engine_check), greedy,
+    vLLM under ``python`` (--engine-python; None: the default)."""
     from transformers import AutoConfig
 
-    from flashdraft.engine import EngineUnavailable, engine_check, format_check
     from flashdraft.evaluate import eos_ids_of
+    from flashdraft.judge.engine import engine_check, format_check
+    from flashdraft.vllm_env import EngineUnavailable
 
     try:
         report = engine_check(target, path, prompts, max_new_tokens=max_new_tokens,
-                              eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)))
+                              eos_ids=eos_ids_of(target, AutoConfig.from_pretrained(target)), python=python)
     except EngineUnavailable as exc:  # the export stands; the check says why it could not run
         report = {"engine_error": str(exc)}
     print(format_check(report))

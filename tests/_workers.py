@@ -202,8 +202,8 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
 
     from flashdraft.config import load_config
     from flashdraft.drafter import DFlashDrafter
+    from flashdraft.signals import Stopped
     from flashdraft.target import TargetModel
-    from flashdraft.train.runtime import Stopped
     from flashdraft.train.state import RunCheckpoints
     from flashdraft.train.trainer import Trainer, train
     from flashdraft.train.validation import Validator
@@ -527,7 +527,7 @@ def cli(*argv: str) -> None:
     import signal
 
     from flashdraft.cli import main, stopped
-    from flashdraft.train.runtime import Stopped
+    from flashdraft.signals import Stopped
 
     if os.environ.get("FLASHDRAFT_TEST_IGNORE_SIGXFSZ"):  # a file-size limit then fails writes (EFBIG), like ENOSPC
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -293,3 +293,45 @@ def test_the_patch_check_finds_a_patch():
     tree = ast.parse("from flashdraft.drafter import model as m\nimport flashdraft.x\n"
                      "m.DFlashDrafter.attend, y = f, 1\nflashdraft.x.z = 2\nlocal = object()\nlocal.a = 1\n")
     assert patched_imports(tree) == ["line 3: m.DFlashDrafter.attend", "line 4: flashdraft.x.z"]
+
+
+def test_the_engine_environment_has_one_owner_below_the_judges_and_the_target():
+    """flashdraft.vllm_env picks the engine's interpreter for the judges and the vLLM target alike:
+    it imports nothing of flashdraft, so the target uses it without an arrow up to the judges;
+    nothing below the commands imports flashdraft.judge, and the judges' workers import no
+    flashdraft at all (they run under the engine's interpreter)."""
+    graph = import_graph()
+    assert graph["flashdraft.vllm_env"] == set(), graph["flashdraft.vllm_env"]
+    assert "flashdraft.vllm_env" in graph["flashdraft.target.engine"]
+    assert "flashdraft.vllm_env" in graph["flashdraft.judge.engine"]
+    for low in ("flashdraft.target", "flashdraft.train", "flashdraft.feed", "flashdraft.drafter", "flashdraft.data"):
+        found = imports_of(graph, low, "flashdraft.judge")
+        assert not found, found
+    for worker in ("engine_worker", "reference_worker", "worker_io"):
+        tree = _modules()[f"flashdraft.judge.workers.{worker}"]
+        assert not [n for n in outside_imports(tree) if "flashdraft" in n], worker
+
+
+def rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the package's top-level parts (a subpackage or a module): an
+    arrow that runs back up the floors is a cycle here, even when the modules have none."""
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for module, edges in graph.items():
+        out.setdefault(room(module), set()).update(room(e) for e in edges if room(e) != room(module))
+    return out
+
+
+def test_no_top_level_part_imports_one_that_imports_it_back():
+    """train/ imported plan.py, which imported train/ back; the judge imported train/, which
+    imported it for a warning: the house's arrows back up. Each part now sits above what it uses."""
+    graph = rooms(import_graph())
+    graph.pop("flashdraft", None)  # the package's face hands names on
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_the_top_level_holds_at_most_15_modules():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= 15, modules

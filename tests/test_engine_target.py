@@ -132,12 +132,13 @@ def test_a_last_layer_tap_is_refused_before_any_engine_starts(target_dir):
 def test_without_vllm_the_backend_is_refused_with_the_reason_and_nothing_is_installed(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")  # what a CUDA machine's training environment has
     monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(tmp_path / "engine"))
-    with pytest.raises(EngineError, match="vLLM CPU build here: .*model.vllm_python") as refused:
+    with pytest.raises(EngineError, match="cannot start its engine: .*model.vllm_python") as refused:
         engine_interpreter(EngineOptions())
     # the reason is the torch it would replace (elsewhere than Linux x86-64: the platform)
     assert "this environment has torch 2.13.0+cu130" in str(refused.value) or "Linux x86-64" in str(refused.value)
     assert not (tmp_path / "engine").exists()
-    with pytest.raises(EngineError, match="not an executable interpreter"):
+    with pytest.raises(EngineError, match=r"interpreter .*python \(model.vllm_python\) does not exist: name the "
+                                          "python of an environment where vLLM is installed"):
         engine_interpreter(EngineOptions(python=str(tmp_path / "python")))
 
 
@@ -169,6 +170,9 @@ def test_the_config_refuses_what_the_vllm_backend_cannot_do_and_knobs_it_would_i
     with pytest.raises(ValueError, match="train.eval_prompts=0"):
         load_config(overrides=["model.target_backend=vllm", "data.eval_path=heldout"])
     load_config(overrides=["model.target_backend=vllm", "data.eval_path=heldout", "train.eval_prompts=0"])
+    with pytest.raises(ValueError, match=r"objective.kd_weight=0.5 .*final normed state, which the vLLM engine "
+                                         r"cannot capture.*objective.kd_weight=0"):
+        load_config(overrides=["model.target_backend=vllm", "objective.kd_weight=0.5"])
 
 
 @pytest.mark.slow
@@ -180,3 +184,15 @@ def test_an_engine_that_died_is_reported_with_its_log_not_waited_for(engine, tar
         target.features(torch.ones(1, 4, dtype=torch.long))
     assert str(engine.log_path) in str(refused.value)
     engine.log_path.unlink()  # kept for the user after a failure; this one was planted
+
+
+def test_the_engine_runs_on_the_ranks_own_gpu_unless_the_config_names_others(monkeypatch):
+    """model.vllm_devices empty: the engine's CUDA_VISIBLE_DEVICES is the rank's own GPU (its
+    physical index under the caller's CUDA_VISIBLE_DEVICES), where the memory plan counts its
+    share; named devices stand; a CPU rank changes nothing."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert EngineOptions().on_device(torch.device("cuda", 2)).devices == "2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert EngineOptions().on_device(torch.device("cuda", 2)).devices == "6"
+    assert EngineOptions(devices="0,1").on_device(torch.device("cuda", 2)).devices == "0,1"
+    assert EngineOptions().on_device(torch.device("cpu")) == EngineOptions()

@@ -319,8 +319,10 @@ def test_a_tampered_export_is_named_in_whole_sentences(eval_dir, tmp_path):
 # ---- issue 31, the trial's re-run (h31b): defects its probes found -------------------------------
 
 def test_export_refuses_verify_engine_knobs_without_it(eval_dir, tmp_path):
-    for extra in (["--prompts", str(eval_dir / "prompts.jsonl")], ["--max-new-tokens", "8"]):
-        with pytest.raises(ValueError, match=r"--prompts / --max-new-tokens set how --verify-engine decodes"):
+    for extra in (["--prompts", str(eval_dir / "prompts.jsonl")], ["--max-new-tokens", "8"],
+                  ["--engine-python", "/opt/vllm/bin/python"]):
+        with pytest.raises(ValueError, match=r"--prompts / --max-new-tokens / --engine-python set how --verify-engine "
+                                             "decodes"):
             main(["export", str(tmp_path / "no-run"), "--out", str(tmp_path / "e"), *extra])
 
 

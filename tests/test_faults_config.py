@@ -466,7 +466,7 @@ def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_jo
     # train.max_steps counts steps: with grad_accum 1 -> 2 the steps left train twice the samples.
     import signal
 
-    from flashdraft.train.runtime import Stopped
+    from flashdraft.signals import Stopped
 
     out = tmp_path / "run"
     first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))

@@ -284,7 +284,7 @@ def test_a_resume_with_the_cache_on_stays_within_float_rounding_of_an_uninterrup
     import os
     import signal
 
-    from flashdraft.train.runtime import Stopped
+    from flashdraft.signals import Stopped
 
     cache = {"pipeline__feature_cache_bytes": 10**7}
     straight, straight_losses, _ = run(tiny_job, varied, tmp_path / "straight", **cache)

@@ -18,7 +18,7 @@ from flashdraft.config import load_config
 from flashdraft.feed.flow import BufferPool, Cancelled, Channel, ChannelClosed, Pipeline, Stage, thread_device
 from flashdraft.feed.stages import FeatureStages
 from flashdraft.metrics import EventMeter, MeterTotals, StageTimer
-from flashdraft.train.runtime import Stopped
+from flashdraft.signals import Stopped
 from flashdraft.train.trainer import Trainer
 
 

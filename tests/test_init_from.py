@@ -89,8 +89,8 @@ def test_a_checkpoint_in_the_dflash_authors_format_loads_and_fine_tunes(tiny_job
     """The DFlash authors' package (dflash 0.1.0, in the engine environment) builds its own drafter
     from the export's config and saves it with save_pretrained (its key names, its config.json):
     flashdraft starts from it with exactly its weights."""
-    from flashdraft.engine import EngineUnavailable
-    from flashdraft.reference import reference_python
+    from flashdraft.judge.reference import reference_python
+    from flashdraft.vllm_env import EngineUnavailable
 
     try:
         python = reference_python(log=lambda m: None)

@@ -322,3 +322,24 @@ def test_soft_labels_add_the_final_state_to_every_feature_the_plan_counts():
     step = {kd: next(v for name, v in p.consumers if name.startswith("drafter saved activations"))
             for kd, p in plans.items()}
     assert step[0.5] > step[0.0]  # the teacher's rows in the head's chunks, the final states' slice
+
+
+def test_a_rank_whose_features_a_vllm_engine_computes_holds_the_heads_and_the_features_only():
+    """model.target_backend=vllm: the rank loads the target's embedding and LM head only
+    (EngineTarget) and runs no forward; the engine's memory is its own devices' (model.vllm_devices),
+    or, sharing the rank's GPU, its gpu_memory_utilization of it. Before, the plan counted the whole
+    in-process target and its forward: Qwen3-8B's 15 GiB of weights the rank never loads."""
+    base = [f"model.target={FIXTURES / 'Qwen3-8B'}", "model.mask_token_id=0"]
+    shape = plan_module._target_shape(str(FIXTURES / "Qwen3-8B" / "config.json"), False)
+    inprocess = plan_memory(load_config(None, base), device_bytes=80 * GiB, seq_len=2048)
+    engine = plan_memory(load_config(None, [*base, "model.target_backend=vllm", "model.vllm_devices=0"]),
+                         device_bytes=80 * GiB, seq_len=2048)
+    parts, before = dict(engine.consumers), dict(inprocess.consumers)
+    assert parts["target embedding + LM head (the vLLM engine holds the rest)"] == shape.head_params * 2
+    assert not [k for k in parts if k.startswith(("target weights", "target forward", "vLLM engine"))], parts
+    assert parts["features in flight"] == before["features in flight"]  # the same features, from the engine
+    assert inprocess.peak_bytes - engine.peak_bytes >= (shape.params - shape.head_params) * 2
+    assert any("vLLM's own plan" in note for note in engine.notes)
+    shared = load_config(None, [*base, "model.target_backend=vllm", "model.vllm_gpu_memory_utilization=0.5"])
+    shared = plan_memory(shared, device_bytes=80 * GiB, seq_len=2048)
+    assert dict(shared.consumers)["vLLM engine on this device (model.vllm_gpu_memory_utilization of it)"] == 40 * GiB

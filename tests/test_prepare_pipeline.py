@@ -170,7 +170,7 @@ def test_a_stop_raised_by_a_signal_handler_ends_prepare_and_its_workers(workdir,
 STOPPABLE = """
 import json, multiprocessing as mp, os, signal, sys, threading, time
 from flashdraft.data.prepare import prepare
-from flashdraft.train.runtime import Stopped
+from flashdraft.signals import Stopped
 tok, out, workers, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 def stop(signum, frame):  # what `flashdraft bench` installs: raise wherever the signal lands
     raise Stopped(signum, "")

@@ -147,3 +147,17 @@ def test_quickstart_never_writes_into_a_directory_of_other_content(tmp_path):
                                          r"\(config.json\).*give a new or empty directory"):
         quickstart(model, SMOKE)
     assert [p.name for p in model.iterdir()] == ["config.json"]
+
+
+def test_the_vllm_target_backend_runs_without_in_training_evals(tmp_path, capsys):
+    """--target-backend vllm: the engine computes the features; the in-training tau (which decodes
+    in-process) is off, the final eval (stage 6) still judges the export with the target in-process."""
+    from flashdraft.quickstart import TRAINING, _drafter_config
+
+    config = _drafter_config(tmp_path / "qs", SMOKE, {**TRAINING, "model.target_backend": "vllm"}, 0)
+    assert config.model.target_backend == "vllm" and config.train.eval_prompts == 0
+    assert config.data.eval_prompts  # the final eval's prompts: written and used by stage 6
+    assert _drafter_config(tmp_path / "qs", SMOKE, TRAINING, 0).train.eval_prompts == SMOKE.num_eval_prompts
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--help"])
+    assert "--target-backend {transformers,vllm}" in " ".join(capsys.readouterr().out.split())

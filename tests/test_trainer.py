@@ -115,7 +115,7 @@ def test_selector_alpha_0_freezes_the_selector(tiny_job, tmp_path):
     again loads the same optimizer layout (every parameter is in it)."""
     import signal
 
-    from flashdraft.train.runtime import Stopped
+    from flashdraft.signals import Stopped
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=4, objective__selector_alpha=0,
                                           train__save_every=1, **DFLASH2))

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from flashdraft.train.runtime import Stopped  # here: the package imports nothing heavy (bench.multi_check)
+    from flashdraft.signals import Stopped
 
     doc = SUBBENCHES[args.name]
     module = importlib.import_module(f"{__name__}.{args.name.replace('-', '_')}")

@@ -7,8 +7,9 @@ forward is also the weakest: no fused MoE kernels, no FP8 path, no paged batchin
 samples are prefilled whole (one request each, ``max_tokens=1``), vLLM's ``extract_hidden_states``
 method captures the tapped layers, and flashdraft's connector hands each request's states over
 (engine_env/hidden_states_connector.py). flashdraft never imports vLLM: the engine runs in
-engine_env/feature_worker.py under the engine environment's interpreter (flashdraft's cached CPU
-build, flashdraft.engine.engine_python, or an interpreter the user names), driven over a pipe.
+engine_env/feature_worker.py under the engine environment's interpreter (flashdraft.vllm_env: the
+one the user names in model.vllm_python or FLASHDRAFT_ENGINE_PYTHON, else flashdraft's cached CPU
+build), driven over a pipe.
 
 The hand-over: the connector writes one file per request to a tmpfs (``/dev/shm``; the pages never
 reach a disk), holding the file's lock until it is complete; this process takes the lock shared,
@@ -32,6 +33,7 @@ tap by tap with the transformers forward.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -44,6 +46,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +90,28 @@ def last_layer_refusal(layer_ids, num_layers: int) -> str | None:
             f"layers below {num_layers - 1}, or use model.target_backend=transformers")
 
 
+def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
+    """The warning for a drafter that taps the target's last layer (None: it does not). vLLM and
+    SGLang capture a tapped layer's output before the target's final norm (hidden + residual);
+    flashdraft, like the DFlash reference, trains on ``hidden_states[i + 1]``, which transformers
+    returns after the final norm for the last layer: the engine would serve the drafter features
+    it never saw in training (docs/evaluation.md)."""
+    if num_target_layers - 1 not in list(target_layer_ids):
+        return None
+    return (f"the drafter taps the target's last layer ({num_target_layers - 1} in target_layer_ids "
+            f"{list(target_layer_ids)}): vLLM and SGLang capture it before the target's final norm (hidden + "
+            "residual), flashdraft after it (hidden_states[-1]), so the served drafter sees other features than it "
+            f"was trained on; tap layers below {num_target_layers - 1} (model.target_layer_ids)")
+
+
+def warn_last_layer(target_layer_ids, num_target_layers: int) -> bool:
+    """Issue ``last_layer_warning`` as a UserWarning when it applies; whether it did."""
+    message = last_layer_warning(target_layer_ids, num_target_layers)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return message is not None
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine is started: its interpreter and the vLLM arguments users set (the rest are
@@ -98,7 +123,7 @@ class EngineOptions:
     quantization: str = ""  # vLLM quantization ("": the checkpoint's own)
     gpu_memory_utilization: float = 0.9  # vLLM gpu_memory_utilization
     max_model_len: int = 0  # vLLM max_model_len (0: what the caller needs, see FeatureEngine)
-    devices: str = ""  # the engine's CUDA_VISIBLE_DEVICES ("": the caller's)
+    devices: str = ""  # the engine's CUDA_VISIBLE_DEVICES ("": the caller's device, see on_device)
     extra: dict = field(default_factory=dict)  # further vLLM LLM(...) keyword arguments
     env: dict = field(default_factory=dict)  # further environment variables of the engine's process
 
@@ -108,6 +133,16 @@ class EngineOptions:
         m = model_config
         return cls(m.vllm_python, m.vllm_tensor_parallel, m.vllm_expert_parallel, m.vllm_quantization,
                    m.vllm_gpu_memory_utilization, m.vllm_max_model_len, m.vllm_devices)
+
+    def on_device(self, device: torch.device) -> EngineOptions:
+        """These options with the engine on ``device`` (the rank's own GPU: the memory plan counts
+        the engine's share there) unless ``devices`` names others; the device's physical index
+        under the caller's CUDA_VISIBLE_DEVICES. Unchanged on a CPU."""
+        if self.devices or device.type != "cuda":
+            return self
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return dataclasses.replace(self, devices=visible[index] if index < len(visible) else str(index))
 
     def engine_args(self) -> dict:
         args = {"tensor_parallel_size": self.tensor_parallel, "gpu_memory_utilization": self.gpu_memory_utilization}
@@ -119,22 +154,17 @@ class EngineOptions:
 
 
 def engine_interpreter(options: EngineOptions, log_fn=log.info) -> str:
-    """The interpreter the engine runs under: the one named, else flashdraft's cached CPU build
+    """The interpreter the engine runs under (flashdraft.vllm_env.engine_python, the judge's too):
+    model.vllm_python or FLASHDRAFT_ENGINE_PYTHON where named, else flashdraft's cached CPU build
     (created the first time); an EngineError with the reason where neither can be had (a CUDA
-    torch is never replaced by the CPU build: flashdraft.engine.why_unavailable)."""
-    if options.python:
-        if not os.access(options.python, os.X_OK):
-            raise EngineError(f"model.vllm_python={options.python} is not an executable interpreter: name the python "
-                              "of an environment where vLLM is installed")
-        return options.python
-    from flashdraft.engine import EngineUnavailable, engine_python
+    torch is never replaced by the CPU build)."""
+    from flashdraft.vllm_env import EngineUnavailable, engine_python
 
     try:
-        return str(engine_python(log=log_fn))
+        return str(engine_python(options.python or None, named_by="model.vllm_python", log=log_fn))
     except EngineUnavailable as exc:
-        raise EngineError(f"model.target_backend=vllm cannot use flashdraft's vLLM CPU build here: {exc}; name an "
-                          "interpreter with vLLM in model.vllm_python, or use model.target_backend=transformers"
-                          ) from None
+        raise EngineError(f"model.target_backend=vllm cannot start its engine: {exc}; or use "
+                          "model.target_backend=transformers") from None
 
 
 def _storage_root() -> Path:
@@ -391,7 +421,8 @@ class EngineTarget:
         positions = getattr(text, "max_position_embeddings", None) or max_model_len
         engine = FeatureEngine(path, [vllm_aux_layer_id(i) for i in heads.layer_ids],
                                dtype=str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch."),
-                               max_model_len=min(max_model_len, positions), options=options)
+                               max_model_len=min(max_model_len, positions),
+                               options=(options or EngineOptions()).on_device(heads.device))
         try:
             return cls(heads, engine)
         except BaseException:

@@ -459,6 +459,13 @@ class _Sizes:
     taps: int
     layers_run: int
     links: int = 1  # a disaggregated target rank's drafter links (the drafter ranks it feeds)
+    engine_share: int = 0  # a vLLM engine on this device (model.vllm_devices empty): its gpu_memory_utilization
+
+    @property
+    def engine(self) -> bool:
+        """Whether a vLLM engine computes the features (model.target_backend=vllm): a rank that
+        would run the target forward holds its embedding and LM head only, and no forward."""
+        return self.cfg.model.target_backend == "vllm"
 
     def steps_held(self, role: str) -> int:
         """Steps whose features exist at once on a ``role`` rank, besides the micro-batch a target
@@ -481,7 +488,18 @@ class _Sizes:
         return steps * b * s * self.taps * self.shape.hidden * self.dtype_bytes
 
     def target_forward(self, b: int, s: int) -> int:
+        if self.engine:  # the engine's prefill runs in its own process, on model.vllm_devices
+            return 0
         return target_forward_bytes(self.shape, self.cfg, b, s, self.dtype_bytes, self.layers_run)
+
+    def target_weights(self) -> tuple[str, int]:
+        """What the rank that computes features holds of the target's weights, named."""
+        cfg, tp = self.cfg, self.cfg.model.tensor_parallel
+        if self.engine:
+            return ("target embedding + LM head (the vLLM engine holds the rest)",
+                    target_weight_bytes(self.shape, cfg, self.dtype_bytes, heads_only=True))
+        return (f"target weights{f' (1/{tp}, + whole embedding / LM head)' if tp > 1 else ''}",
+                target_weight_bytes(self.shape, cfg, self.dtype_bytes, heads_only=False))
 
     def overlap(self, b: int, s: int) -> int:
         """What the step shares the device with besides its own: the features in flight and, when
@@ -536,7 +554,8 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     if top < 2:
         raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); fix the target's config.json")
     dtype_bytes = resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize
-    sizes = _Sizes(cfg, shape, dtype_bytes, feature_states(cfg, len(ids)), max(ids) + 1, links)
+    sizes = _Sizes(cfg, shape, dtype_bytes, feature_states(cfg, len(ids)), max(ids) + 1, links,
+                   _engine_share(cfg, dev, device_bytes))
     if seq_len is None:
         s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap, top)
     elif not 2 <= seq_len <= top:
@@ -558,6 +577,15 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     if device_bytes is not None:
         plan.advice = _advice(cfg, plan, dict(roles[role]))
     return plan
+
+
+def _engine_share(cfg: Config, dev: str, device_bytes: int | None) -> int:
+    """The device memory a vLLM engine takes beside the rank: none unless it computes the
+    features on the rank's own GPU (model.vllm_devices empty), then its gpu_memory_utilization
+    of the device (vLLM allocates that share at start-up, whatever the model needs)."""
+    if cfg.model.target_backend != "vllm" or cfg.model.vllm_devices or dev != "cuda" or not device_bytes:
+        return 0
+    return int(cfg.model.vllm_gpu_memory_utilization * device_bytes)
 
 
 def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, ids: list[int], device: str) -> None:
@@ -601,10 +629,9 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
                ("AdamW state (fp32)", step.optimizer), ("bf16 autocast weight cache", step.autocast_cache),
                ("drafter saved activations + temporaries (measured)", activations),
                (f"LM head + CE chunk ({chunk_rows} x {shape.vocab})", head)]
-    tp = cfg.model.tensor_parallel
-    weights = (f"target weights{f' (1/{tp}, + whole embedding / LM head)' if tp > 1 else ''}",
-               target_weight_bytes(shape, cfg, sizes.dtype_bytes, heads_only=False))
+    weights = sizes.target_weights()
     forward = sizes.target_forward(b, s)
+    engine = ("vLLM engine on this device (model.vllm_gpu_memory_utilization of it)", sizes.engine_share)
     if cfg.pipeline.placement == "disaggregated":
         received = ("features in flight (the step it trains)", sizes.features(b, s, "drafter"))
         roles = {"drafter rank": [("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes,
@@ -616,15 +643,15 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
         links = f"{sizes.links} drafter link{'s' if sizes.links > 1 else ''}"
         roles["target rank"] = [weights, ("target forward (no grad, transient)", forward),
                                 (f"features in flight ({links}, {sizes.steps_held('target')} steps)",
-                                 sizes.features(b, s, "target"))]
+                                 sizes.features(b, s, "target")), engine]
         return roles
     features = ("features in flight", sizes.features(b, s, "colocated"))
     if cfg.pipeline.enabled:  # the next micro-batch's target forward runs beside this step
         return {"colocated rank": [weights, *drafter, features,
-                                   ("target forward (no grad, overlapping the step)", forward)]}
+                                   ("target forward (no grad, overlapping the step)", forward), engine]}
     # sequential: the target forward runs between steps, in the memory the step frees
     return {"colocated rank": [weights, *drafter, features,
-                               ("target forward beyond the step's transient", forward - activations - head)]}
+                               ("target forward beyond the step's transient", forward - activations - head), engine]}
 
 
 def _notes(cfg: Config, dev: str) -> list[str]:
@@ -632,6 +659,14 @@ def _notes(cfg: Config, dev: str) -> list[str]:
              "measured on fake tensors"]
     if dev == "cuda" and cfg.model.drafter_attention in ("auto", "flex") and not cfg.model.drafter_attention_sink:
         notes.append("flex attention's block mask (sparse tables built from the anchors, a few MiB) is not counted")
+    if cfg.model.target_backend == "vllm":
+        notes.append("model.target_backend=vllm: the engine's weights, KV cache and activations are vLLM's own plan "
+                     "(model.vllm_gpu_memory_utilization of each of model.vllm_devices" +
+                     (": GPUs of its own, not counted here; naming this rank's own GPU, lower the utilization "
+                      "to leave it the rest)" if cfg.model.vllm_devices else
+                      "; none set: it runs on this rank's GPU, counted above)")
+                     + ("; the start-up feature check briefly loads the whole target in-process on this device "
+                        "(model.vllm_check_samples=0 skips it)" if cfg.model.vllm_check_samples else ""))
     return notes
 
 

@@ -3,7 +3,7 @@
 - :func:`output_lock`: one run per ``train.output_dir`` (an flock, released by the kernel
   whatever way the process ends).
 - :class:`GracefulStop`: SIGTERM / SIGINT ask the loop to stop at the end of the step; a
-  second one ends the process at once. :class:`Stopped` then ends the whole command.
+  second one ends the process at once. :class:`flashdraft.signals.Stopped` then ends the whole command.
 - :func:`keep_freed_host_memory`: glibc keeps freed activations for reuse (CPU training).
 - :class:`ProcessRNG`: the torch / numpy / python (/ CUDA) generators as one checkpointable
   component.
@@ -60,21 +60,6 @@ def output_lock(output: Path):
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         yield
-
-
-class Stopped(BaseException):
-    """A run stopped on a signal's request, after saving what it had: the command that ran it
-    ends too, with exit status 128 + the signal's number and this message (cli.entry). A
-    BaseException, like KeyboardInterrupt: a benchmark's handler raises it wherever the signal
-    lands, and no ``except Exception`` (a bad record counted as a drop) may swallow it."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
 
 class GracefulStop:

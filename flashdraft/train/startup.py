@@ -17,8 +17,8 @@ from flashdraft import distributed
 from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist
-from flashdraft.engine import last_layer_warning
 from flashdraft.target import TargetModel
+from flashdraft.target.engine import last_layer_warning
 from flashdraft.train import checks, plan
 from flashdraft.train.runtime import deterministic_mode, keep_freed_host_memory
 
@@ -96,10 +96,14 @@ def check_run(config: Config, dist: Dist) -> None:
 def load_target(config: Config, dist: Dist) -> TargetModel:
     """The frozen target on this rank's device: whole, sharded over a target group (its
     tensor- / expert-parallel plan), or on a disaggregated drafter rank the embedding and LM head
-    only (the loss's share of it; the rank that runs evals loads it all). With
-    ``model.target_backend=vllm`` a rank that computes features gets an EngineTarget instead."""
+    only (the loss's share of it; the rank that runs evals loads it all).
+
+    The one place that picks the target backend (model.target_backend): with ``vllm`` a rank that
+    computes features (colocated, or a disaggregated target rank) gets an EngineTarget, whose
+    features a vLLM engine computes; a drafter rank's heads are in-process either way. The feed
+    and the loop see only the target's face (``features``, ``lock``, ``close``)."""
     cfg = config
-    if cfg.model.target_backend == "vllm" and dist.role != "drafter":  # issue 39's hook: moves into the builder
+    if cfg.model.target_backend == "vllm" and dist.role != "drafter":
         return _engine_target(cfg, dist)
     evaluates = dist.is_main and plan.evaluates(cfg)  # the memory plan counts the same rule
     target = TargetModel.from_pretrained(
@@ -190,7 +194,7 @@ def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: in
     for found in (dataset, eval_dataset):
         if found is not None:
             checks.check_lengths(found, cfg, target.config)
-    if getattr(target, "backend", None) == "vllm":  # issue 39's hook: an engine's features are checked first
+    if getattr(target, "backend", None) == "vllm":  # an engine's features are checked before they are trusted
         check_engine(cfg, target, dataset)
     return RunData(dataset, eval_dataset, checks.load_eval_prompts(cfg, eval_dataset, target.config))
 

@@ -15,8 +15,9 @@ from flashdraft import feed
 from flashdraft.config import Config
 from flashdraft.distributed import Dist
 from flashdraft.metrics import StageTimer
+from flashdraft.signals import Stopped
 from flashdraft.train import checks, startup
-from flashdraft.train.runtime import GracefulStop, Stopped
+from flashdraft.train.runtime import GracefulStop
 
 
 class TargetRank:

@@ -32,11 +32,12 @@ from flashdraft.drafter import DFlashDrafter, serving
 from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.feed import Feed, open_feed
 from flashdraft.metrics import StageTimer
+from flashdraft.signals import Stopped
 from flashdraft.train import checks, startup
 from flashdraft.train.backend import Backend
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
-from flashdraft.train.runtime import GracefulStop, ProcessRNG, Stopped, output_lock
+from flashdraft.train.runtime import GracefulStop, ProcessRNG, output_lock
 from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
 from flashdraft.train.strategy import freeze_untrained, strategy_for

@@ -2,9 +2,11 @@
 
 The reference is the PyPI package ``dflash`` (its ``DFlashDraftModel`` / ``DFlash2DraftModel`` and
 ``dflash_generate``). flashdraft never imports it: it is installed without its pinned extras
-(``pip install --no-deps``: torch and transformers come from the environment) into the engine
-environment (engine.engine_python, which shares this environment's torch), and
-``reference_worker.py`` runs there, a request and a result file as JSON in between.
+(``pip install --no-deps``: torch and transformers come from the environment) into flashdraft's
+engine environment (flashdraft.vllm_env, which shares this environment's torch; an interpreter the
+user names must have it already: flashdraft installs nothing there), and
+``workers/reference_worker.py`` runs there, a request and a result file as JSON in between
+(protocol.run_worker).
 
 ``reference_check`` decodes the same prompts both ways, greedy, fp32 on CPU, and compares
 (docs/evaluation.md): the reference's output against the target's plain greedy (lossless) and
@@ -20,17 +22,25 @@ import os
 import subprocess
 from pathlib import Path
 
-from flashdraft.engine import EngineUnavailable, engine_python, run_worker
+from flashdraft.judge.protocol import WORKERS, agreement, agreement_lines, run_worker, side, side_line
+from flashdraft.vllm_env import EngineUnavailable, engine_python, has_module, is_flashdraft_build
 
 DFLASH_VERSION = "0.1.0"
 DFLASH_PACKAGE = f"dflash=={DFLASH_VERSION}"
-_WORKER = Path(__file__).with_name("reference_worker.py")
+_WORKER = WORKERS / "reference_worker.py"
 
 
-def reference_python(log=print) -> Path:
-    """The engine environment's interpreter with ``dflash`` installed (once, without its pinned
-    extras). Raises ``EngineUnavailable`` with the reason where it cannot be had."""
-    python = engine_python(log=log)
+def reference_python(python=None, log=print) -> Path:
+    """The engine environment's interpreter with ``dflash`` installed (in flashdraft's own build:
+    once, without its pinned extras; one the user names, ``python`` or FLASHDRAFT_ENGINE_PYTHON,
+    must have it). Raises ``EngineUnavailable`` with the reason where it cannot be had."""
+    python = engine_python(python, log=log)
+    if not is_flashdraft_build(python):
+        if has_module(str(python), "dflash") is not True:
+            raise EngineUnavailable(f"the engine interpreter {python} has no dflash, and flashdraft installs nothing "
+                                    f"into an interpreter it did not build: `{python} -m pip install --no-deps "
+                                    f"{DFLASH_PACKAGE}`, or use flashdraft's CPU build")
+        return python
     ready = python.parent.parent / f".dflash-{DFLASH_VERSION}-ready"
     if ready.is_file():
         return python
@@ -45,10 +55,11 @@ def reference_python(log=print) -> Path:
 
 
 def run_reference(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
-                  timeout: float = 1800, log=print) -> dict:
+                  timeout: float = 1800, python=None, log=print) -> dict:
     """Decode ``prompts`` greedily with the reference decoder and the export ``drafter``; the
-    worker's result (reference_worker.py). The package's error comes back as ``result["error"]``."""
-    python = reference_python(log=log)
+    worker's result (workers/reference_worker.py). The package's error comes back as
+    ``result["error"]``."""
+    python = reference_python(python, log=log)
     request = {"target": str(Path(target).resolve()), "drafter": str(Path(drafter).resolve()),
                "prompts": [[int(t) for t in p] for p in prompts], "max_new_tokens": int(max_new_tokens),
                "eos_ids": [int(t) for t in eos_ids]}
@@ -75,37 +86,28 @@ def compare_reference(flashdraft_steps: list[list[int]], flashdraft_tokens: list
                       block_size: int, max_new_tokens: int) -> dict:
     """The verdict from flashdraft's per-prompt steps (trimmed at eos / the limit, as the
     reference trims) and outputs, and the worker's result ``reference``."""
-    from flashdraft.speculative import tau_per_prompt, tau_pooled
-
     steps = reference["steps"]
-    differ = [i for i, (x, y) in enumerate(zip(steps, flashdraft_steps)) if x != y]
+    found = agreement(reference["outputs"], reference["plain"], flashdraft_tokens, steps, flashdraft_steps)
     full = [full_block_steps(s, block_size, max_new_tokens) for s in steps]
-    differ_in_full = [i for i in differ if steps[i][:full[i]] != flashdraft_steps[i][:full[i]]]
+    differ_in_full = [i for i in found["prompts_with_other_steps"]
+                      if steps[i][:full[i]] != flashdraft_steps[i][:full[i]]]
     unused = reference.get("loading", {}).get("unexpected_keys", [])
     missing = reference.get("loading", {}).get("missing_keys", [])
     return {
         "dflash_version": reference.get("dflash_version"), "drafter_class": reference.get("drafter_class"),
-        "reference": {"tau": tau_per_prompt(steps), "tau_pooled": tau_pooled(steps),
-                      "steps": sum(len(s) for s in steps), "accepted_tokens": sum(sum(s) for s in steps)},
-        "flashdraft": {"tau": tau_per_prompt(flashdraft_steps), "tau_pooled": tau_pooled(flashdraft_steps),
-                       "steps": sum(len(s) for s in flashdraft_steps),
-                       "accepted_tokens": sum(sum(s) for s in flashdraft_steps)},
-        "lossless": reference["outputs"] == reference["plain"],
-        "same_outputs": reference["outputs"] == flashdraft_tokens,
-        "same_steps": not differ and len(steps) == len(flashdraft_steps),
-        "prompts_with_other_steps": differ,
+        "reference": side(steps), "flashdraft": side(flashdraft_steps), **found,
         # the same drafts at every step where the reference drafted a whole block (full_block_steps)
         "same_full_block_steps": not differ_in_full and len(steps) == len(flashdraft_steps),
         "prompts_with_other_full_block_steps": differ_in_full,
         "other_steps": {i: {"reference": steps[i], "flashdraft": flashdraft_steps[i], "full_block_steps": full[i]}
-                        for i in differ},
+                        for i in found["prompts_with_other_steps"]},
         # weights of the export the package's class does not have (it decodes without them) / lacks
         "unused_weights": unused, "missing_weights": missing,
     }
 
 
 def reference_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_new_tokens: int, eos_ids=(),
-                    log=print) -> dict:
+                    python=None, log=print) -> dict:
     """flashdraft's greedy decode and the reference decoder's of ``prompts`` with the export in
     ``drafter_dir`` (module doc); fp32 on CPU. Raises ``EngineUnavailable`` where the reference
     cannot be installed or run; the package's own error is ``report["reference_error"]``."""
@@ -124,7 +126,7 @@ def reference_check(target_dir, drafter_dir, prompts: list[list[int]], *, max_ne
     del target, drafter
     log(f"dflash {DFLASH_VERSION}: decoding {len(prompts)} prompts with the authors' reference decoder")
     reference = run_reference(target_dir, drafter_dir, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                              log=log)
+                              python=python, log=log)
     if "error" in reference:
         return {"reference_error": reference["error"], "dflash_version": reference.get("dflash_version")}
     report = compare_reference([g.accepted for g in gens], [g.tokens for g in gens], reference, block_size,
@@ -138,15 +140,11 @@ def format_reference(report: dict) -> str:
     """One paragraph for a person: both sides' taus, losslessness, step agreement, unused weights."""
     if "reference_error" in report:
         return f"the DFlash reference decoder could not decode the drafter: {report['reference_error']}"
-    r, f = report["reference"], report["flashdraft"]
-    lines = [f"reference (dflash {report['dflash_version']}, {report['drafter_class']}): tau per prompt "
-             f"{r['tau']:.3f}, pooled {r['tau_pooled']:.3f} ({r['steps']} steps, {r['accepted_tokens']} accepted)",
-             f"flashdraft: tau per prompt {f['tau']:.3f}, pooled {f['tau_pooled']:.3f} ({f['steps']} steps, "
-             f"{f['accepted_tokens']} accepted)",
-             f"lossless (reference == target greedy): {report['lossless']}; reference == flashdraft outputs: "
-             f"{report['same_outputs']}; same acceptance at every step: {report['same_steps']}"
-             + (f" (prompts {report['prompts_with_other_steps']} differ; in whole-block steps: "
-                f"{report['prompts_with_other_full_block_steps'] or 'none'})" if not report["same_steps"] else "")]
+    lines = [side_line(f"reference (dflash {report['dflash_version']}, {report['drafter_class']})",
+                       report["reference"]),
+             side_line("flashdraft", report["flashdraft"]),
+             *agreement_lines(report, "reference", "target greedy", differ_more=(
+                 f"; in whole-block steps: {report['prompts_with_other_full_block_steps'] or 'none'}"))]
     if report["unused_weights"] or report["missing_weights"]:
         lines.append(f"WARNING: the reference's class left export weights unused {report['unused_weights']} / "
                      f"uninitialised {report['missing_weights']}: it decodes another drafter than flashdraft's")

@@ -2,9 +2,9 @@
 
     <engine python> engine_worker.py REQUEST.json RESULT.json
 
-This file imports only the standard library and vLLM (never flashdraft or the flashdraft
-environment's torch): flashdraft.engine writes the request, starts this script with the engine
-environment's interpreter, and reads the result. Request fields: ``target``, ``drafters`` (the
+This file imports only the standard library, vLLM and ``worker_io`` beside it (never flashdraft or
+the flashdraft environment's torch): flashdraft.judge.engine writes the request, starts this script
+with the engine environment's interpreter, and reads the result. Request fields: ``target``, ``drafters`` (the
 exports to judge, each ``{"path", "num_speculative_tokens"}``: one engine start and one plain
 decode serve them all), ``prompts`` (token ids), ``max_new_tokens``, ``eos_ids`` (stop tokens;
 [] runs to ``max_new_tokens``), ``temperature`` / ``top_p`` / ``top_k`` / ``seed``, ``dtype``,
@@ -23,10 +23,10 @@ only the pooled counters are reported.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
-import traceback
+
+from worker_io import failure, serve
 
 
 def _counters(llm) -> dict:
@@ -116,32 +116,23 @@ def _speculative(request: dict, drafter: dict, steps: dict | None) -> dict:
         del llm
         gc.collect()
     except Exception as exc:  # the engine's own reason, for this drafter's report
-        out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        out = failure(exc)
     return out
 
 
-def main(request_path: str, result_path: str) -> int:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    request = json.loads(open(request_path, encoding="utf-8").read())
-    result: dict = {}
-    try:
-        import vllm
+def work(request: dict, result: dict) -> None:
+    import vllm
 
-        result["vllm_version"] = vllm.__version__
-        if request.get("plain"):
-            llm = _llm(request)
-            result["plain"], _ = _generate(llm, request)
-            del llm
-            gc.collect()
-        steps = _record_steps()
-        result["drafters"] = [_speculative(request, drafter, steps) for drafter in request["drafters"]]
-    except Exception as exc:  # the engine's own reason, for the report
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    with open(result_path, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    return 0
+    result["vllm_version"] = vllm.__version__
+    if request.get("plain"):
+        llm = _llm(request)
+        result["plain"], _ = _generate(llm, request)
+        del llm
+        gc.collect()
+    steps = _record_steps()
+    result["drafters"] = [_speculative(request, drafter, steps) for drafter in request["drafters"]]
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.exit(serve(work))

@@ -1,5 +1,6 @@
-"""The two taus, the last-layer tap warning, and the engine check against vLLM itself (slow: it
-creates and caches vLLM's CPU build in its own environment the first time, engine.engine_python)."""
+"""The judges (flashdraft.judge): the two taus, the last-layer tap warning, the engine check against
+vLLM itself and the DFlash reference decoder (slow: it creates and caches vLLM's CPU build in its own
+environment the first time, vllm_env.engine_python), and the engine environment they run in."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import torch
 
 from conftest import make_job, overrides
 from flashdraft.cli import main
-from flashdraft.engine import EngineUnavailable, compare, engine_checks, engine_python, last_layer_warning
-from flashdraft.reference import compare_reference, full_block_steps, reference_check, reference_python
+from flashdraft.judge.engine import compare, engine_checks
+from flashdraft.judge.reference import compare_reference, full_block_steps, reference_check, reference_python
 from flashdraft.speculative import Generation, tau_per_prompt, tau_pooled
+from flashdraft.target.engine import last_layer_warning
 from flashdraft.toy import tiny_causal_lm
+from flashdraft.vllm_env import EngineUnavailable, engine_python, why_unavailable
 
 # Per-step acceptances (drafts accepted at each verification) of three prompts, by hand.
 STEPS = [[3, 1], [0, 0, 0, 0], [7]]
@@ -228,6 +231,58 @@ def test_eval_engine_beside_a_cuda_torch_is_refused_with_the_reason_before_any_m
               str(tmp_path / "p.jsonl"), "--engine", "vllm"])
 
 
+@pytest.mark.parametrize("named", ["missing", "not_executable", "without_vllm", "env_var"])
+def test_an_engine_interpreter_that_is_not_one_with_vllm_is_refused_naming_the_fix(untrained_eval, tmp_path,
+                                                                                  monkeypatch, named):
+    """--engine-python (or FLASHDRAFT_ENGINE_PYTHON) names the user's vLLM; a path that is no such
+    interpreter is refused before any model loads, naming where it was named and what to name."""
+    import sys
+
+    from flashdraft.target import TargetModel
+
+    path = {"missing": tmp_path / "nowhere" / "python", "not_executable": tmp_path / "python",
+            "without_vllm": Path(sys.executable), "env_var": tmp_path / "nowhere" / "python"}[named]
+    if named == "not_executable":
+        path.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded a model first"))
+    if named == "env_var":
+        monkeypatch.setenv("FLASHDRAFT_ENGINE_PYTHON", str(path))
+        extra, by = (), "FLASHDRAFT_ENGINE_PYTHON"
+    else:
+        extra, by = ("--engine-python", str(path)), "--engine-python"
+    state = {"missing": "does not exist", "not_executable": "is not executable", "without_vllm": "has no vllm",
+             "env_var": "does not exist"}[named]
+    wanted = (rf"--engine vllm: cannot run here: the engine interpreter {re.escape(str(path))} \({by}\) {state}: "
+              "name the python of an environment where vLLM is installed")
+    with pytest.raises(ValueError, match=wanted):
+        main(_eval_engine(untrained_eval, *extra))
+    with pytest.raises(ValueError, match="--engine-python names the interpreter --engine runs vLLM with"):
+        main([*_eval_engine(untrained_eval)[:-2], "--engine-python", str(path)])  # without --engine vllm
+
+
+@pytest.mark.slow
+def test_eval_engine_beside_a_cuda_torch_runs_the_vllm_the_user_names(vllm_python, tmp_path, monkeypatch, capsys):
+    """A GPU user's training environment has a CUDA torch, where flashdraft's CPU build is refused:
+    the judge runs with the interpreter they name (here the cached CPU build's, named as a user
+    would), and nothing is built anywhere (the CPU build's directory is never consulted)."""
+    from conftest import make_drafter
+    from flashdraft.evaluate import write_prompts
+    from flashdraft.target import TargetModel
+
+    model = tiny_causal_lm(300, arch="qwen3", num_layers=4, hidden=64, num_heads=2, num_kv_heads=1, seed=1,
+                           max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    model.save_pretrained(tmp_path / "target")  # head_dim 32: vLLM's CPU attention takes it
+    make_drafter(TargetModel(model, [1, 2]), num_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
+    write_prompts(tmp_path / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")  # what a CUDA machine's training environment has
+    monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(tmp_path / "never-built"))
+    assert main(_eval_engine(tmp_path, "--engine-python", str(vllm_python))) in (0, 1)
+    report = json.loads(capsys.readouterr().out)["engine"]
+    assert "engine_error" not in report, report
+    assert report["vllm_version"] == "0.32.0" and report["lossless"] is True and report["same_outputs"] is True
+    assert not (tmp_path / "never-built").exists()
+
+
 def test_export_verify_engine_without_prompts_is_refused_before_exporting(tmp_path):
     step = tmp_path / "checkpoints" / "step_00000001"
     step.mkdir(parents=True)
@@ -240,7 +295,7 @@ def test_export_verify_engine_without_prompts_is_refused_before_exporting(tmp_pa
 # ---- the engine environment's directory, and a worker that must not outlive the command -----------
 
 
-needs_engine_platform = pytest.mark.skipif(__import__("flashdraft.engine").engine.why_unavailable() is not None,
+needs_engine_platform = pytest.mark.skipif(why_unavailable() is not None,
                                            reason="vLLM's CPU build does not fit this platform")
 
 
@@ -298,7 +353,7 @@ def test_a_broken_or_relative_engine_environment_is_named_and_keeps_flashdrafts_
     flashdraft's own decode and says why the engine's is missing (exit status 1: no verdict)."""
     import sys
 
-    from flashdraft.engine import ENGINE_PINS
+    from flashdraft.vllm_env import ENGINE_PINS
 
     env = tmp_path / "env"
     (env / "bin").mkdir(parents=True)
