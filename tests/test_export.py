@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import overrides
-from flashdraft.checkpoint import CheckpointError, CheckpointManager
+from flashdraft.checkpoint import CheckpointDir, CheckpointError, CheckpointManager
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.drafter import DFlashDrafter
@@ -171,7 +171,7 @@ def test_a_checkpoint_pruned_by_its_training_run_mid_export_still_exports(run_di
     real_load = CheckpointManager.load
 
     def load_after_a_prune(self, path, *args, **kwargs):
-        CheckpointManager(root, keep_last=1)._prune(6, "step_00000006")  # what the trainer's next save does
+        CheckpointDir(root, keep_last=1).prune(6, "step_00000006")  # what the trainer's next save does
         return real_load(self, path, *args, **kwargs)
 
     monkeypatch.setattr(CheckpointManager, "load", load_after_a_prune)
