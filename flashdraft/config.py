@@ -2,7 +2,7 @@
 
 Every knob is declared once, here, with its default and a one-line doc. ``load_config`` reads
 an optional YAML file, applies ``section.field=value`` overrides (values parsed as YAML, so
-``optim.lr=3e-4`` and ``model.target_layer_ids=[1,3]`` work), coerces them to the declared
+``optim.lr=3e-4`` and ``target.layer_ids=[1,3]`` work), coerces them to the declared
 types and validates; every error names the field and the fix. The resolved config is saved as
 YAML next to every output (``save_config``).
 
@@ -36,8 +36,8 @@ import yaml
 # ---- the choice lists: declared here, where the config validates them at load; each owner --------
 # imports its list from here (the config imports nothing from the package, so it stays a leaf)
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
-DRAFTERS = ("dflash", "dflash2")  # model.drafter: the drafter family
-ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")  # model.drafter_attention (drafter.attention)
+DRAFTERS = ("dflash", "dflash2")  # drafter.family: the drafter family
+ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")  # drafter.attention
 SINK_IMPLS = ("auto", "dense", "split", "blockwise")  # the implementations with an attention sink (flex has none)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
 ON_INVALID = ("raise", "drop")  # data.on_invalid: what a bad sample does (data.dataset)
@@ -47,11 +47,11 @@ DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, 
 METRIC_SINKS = ("jsonl", "tensorboard", "wandb")  # train.metrics (metrics.MetricsLogger)
 # pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (distributed.role_layout)
 PLACEMENTS = ("colocated", "disaggregated")
-# model.target_backend: who computes the target's features (transformers in-process, or a vLLM engine: target.engine)
+# target.backend: who computes the target's features (transformers in-process, or a vLLM engine: target.engine)
 TARGET_BACKENDS = ("transformers", "vllm")
 # The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
 # far below it sampling is greedy anyway. Smaller positive values are refused where they are given
-# (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
+# (eval.temperature at config load, --temperature at parse), not turned into greedy silently:
 # greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
 MIN_TEMPERATURE = 1e-4
 # The longest timeout any *_timeout_s field takes (about 31 years): beyond it the clocks and the
@@ -60,8 +60,8 @@ MAX_TIMEOUT_S = 1e9
 
 # ---- marks on fields: the lists of fields other parts need are derived from them (marked_fields) --
 RESUME = "resume"  # a resume must find the field unchanged: it changes what is trained or in which order
-DFLASH2 = "dflash2"  # a DFlash2 knob: refused unless model.drafter=dflash2 (it would be ignored)
-VLLM = "vllm"  # a knob of the vLLM target backend: refused unless model.target_backend=vllm (it would be ignored)
+DFLASH2 = "dflash2"  # a DFlash2 knob: refused unless drafter.family=dflash2 (it would be ignored)
+VLLM = "vllm"  # a knob of the vLLM target backend: refused unless target.backend=vllm (it would be ignored)
 
 
 def _marked(default: Any, *marks: str) -> Any:
@@ -662,7 +662,7 @@ def _refuse_unselected(sections, selected: bool, option: str, select: str) -> No
     weights, gamma with D-PACE, the LK mix's scale with ce / tv, the selector's schedule with the
     selector frozen). ``sections``: (section, its name, the option's knobs); a knob counts as set
     when its value differs from the declared default (a saved config, which writes every field,
-    loads back). ``select``: how to select ``option`` ("set model.drafter=dflash2 too")."""
+    loads back). ``select``: how to select ``option`` ("set drafter.family=dflash2 too")."""
     if selected:
         return
     given = [f"{name}.{key}={_yaml_value(getattr(section, key))}" for section, name, keys in sections for key in keys
@@ -805,7 +805,7 @@ def _build(cls, values: dict, prefix: str):
             continue
         tp, value = hints[f.name], values[f.name]
         if dataclasses.is_dataclass(tp):
-            if value is None:  # `model:` with every field commented out
+            if value is None:  # `drafter:` with every field commented out
                 value = {}
             if not isinstance(value, dict):
                 raise ValueError(f"config {prefix}{f.name} must be a mapping of its fields")
@@ -816,7 +816,7 @@ def _build(cls, values: dict, prefix: str):
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """['optim.lr=3e-4', 'model.block_size=8'] -> {'optim': {'lr': _Override('3e-4', 3e-4)}, ...}: each
+    """['optim.lr=3e-4', 'drafter.block_size=8'] -> {'optim': {'lr': _Override('3e-4', 3e-4)}, ...}: each
     value keeps its text beside its YAML parse (see _Override)."""
     tree: dict = {}
     for item in overrides:
@@ -889,7 +889,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix the file "
                              "(`flashdraft config` prints a valid one)") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a config file must be a YAML mapping of sections (model, data, optim, ...)")
+            raise ValueError(f"{path}: a config file must be a YAML mapping of sections (target, drafter, data, ...)")
         values = _merge(values, loaded)
     values = _merge(values, parse_overrides(overrides or []))
     return _build(Config, values, "")
@@ -981,8 +981,8 @@ def add_arguments(parser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = describe_fields()
-    parser.add_argument("--config", help="YAML config file to start from (sections model, data, objective, ...)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
+    parser.add_argument("--config", help="YAML config file to start from (sections target, drafter, data, ...)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 target.path=DIR")
 
 
 def run(args) -> int:

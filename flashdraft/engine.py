@@ -319,7 +319,7 @@ def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
     return (f"the drafter taps the target's last layer ({num_target_layers - 1} in target_layer_ids "
             f"{list(target_layer_ids)}): vLLM and SGLang capture it before the target's final norm (hidden + "
             "residual), flashdraft after it (hidden_states[-1]), so the served drafter sees other features than it "
-            f"was trained on; tap layers below {num_target_layers - 1} (model.target_layer_ids)")
+            f"was trained on; tap layers below {num_target_layers - 1} (target.layer_ids)")
 
 
 def warn_last_layer(target_layer_ids, num_target_layers: int) -> bool:

@@ -47,9 +47,9 @@ def test_eval_output_never_overwrites_its_own_inputs(eval_dir, victim):
 def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_minimum_decodes(eval_dir):
     from flashdraft.config import MIN_TEMPERATURE, load_config
 
-    with pytest.raises(ValueError, match=r"(?s)train.eval_temperature=1e-40 is invalid.*use 0 \(greedy\).*"
+    with pytest.raises(ValueError, match=r"(?s)eval.temperature=1e-40 is invalid.*use 0 \(greedy\).*"
                                          r"at least 0.0001"):
-        load_config(overrides=["train.eval_temperature=1e-40"])
+        load_config(overrides=["eval.temperature=1e-40"])
     with pytest.raises(ValueError, match=r"--temperature 1e-40: use 0 \(greedy\) or a finite temperature of at least"):
         _eval(eval_dir, "--temperature", "1e-40", "--max-new-tokens", "4")
     assert _eval(eval_dir, "--temperature", str(MIN_TEMPERATURE), "--max-new-tokens", "6") == 0
@@ -100,10 +100,10 @@ def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
-    sizes = dict(model__conv_group_size=8, model__selector_rank=8, model__selector_top_k=4)
+    sizes = dict(drafter__conv_group_size=8, drafter__selector_rank=8, drafter__selector_top_k=4)
     extra = sizes if family == "dflash2" else {}
-    result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
-                                                   model__drafter=family, **extra))).metrics
+    result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, target__dtype=dtype,
+                                                   drafter__family=family, **extra))).metrics
     assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
 
 
@@ -115,10 +115,10 @@ def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family
     (["objective.weighting=dpace", "objective.gamma=null"], "objective.gamma=null is", "weighting=decay"),
     (["objective.lk_kl_scale=2"], "objective.lk_kl_scale=2.0 is", "set objective.loss=lk_lambda too"),
     (["objective.loss=tv", "objective.lk_kl_decay=0.5"], "objective.lk_kl_decay=0.5 is", "loss=lk_lambda"),
-    (["model.drafter=dflash2", "objective.selector_alpha=0", "objective.selector_warmup_frac=0.2",
+    (["drafter.family=dflash2", "objective.selector_alpha=0", "objective.selector_warmup_frac=0.2",
       "objective.selector_ramp_frac=0.1"], "objective.selector_warmup_frac=0.2, objective.selector_ramp_frac=0.1 are",
      "set objective.selector_alpha above 0 too"),
-    (["model.selector_rank=64"], "model.selector_rank=64 is", "set model.drafter=dflash2 too"),  # no "=set"
+    (["drafter.selector_rank=64"], "drafter.selector_rank=64 is", "set drafter.family=dflash2 too"),  # no "=set"
 ])
 def test_knobs_of_an_unselected_option_are_refused_at_load(given, refused, fix):
     from flashdraft.config import load_config
@@ -131,7 +131,7 @@ def test_the_selected_options_knobs_and_a_saved_config_load():
     from flashdraft.config import load_config, to_yaml
 
     for given in (["objective.weighting=dpace", "objective.dpace_alpha=0.7"], ["objective.gamma=5"],
-                  ["objective.loss=lk_lambda", "objective.lk_kl_scale=2"], ["model.drafter=dflash2",
+                  ["objective.loss=lk_lambda", "objective.lk_kl_scale=2"], ["drafter.family=dflash2",
                    "objective.selector_warmup_frac=0.2"]):
         config = load_config(overrides=given)
         assert load_config(base=__import__("yaml").safe_load(to_yaml(config))) == config
@@ -171,12 +171,12 @@ def test_a_yaml_alias_bomb_or_deep_nesting_in_a_config_is_one_short_line(tmp_pat
     layers = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     for name, prev in zip("bcdefghi", "abcdefgh"):  # 9^9 strings if expanded
         layers.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
-    (tmp_path / "bomb.yaml").write_text("model:\n  target: [" + ", ".join(layers) + "]\n")
-    (tmp_path / "deep.yaml").write_text("model:\n  target_layer_ids: " + "[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "bomb.yaml").write_text("target:\n  path: [" + ", ".join(layers) + "]\n")
+    (tmp_path / "deep.yaml").write_text("target:\n  layer_ids: " + "[" * 5000 + "]" * 5000 + "\n")
     deep = "[" * 5000 + "]" * 5000
-    for args, wanted in [(["--config", str(tmp_path / "bomb.yaml")], "config model.target=[['lol'"),
+    for args, wanted in [(["--config", str(tmp_path / "bomb.yaml")], "config target.path=[['lol'"),
                          (["--config", str(tmp_path / "deep.yaml")], f"{tmp_path / 'deep.yaml'}: nested too deeply"),
-                         ([f"model.target_layer_ids={deep}"], "config model.target_layer_ids='[[[[")]:
+                         ([f"target.layer_ids={deep}"], "config target.layer_ids='[[[[")]:
         with pytest.raises(ValueError) as exc:  # the command line prints it as one `error:` line
             main(["config", *args])
         assert str(exc.value).startswith(wanted) and len(str(exc.value)) < 300 and "\n" not in str(exc.value)
@@ -187,9 +187,9 @@ def test_a_selector_too_large_for_the_device_is_refused_at_start_up_with_its_siz
     from flashdraft.config import load_config
     from flashdraft.train.checks import check_drafter_sizes
 
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", model__drafter="dflash2",
-                                          model__conv_group_size=8, model__selector_rank=1_000_000_000))
-    with pytest.raises(ValueError, match=r"(?s)model.selector_rank=1000000000:.*10,112.0 GB.*GB of this device.*"
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", drafter__family="dflash2",
+                                          drafter__conv_group_size=8, drafter__selector_rank=1_000_000_000))
+    with pytest.raises(ValueError, match=r"(?s)drafter.selector_rank=1000000000:.*10,112.0 GB.*GB of this device.*"
                                          r"use e.g. 256"):
         check_drafter_sizes(cfg, "cpu")
 
@@ -214,8 +214,8 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
-    monkeypatch.chdir(tiny_job)  # trained with model.target=target, train.output_dir=rel/run
-    given = overrides(tiny_job, tmp_path, train__max_steps=1, model__target="target", train__output_dir="rel/run")
+    monkeypatch.chdir(tiny_job)  # trained with target.path=target, train.output_dir=rel/run
+    given = overrides(tiny_job, tmp_path, train__max_steps=1, target__path="target", train__output_dir="rel/run")
     train(load_config(overrides=given))
     monkeypatch.chdir(tmp_path)  # exported from elsewhere
     assert main(["export", str(tiny_job / "rel" / "run"), "--out", "exp"]) == 0
@@ -228,11 +228,11 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
 
 @pytest.mark.parametrize("flags, wanted", [
     (["--drafter-lr", "-1.0"], "optim.lr=-1.0"), (["--num-anchors", "0"], "objective.num_anchors=0"),
-    (["--block-size", "1"], "model.block_size=1"), (["--regen-temperature", "-1.0"], "--regen-temperature -1.0"),
+    (["--block-size", "1"], "drafter.block_size=1"), (["--regen-temperature", "-1.0"], "--regen-temperature -1.0"),
     (["--regen-temperature", "1e-40"], "--regen-temperature 1e-40"),
     (["--target-layers", "0"], "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
     (["--target-hidden", "3"], "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
-    (["--sliding-window", "1"], "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
+    (["--sliding-window", "1"], "drafter.sliding_window=1 is invalid"),  # no slot would see a target feature
     (["--answer-tokens", "0"], "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
     (["--num-eval-prompts", "0"], "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
     (["--corpus-bytes", "-5"], "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
@@ -287,8 +287,8 @@ def test_a_list_of_strings_is_asked_for_as_names_not_numbers():
 
     with pytest.raises(ValueError, match=r"config train.metrics=3 is invalid: give a list of names, e.g. \[a, b\]"):
         load_config(overrides=["train.metrics=3"])
-    with pytest.raises(ValueError, match=r"config model.target_layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
-        load_config(overrides=["model.target_layer_ids=x"])
+    with pytest.raises(ValueError, match=r"config target.layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
+        load_config(overrides=["target.layer_ids=x"])
 
 
 # ---- 14: accepted silently before, refused now ----------------------------------------------
@@ -357,8 +357,8 @@ def test_a_mask_token_id_that_occurs_in_the_training_data_is_warned_at_start_up(
     assert check_mask_token(data, unused) == 0
     assert check_mask_token(data, used, chunk=7) == int((data.ids == used).sum()) > 0  # chunked == whole
     with caplog.at_level(logging.WARNING):
-        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__mask_token_id=used)))
-    assert f"model.mask_token_id={used} occurs" in caplog.text and "set model.mask_token_id to an id" in caplog.text
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", drafter__mask_token_id=used)))
+    assert f"drafter.mask_token_id={used} occurs" in caplog.text and "set drafter.mask_token_id to an id" in caplog.text
 
 
 def test_a_tampered_export_is_named_in_whole_sentences(eval_dir, tmp_path):
@@ -436,24 +436,24 @@ def test_a_blind_slot_of_a_real_drafter_has_no_gradient_from_the_target_features
 
 
 @pytest.mark.parametrize(("window", "block_size", "layers", "message"), [
-    (1, 16, 5, r"model.drafter_sliding_window=1 .*block slots 1..15 can see no target feature.*window of 5 or more"),
-    (2, 16, 5, r"model.drafter_sliding_window=2 .*block slots 5..15 .*window of 5 or more"),
-    (4, 4, 1, r"model.drafter_sliding_window=4 .*block slots 3 can see.*window of 5 or more"),
+    (1, 16, 5, r"drafter.sliding_window=1 .*block slots 1..15 can see no target feature.*window of 5 or more"),
+    (2, 16, 5, r"drafter.sliding_window=2 .*block slots 5..15 .*window of 5 or more"),
+    (4, 4, 1, r"drafter.sliding_window=4 .*block slots 3 can see.*window of 5 or more"),
 ])
 def test_a_sliding_window_that_leaves_a_slot_blind_is_refused_at_load(window, block_size, layers, message):
-    from flashdraft.config import ModelConfig
+    from flashdraft.config import DrafterConfig
 
     with pytest.raises(ValueError, match=message + r".*or make a layer full_attention"):
-        ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
-                    drafter_sliding_window=window)
+        DrafterConfig(block_size=block_size, num_layers=layers, layer_types=("sliding_attention",),
+                    sliding_window=window)
     # what stays accepted: the released layout's miniature (W 3 < block 4, 2 layers: tests/test_dflash2.py), a
     # full layer anywhere in the stack, the smallest window the refusal names, the released window
-    ModelConfig(block_size=4, num_draft_layers=2, drafter_layer_types=("sliding_attention",), drafter_sliding_window=3)
-    ModelConfig(block_size=block_size, num_draft_layers=2, drafter_sliding_window=window,
-                drafter_layer_types=("sliding_attention", "full_attention"))
-    ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
-                drafter_sliding_window=5)
-    ModelConfig(drafter_layer_types=("sliding_attention",), drafter_sliding_window=2048)
+    DrafterConfig(block_size=4, num_layers=2, layer_types=("sliding_attention",), sliding_window=3)
+    DrafterConfig(block_size=block_size, num_layers=2, sliding_window=window,
+                layer_types=("sliding_attention", "full_attention"))
+    DrafterConfig(block_size=block_size, num_layers=layers, layer_types=("sliding_attention",),
+                sliding_window=5)
+    DrafterConfig(layer_types=("sliding_attention",), sliding_window=2048)
 
 
 def test_an_export_whose_window_leaves_a_slot_blind_is_refused_on_load(eval_dir, tmp_path):
@@ -488,7 +488,7 @@ def test_train_output_dir_is_never_the_target_or_the_runs_data(tiny_job, tmp_pat
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run"))
     check_paths(cfg)  # a run directory of its own
-    for out, field in [(cfg.model.target, "model.target"), (f"{cfg.model.target}/run", "model.target"),
+    for out, field in [(cfg.target.path, "target.path"), (f"{cfg.target.path}/run", "target.path"),
                        (cfg.data.path, "data.path")]:
         bad = load_config(overrides=overrides(tiny_job, out))
         with pytest.raises(ValueError, match=rf"train.output_dir .* is or lies inside {field} .*another directory"):

@@ -32,8 +32,8 @@ def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
     for key in ("tau", "tau_untrained", "tau_ngram", "per_position_acceptance", "lossless", "settings"):
         assert key in saved, key
     assert saved["lossless"] is True
-    assert 1.0 <= saved["tau"] <= SMOKE_TRAINING["model.block_size"]
-    assert len(saved["per_position_acceptance"]) == SMOKE_TRAINING["model.block_size"] - 1
+    assert 1.0 <= saved["tau"] <= SMOKE_TRAINING["drafter.block_size"]
+    assert len(saved["per_position_acceptance"]) == SMOKE_TRAINING["drafter.block_size"] - 1
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -3,7 +3,7 @@
 The frozen target's forward is the costliest part of online training, and for the targets users
 most want drafters for (large MoE, FP8 checkpoints, hybrid linear attention) a transformers
 forward is also the weakest: no fused MoE kernels, no FP8 path, no paged batching. With
-``model.target_backend=vllm`` the features come from a vLLM engine instead: each training batch's
+``target.backend=vllm`` the features come from a vLLM engine instead: each training batch's
 samples are prefilled whole (one request each, ``max_tokens=1``), vLLM's ``extract_hidden_states``
 method captures the tapped layers, and flashdraft's connector hands each request's states over
 (engine_env/hidden_states_connector.py). flashdraft never imports vLLM: the engine runs in
@@ -81,10 +81,10 @@ def last_layer_refusal(layer_ids, num_layers: int) -> str | None:
     the target's final norm by flashdraft and before it by vLLM."""
     if num_layers - 1 not in list(layer_ids):
         return None
-    return (f"model.target_layer_ids {list(layer_ids)} taps the target's last layer ({num_layers - 1}), which "
+    return (f"target.layer_ids {list(layer_ids)} taps the target's last layer ({num_layers - 1}), which "
             "flashdraft takes after the final norm (transformers' last hidden_states entry) and vLLM captures "
             "before it: the engine's features would not be the ones the drafter is served with elsewhere; tap "
-            f"layers below {num_layers - 1}, or use model.target_backend=transformers")
+            f"layers below {num_layers - 1}, or use target.backend=transformers")
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,9 @@ class EngineOptions:
     env: dict = field(default_factory=dict)  # further environment variables of the engine's process
 
     @classmethod
-    def of(cls, model_config) -> EngineOptions:
-        """The options a run's ``model`` config section gives."""
-        m = model_config
+    def of(cls, target_config) -> EngineOptions:
+        """The options a run's ``target`` config section gives."""
+        m = target_config
         return cls(m.vllm_python, m.vllm_tensor_parallel, m.vllm_expert_parallel, m.vllm_quantization,
                    m.vllm_gpu_memory_utilization, m.vllm_max_model_len, m.vllm_devices)
 
@@ -124,7 +124,7 @@ def engine_interpreter(options: EngineOptions, log_fn=log.info) -> str:
     torch is never replaced by the CPU build: flashdraft.engine.why_unavailable)."""
     if options.python:
         if not os.access(options.python, os.X_OK):
-            raise EngineError(f"model.vllm_python={options.python} is not an executable interpreter: name the python "
+            raise EngineError(f"target.vllm_python={options.python} is not an executable interpreter: name the python "
                               "of an environment where vLLM is installed")
         return options.python
     from flashdraft.engine import EngineUnavailable, engine_python
@@ -132,8 +132,8 @@ def engine_interpreter(options: EngineOptions, log_fn=log.info) -> str:
     try:
         return str(engine_python(log=log_fn))
     except EngineUnavailable as exc:
-        raise EngineError(f"model.target_backend=vllm cannot use flashdraft's vLLM CPU build here: {exc}; name an "
-                          "interpreter with vLLM in model.vllm_python, or use model.target_backend=transformers"
+        raise EngineError(f"target.backend=vllm cannot use flashdraft's vLLM CPU build here: {exc}; name an "
+                          "interpreter with vLLM in target.vllm_python, or use target.backend=transformers"
                           ) from None
 
 
@@ -346,7 +346,7 @@ class EngineTarget:
     ``engine``: a FeatureEngine capturing at least every tap's aux layer (vllm_aux_layer_id)."""
 
     backend = "vllm"
-    sharded = False  # the engine's own parallelism is not flashdraft's (model.tensor_parallel)
+    sharded = False  # the engine's own parallelism is not flashdraft's (target.tensor_parallel)
 
     def __init__(self, heads: TargetModel, engine: FeatureEngine):
         self.heads, self.engine = heads, engine
@@ -431,7 +431,7 @@ class EngineTarget:
 
     def forward_with_cache(self, *args, **kwargs):
         raise EngineError("the vLLM target computes training features only; decoding (the tau eval, flashdraft eval) "
-                          "runs the target in-process: set train.eval_prompts=0 and judge the export with "
+                          "runs the target in-process: set eval.num_prompts=0 and judge the export with "
                           "`flashdraft eval --engine vllm`")
 
     new_cache = forward_with_cache

@@ -28,7 +28,7 @@ class TargetRank:
         self.config, self.dist = cfg, dist
         startup.check_run(cfg, dist)
         target = startup.load_target(cfg, dist)
-        mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
+        mask_token_id = checks.resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.path)
         self.target, self.dataset = target, startup.open_data(cfg, dist, target, mask_token_id).dataset
         startup.meet()  # where the drafter ranks meet it, once they have built their parts
 
