@@ -1372,7 +1372,7 @@ def _(ws):
     f = ws.fresh("yaml") / "bomb.yaml"
     f.write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
-        for i in range(8)) + "model: {target: *i}\n")
+        for i in range(8)) + "target: {path: *i}\n")
     return cli("config", "--config", f).refused(r"(is invalid|unknown key|must be a mapping)")
 
 
