@@ -258,7 +258,7 @@ def _check_divisible(path: Path, config, tensor_parallel: int, expert_parallel: 
         raise ValueError(
             f"{path}: target.tensor_parallel={tensor_parallel} must divide the target's "
             f"{', '.join(f'{k}={v}' for k, v in bad.items())} (its plan splits them evenly over the group); use "
-            f"{' or '.join(map(str, fits)) if fits else 'model.tensor_parallel=1'}, with more data-parallel groups "
+            f"{' or '.join(map(str, fits)) if fits else 'target.tensor_parallel=1'}, with more data-parallel groups "
             "for the other GPUs")
 
 
