@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 FAMILIES = {
     "dflash": {},
-    "swa": {"model__drafter_layer_types": '["sliding_attention"]', "model__drafter_sliding_window": 16,
-            "model__drafter_causal": "false"},
-    "sinks": {"model__drafter_attention_sink": "true"},
-    "dflash2": {"model__drafter": "dflash2"},
+    "swa": {"drafter__layer_types": '["sliding_attention"]', "drafter__sliding_window": 16,
+            "drafter__causal": "false"},
+    "sinks": {"drafter__attention_sink": "true"},
+    "dflash2": {"drafter__family": "dflash2"},
 }
 
 
@@ -51,7 +51,7 @@ def main(out: Path, names: list[str], only: str | None = None) -> None:
     for name in names:
         runs[name] = out / f"run-{name}" / "drafter"
         if not (runs[name] / "config.json").is_file():
-            train(load_config(None, overrides(out, runs[name].parent, train__max_steps=150, model__block_size=8,
+            train(load_config(None, overrides(out, runs[name].parent, train__max_steps=150, drafter__block_size=8,
                                               optim__lr="1e-2", data__token_budget=640, data__max_batch_size=16,
                                               objective__num_anchors=16, **FAMILIES[name])))
     if only != "reference":  # every family in one engine call: vLLM starts once

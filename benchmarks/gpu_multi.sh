@@ -32,8 +32,8 @@ fi
 work="$OUT/multi"
 rm -rf "$work" && mkdir -p "$work"
 python -m flashdraft.bench.multi_check job "$work" || exit 1
-common=(model.target="$work/target" model.mask_token_id=299 model.num_draft_layers=1 model.block_size=4
-        model.target_layer_ids="[1,2]" data.path="$work/data" data.token_budget=160 data.max_batch_size=4
+common=(target.path="$work/target" drafter.mask_token_id=299 drafter.num_layers=1 drafter.block_size=4
+        target.layer_ids="[1,2]" data.path="$work/data" data.token_budget=160 data.max_batch_size=4
         objective.num_anchors=8 optim.lr=2e-3 train.log_every=1 train.device="$device" train.deterministic=$deterministic
         train.collective_timeout_s=60)
 failed=0
@@ -55,9 +55,9 @@ launch() {  # launch TAG OVERRIDES...: `flashdraft train` on 2 ranks under the t
 launch disaggregated train.output_dir="$work/disaggregated" pipeline.placement=disaggregated \
   pipeline.target_ranks=1 train.max_steps=5 \
   && { python -m flashdraft.bench.multi_check steps "$work/disaggregated" 5 || failed=1; }
-launch ddp train.output_dir="$work/ddp" train.max_steps=6 train.save_every=3 \
+launch ddp train.output_dir="$work/ddp" train.max_steps=6 checkpoint.save_every=3 \
   && launch resumed train.output_dir="$work/resumed" train.max_steps=6 \
-       train.resume="$work/ddp/checkpoints/step_00000003" \
+       checkpoint.resume="$work/ddp/checkpoints/step_00000003" \
   && { python -m flashdraft.bench.multi_check same "$work/ddp" "$work/resumed" "$rtol" || failed=1; }
 python -m flashdraft.bench.multi_check contexts "$work/ranks" || failed=1
 skipped=""

@@ -165,7 +165,7 @@ class Workspace:
         mask = np.r_[np.zeros(6), np.ones(34)]
         write_token_shard(self.root / "data", [(row.numpy(), mask) for row in out[:32]], vocab_size=300)
         write_prompts(self.root / "prompts.jsonl", prompts[32:].tolist())
-        assert main(["train", *self.overrides(self.root / "run", train__max_steps=4, train__save_every=2)]) == 0
+        assert main(["train", *self.overrides(self.root / "run", train__max_steps=4, checkpoint__save_every=2)]) == 0
         hub = self.root / "hub" / "models--org--tiny"
         (hub / "blobs").mkdir(parents=True)
         (hub / "snapshots" / "rev").mkdir(parents=True)
@@ -175,11 +175,11 @@ class Workspace:
         (self.root / "ready").write_text("")
 
     def overrides(self, out: Path, target: Path | None = None, **extra) -> list[str]:
-        base = {"model.target": target or self.root / "target", "model.mask_token_id": 299,
-                "model.num_draft_layers": 1, "model.block_size": 4, "model.target_layer_ids": "[1,2]",
+        base = {"target.path": target or self.root / "target", "drafter.mask_token_id": 299,
+                "drafter.num_layers": 1, "drafter.block_size": 4, "target.layer_ids": "[1,2]",
                 "data.path": self.root / "data", "data.token_budget": 160, "data.max_batch_size": 4,
                 "objective.num_anchors": 8, "optim.lr": "2e-3", "train.max_steps": 4, "train.log_every": 1,
-                "train.save_every": 0, "train.output_dir": out, "train.device": "cpu"}
+                "checkpoint.save_every": 0, "train.output_dir": out, "train.device": "cpu"}
         base.update({k.replace("__", "."): v for k, v in extra.items()})
         return [f"{k}={v}" for k, v in base.items()]
 
@@ -591,12 +591,12 @@ def _(ws):
     from flashdraft.checkpoint import CheckpointManager
 
     run = ws.fresh("partial")
-    first = cli("train", *ws.overrides(run, train__max_steps=8, train__save_every=2))
+    first = cli("train", *ws.overrides(run, train__max_steps=8, checkpoint__save_every=2))
     for step in (run / "checkpoints").glob("step_*"):  # as if stopped after step 4: its schedule is mid-way
         if step.name in ("step_00000006", "step_00000008"):
             shutil.rmtree(step)
     (run / "checkpoints" / "latest").unlink(missing_ok=True)
-    resumed = cli("train", *ws.overrides(run, train__max_steps=10, train__save_every=2))
+    resumed = cli("train", *ws.overrides(run, train__max_steps=10, checkpoint__save_every=2))
     ok, detail = resumed.ok()
     return first.code == 0 and ok and CheckpointManager(run / "checkpoints").load_latest().step == 10, detail
 
@@ -1009,13 +1009,13 @@ def _(ws):
 def _plan(ws, *extra, target=None) -> Outcome:
     t = target or ws.target
     flags = [e for i, e in enumerate(extra) if e.startswith("--") or (i and extra[i - 1].startswith("--"))]
-    return cli("plan", f"model.target={t}", "model.mask_token_id=1", "model.target_layer_ids=[1,2]",
+    return cli("plan", f"target.path={t}", "drafter.mask_token_id=1", "target.layer_ids=[1,2]",
                "train.device=cpu", *[e for e in extra if e not in flags], *flags)
 
 
 PLAN_REFUSALS = {
-    "taps_outside": (["model.target_layer_ids=[1,9]"], r"model.target_layer_ids=\[1, 9\] is invalid for this 4-layer"),
-    "tensor_parallel_3": (["model.tensor_parallel=3"], r"model.tensor_parallel=3 must divide"),
+    "taps_outside": (["target.layer_ids=[1,9]"], r"target.layer_ids=\[1, 9\] is invalid for this 4-layer"),
+    "tensor_parallel_3": (["target.tensor_parallel=3"], r"target.tensor_parallel=3 must divide"),
     "row_budget_1": (["data.row_budget=1"], r"raise data.row_budget to at least"),
     "row_budget_below_block": (["data.row_budget=15"], r"no num_anchors fits"),
     "seq_len_beyond_positions": (["--seq-len", "600", "data.max_length=1024", "data.token_budget=1024"],
@@ -1025,9 +1025,10 @@ PLAN_REFUSALS = {
     "device_memory_inf": (["--device-memory", "inf"], r"--device-memory inf: give the device's memory"),
     "device_memory_negative": (["--device-memory", "-3"], r"--device-memory -3.0: give"),
     "device_memory_zero": (["--device-memory", "0"], r"--device-memory 0.0: give"),
-    "mask_outside_vocab": (["model.mask_token_id=300"], r"model.mask_token_id=300 is outside"),
-    "dflash2_groups": (["model.drafter=dflash2", "model.conv_group_size=5"], r"model.conv_group_size=5 must divide"),
-    "default_taps_repeat": (["model.target_layer_ids=null", "model.num_taps=3"], r"repeats or leaves the model"),
+    "mask_outside_vocab": (["drafter.mask_token_id=300"], r"drafter.mask_token_id=300 is outside"),
+    "dflash2_groups": (["drafter.family=dflash2", "drafter.conv_group_size=5"],
+                       r"drafter.conv_group_size=5 must divide"),
+    "default_taps_repeat": (["target.layer_ids=null", "target.num_taps=3"], r"repeats or leaves the model"),
 }
 
 
@@ -1087,7 +1088,7 @@ def _(ws):
 
 
 for _extra in ([], ["--seq-len", "64"], ["--device-memory", "0.001"], ["pipeline.enabled=false"],
-               ["pipeline.placement=disaggregated"], ["model.activation_checkpointing=true"]):
+               ["pipeline.placement=disaggregated"], ["drafter.activation_checkpointing=true"]):
     probe(f"plan_good_{'_'.join(e.strip('-').replace('.', '_').split('=')[0] for e in _extra) or 'default'}",
           "plan", "-")(lambda ws, e=_extra: _plan(ws, *e).ok(1 if "0.001" in e else 0))
 
@@ -1154,10 +1155,10 @@ def _(ws):
 
 @probe("row_budget_7_block_8_train", "messages", "13")
 def _(ws):
-    done = cli("train", *ws.overrides(ws.fresh("run"), data__row_budget=7, model__block_size=8,
+    done = cli("train", *ws.overrides(ws.fresh("run"), data__row_budget=7, drafter__block_size=8,
                                      data__max_length=40))
     held, detail = done.refused(r"raise data.row_budget to at least \d+ \(one anchor's block alone is "
-                                r"model.block_size=8 rows: no num_anchors fits\)")
+                                r"drafter.block_size=8 rows: no num_anchors fits\)")
     return held and "num_anchors to 1" not in done.err, detail
 
 
@@ -1181,9 +1182,9 @@ def _resume_named(ws, change, field):
 def _(ws):
     run = ws.fresh("run", ws.run)
     (run / "checkpoints" / "step_00000004").rename(run / "gone")
-    done = cli("train", *ws.overrides(run, model__block_size=8))
+    done = cli("train", *ws.overrides(run, drafter__block_size=8))
     return done.refused(rf"cannot resume from {re.escape(str(run / 'checkpoints'))}: the config changed "
-                        r"\(model.block_size: checkpoint 4 vs now 8\)")
+                        r"\(drafter.block_size: checkpoint 4 vs now 8\)")
 
 
 for _name, _given, _field in (("disaggregated_disk", ["pipeline.placement=disaggregated",
@@ -1192,7 +1193,7 @@ for _name, _given, _field in (("disaggregated_disk", ["pipeline.placement=disagg
                               ("disaggregated_ram", ["pipeline.placement=disaggregated",
                                                      "pipeline.feature_cache_bytes=1e9"],
                                "pipeline.feature_cache_bytes=1000000000"),
-                              ("tensor_parallel_disk", ["model.tensor_parallel=2",
+                              ("tensor_parallel_disk", ["target.tensor_parallel=2",
                                                         "pipeline.feature_cache_disk_bytes=1e9"],
                                "pipeline.feature_cache_disk_bytes=1000000000")):
     probe(f"cache_knob_named_{_name}", "messages", "13" if "disk" in _name else "-")(
@@ -1325,7 +1326,7 @@ OUT_OF_RANGE = {
     "token_budget_1e30": ("data.token_budget=1e30", "17"),
     "max_steps_31_digits": (f"train.max_steps={BIG}", "17"),
     "negative_31_digits": (f"train.log_every=-{BIG}", "17"),
-    "selector_rank_31_digits": (f"model.selector_rank={BIG}", "17"),
+    "selector_rank_31_digits": (f"drafter.selector_rank={BIG}", "17"),
     "feature_cache_bytes_1e30": ("pipeline.feature_cache_bytes=1e30", "17"),
 }
 for _name, (_override, _item) in OUT_OF_RANGE.items():
@@ -1341,23 +1342,24 @@ def _(ws):
 
 # config knobs that held before (regressions would show here)
 HELD_CONFIG = {
-    "block_size_1": "model.block_size=1", "negative_lr": "optim.lr=-1", "nan_lr": "optim.lr=.nan",
-    "inf_gamma": "objective.gamma=.inf", "betas_above_1": "optim.betas=[0.9, 1.5]", "bad_dtype": "model.dtype=fp8",
-    "bad_device": "train.device=tpu", "resume_typo": "train.resume=nevr", "negative_save_every": "train.save_every=-5",
-    "keep_last_0": "train.keep_last=0", "grad_accum_0": "train.grad_accum=0", "bad_metrics": "train.metrics=[csv]",
-    "bool_for_int": "model.num_draft_layers=true", "string_for_int": "model.num_draft_layers=five",
+    "block_size_1": "drafter.block_size=1", "negative_lr": "optim.lr=-1", "nan_lr": "optim.lr=.nan",
+    "inf_gamma": "objective.gamma=.inf", "betas_above_1": "optim.betas=[0.9, 1.5]", "bad_dtype": "target.dtype=fp8",
+    "bad_device": "train.device=tpu", "resume_typo": "checkpoint.resume=nevr",
+    "negative_save_every": "checkpoint.save_every=-5",
+    "keep_last_0": "checkpoint.keep_last=0", "grad_accum_0": "train.grad_accum=0", "bad_metrics": "train.metrics=[csv]",
+    "bool_for_int": "drafter.num_layers=true", "string_for_int": "drafter.num_layers=five",
     "list_for_float": "optim.lr=[1]", "unknown_key": "model.unknown=1", "unknown_section": "nothing.x=1",
-    "negative_seed": "train.seed=-1", "empty_output_dir": "train.output_dir=", "tp_0": "model.tensor_parallel=0",
-    "ep_without_tp": "model.expert_parallel=true", "capacity_0": "pipeline.capacity=0",
+    "negative_seed": "train.seed=-1", "empty_output_dir": "train.output_dir=", "tp_0": "target.tensor_parallel=0",
+    "ep_without_tp": "target.expert_parallel=true", "capacity_0": "pipeline.capacity=0",
     "placement_typo": "pipeline.placement=split", "negative_cache": "pipeline.feature_cache_bytes=-1",
-    "cache_dir_without_disk": "pipeline.feature_cache_dir=/x", "temperature_tiny": "train.eval_temperature=1e-40",
-    "top_p_0": "train.eval_top_p=0", "top_k_negative": "train.eval_top_k=-1",
-    "window_0": "model.drafter_sliding_window=0",
-    "dpace_alpha_without_dpace": "objective.dpace_alpha=0.3", "selector_without_dflash2": "model.selector_rank=8",
+    "cache_dir_without_disk": "pipeline.feature_cache_dir=/x", "temperature_tiny": "eval.temperature=1e-40",
+    "top_p_0": "eval.top_p=0", "top_k_negative": "eval.top_k=-1",
+    "window_0": "drafter.sliding_window=0",
+    "dpace_alpha_without_dpace": "objective.dpace_alpha=0.3", "selector_without_dflash2": "drafter.selector_rank=8",
     "max_length_1": "data.max_length=1", "token_budget_0": "data.token_budget=0", "row_budget_0": "data.row_budget=0",
     "min_supervised_negative": "data.min_supervised=-2", "on_invalid_typo": "data.on_invalid=skip",
     "join_timeout_0": "pipeline.join_timeout_s=0", "startup_timeout_negative": "train.startup_timeout_s=-1",
-    "warmup_1": "optim.warmup_frac=1", "mask_negative": "model.mask_token_id=-1",
+    "warmup_1": "optim.warmup_frac=1", "mask_negative": "drafter.mask_token_id=-1",
 }
 for _name, _override in HELD_CONFIG.items():
     probe(f"config_{_name}", "config values", "-")(
@@ -1370,7 +1372,7 @@ def _(ws):
     f = ws.fresh("yaml") / "bomb.yaml"
     f.write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
-        for i in range(8)) + "model: {target: *i}\n")
+        for i in range(8)) + "target: {path: *i}\n")
     return cli("config", "--config", f).refused(r"(is invalid|unknown key|must be a mapping)")
 
 

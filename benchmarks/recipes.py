@@ -33,8 +33,8 @@ VARIANTS = {
     "kd1": {"objective.kd_weight": 1.0},
     # equal drafter parameters: DFlash with 2 layers against DFlash2 with 1 layer and a selector whose
     # codebooks hold about what the second layer holds (its rank from --dflash2-rank)
-    "dflash-2layers": {"model.num_draft_layers": 2},
-    "dflash2-1layer": {"model.drafter": "dflash2", "model.conv_group_size": 16, "model.selector_top_k": 16},
+    "dflash-2layers": {"drafter.num_layers": 2},
+    "dflash2-1layer": {"drafter.family": "dflash2", "drafter.conv_group_size": 16, "drafter.selector_top_k": 16},
 }
 DEFAULT = ["ce", "kd", "kd+auf", "kd+auf+dpace"]
 
@@ -69,8 +69,8 @@ def one(quickstart: Path, out: Path, name: str, keys: dict, seed: int, max_new_t
         return json.loads(done.read_text())
     home.mkdir(parents=True, exist_ok=True)
     log = home / "log.txt"
-    settings = {"train.output_dir": home / "run", "train.seed": seed, "train.eval_every": 0,
-                "data.eval_prompts": "", "data.eval_path": "", "train.resume": "never", **keys}
+    settings = {"train.output_dir": home / "run", "train.seed": seed, "eval.every": 0,
+                "eval.prompts_path": "", "eval.data_path": "", "checkpoint.resume": "never", **keys}
     run([sys.executable, "-m", "flashdraft.cli", "train", "--config", str(quickstart / "run" / "config.yaml"),
          *[f"{k}={v}" for k, v in settings.items()]], log)
     result = {"variant": name, "seed": seed, "keys": keys, "parameters": parameters(home / "run" / "drafter")}
@@ -115,7 +115,7 @@ def main() -> int:
     for name in args.variants:
         keys = dict(VARIANTS[name])
         if name == "dflash2-1layer":
-            keys["model.selector_rank"] = args.dflash2_rank
+            keys["drafter.selector_rank"] = args.dflash2_rank
         if args.steps:
             keys["train.max_steps"] = args.steps
         for seed in args.seeds:

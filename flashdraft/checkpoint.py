@@ -41,6 +41,7 @@ import safetensors.torch
 import torch
 
 from flashdraft import __version__, distributed
+from flashdraft.config import upgrade_saved
 
 log = logging.getLogger(__name__)
 
@@ -726,7 +727,8 @@ class CheckpointManager:
                 else:
                     log.warning("%s was saved by %d ranks; rank %d gets no %r part and must re-seed it",
                                 path, saved_world, rank, name)
-            config = json.loads((path / CONFIG).read_text()) if CONFIG in manifest["files"] else None
+            # a run config saved before the sections were cut by owner, in today's sections
+            config = upgrade_saved(json.loads((path / CONFIG).read_text())) if CONFIG in manifest["files"] else None
         except (OSError, ValueError, KeyError, safetensors.SafetensorError) as exc:
             raise CheckpointError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
         return Loaded(step=int(manifest["step"]), parts=parts, config=config, version=int(manifest["version"]))

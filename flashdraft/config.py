@@ -2,7 +2,7 @@
 
 Every knob is declared once, here, with its default and a one-line doc. ``load_config`` reads
 an optional YAML file, applies ``section.field=value`` overrides (values parsed as YAML, so
-``optim.lr=3e-4`` and ``model.target_layer_ids=[1,3]`` work), coerces them to the declared
+``optim.lr=3e-4`` and ``target.layer_ids=[1,3]`` work), coerces them to the declared
 types and validates; every error names the field and the fix. The resolved config is saved as
 YAML next to every output (``save_config``).
 
@@ -36,8 +36,8 @@ import yaml
 # ---- the choice lists: declared here, where the config validates them at load; each owner --------
 # imports its list from here (the config imports nothing from the package, so it stays a leaf)
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
-DRAFTERS = ("dflash", "dflash2")  # model.drafter: the drafter family
-ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")  # model.drafter_attention (drafter.attention)
+DRAFTERS = ("dflash", "dflash2")  # drafter.family: the drafter family
+ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")  # drafter.attention
 SINK_IMPLS = ("auto", "dense", "split", "blockwise")  # the implementations with an attention sink (flex has none)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
 ON_INVALID = ("raise", "drop")  # data.on_invalid: what a bad sample does (data.dataset)
@@ -47,11 +47,11 @@ DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, 
 METRIC_SINKS = ("jsonl", "tensorboard", "wandb")  # train.metrics (metrics.MetricsLogger)
 # pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (distributed.role_layout)
 PLACEMENTS = ("colocated", "disaggregated")
-# model.target_backend: who computes the target's features (transformers in-process, or a vLLM engine: target.engine)
+# target.backend: who computes the target's features (transformers in-process, or a vLLM engine: target.engine)
 TARGET_BACKENDS = ("transformers", "vllm")
 # The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
 # far below it sampling is greedy anyway. Smaller positive values are refused where they are given
-# (train.eval_temperature at config load, --temperature at parse), not turned into greedy silently:
+# (eval.temperature at config load, --temperature at parse), not turned into greedy silently:
 # greedy decoding checks losslessness and reports other fields, so 0 must be asked for.
 MIN_TEMPERATURE = 1e-4
 # The longest timeout any *_timeout_s field takes (about 31 years): beyond it the clocks and the
@@ -60,8 +60,8 @@ MAX_TIMEOUT_S = 1e9
 
 # ---- marks on fields: the lists of fields other parts need are derived from them (marked_fields) --
 RESUME = "resume"  # a resume must find the field unchanged: it changes what is trained or in which order
-DFLASH2 = "dflash2"  # a DFlash2 knob: refused unless model.drafter=dflash2 (it would be ignored)
-VLLM = "vllm"  # a knob of the vLLM target backend: refused unless model.target_backend=vllm (it would be ignored)
+DFLASH2 = "dflash2"  # a DFlash2 knob: refused unless drafter.family=dflash2 (it would be ignored)
+VLLM = "vllm"  # a knob of the vLLM target backend: refused unless target.backend=vllm (it would be ignored)
 
 
 def _marked(default: Any, *marks: str) -> Any:
@@ -70,48 +70,19 @@ def _marked(default: Any, *marks: str) -> Any:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    target: str = ""  # local directory of the Hugging Face target model (config.json + weights)
+class TargetConfig:
+    path: str = ""  # local directory of the Hugging Face target model (config.json + weights)
     # tapped target layers; None: DFlash default spread
-    target_layer_ids: tuple[int, ...] | None = _marked(None, RESUME)
-    num_taps: int = _marked(5, RESUME)  # number of tapped layers when target_layer_ids is None
-    num_draft_layers: int = _marked(5, RESUME)  # drafter decoder layers (5 for Qwen3-4B/8B drafts)
-    block_size: int = _marked(16, RESUME)  # tokens per drafted block (anchor + block_size - 1 masks)
-    # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
-    mask_token_id: int | None = _marked(None, RESUME)
+    layer_ids: tuple[int, ...] | None = _marked(None, RESUME)
+    num_taps: int = _marked(5, RESUME)  # number of tapped layers when layer_ids is None
     dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
     attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
-    # auto: flex on CUDA, else blockwise
-    drafter_attention: str = "auto"  # drafter training attention: auto, blockwise, split, flex, dense (oracle)
-    activation_checkpointing: bool = False  # recompute drafter layers in backward: less activation memory, ~30% slower
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
-    # one per drafter layer, or one for all: full_attention | sliding_attention; empty: all full (DFlash v1)
-    drafter_layer_types: tuple[str, ...] = _marked(
-        (), RESUME)  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
-    # window of the sliding layers in tokens, the query counted (e.g. 2048)
-    drafter_sliding_window: int | None = _marked(None, RESUME)
-    # in-block causality of every layer; null: sliding causal, full not
-    drafter_causal: bool | None = _marked(None, RESUME)
-    # a learnable per-head attention sink logit in every drafter layer
-    drafter_attention_sink: bool = _marked(False, RESUME)
-    # drafter family: dflash | dflash2 (conv around every sublayer + candidate selector)
-    drafter: str = _marked("dflash", RESUME)
-    # dflash2: the conv's taps along the block's slots (1 .. block_size)
-    conv_kernel_size: int = _marked(2, RESUME, DFLASH2)
-    # dflash2: channels sharing one dynamic kernel (must divide the hidden size)
-    conv_group_size: int = _marked(16, RESUME, DFLASH2)
-    # dflash2: rank of the selector's predecessor x successor codebooks
-    selector_rank: int = _marked(256, RESUME, DFLASH2)
-    # dflash2: candidates per slot the selector re-ranks (the head's top-k)
-    selector_top_k: int = _marked(16, RESUME, DFLASH2)
-    # start from a released drafter (its serving-format directory: a flashdraft export, z-lab's, SpecForge's);
-    # its shape comes from its config.json, and a model.* key set otherwise is refused ("": random init)
-    init_from: str = _marked("", RESUME)
     tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
     expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
-    # ---- the target's backend: who computes the features (model.target_backend, the vllm_* knobs) ----
+    # ---- the target's backend: who computes the features (target.backend, the vllm_* knobs) ----
     # transformers (in-process forward) | vllm (a vLLM engine in its own process; docs/architecture.md)
-    target_backend: str = "transformers"  # who computes the target's features
+    backend: str = "transformers"  # who computes the target's features
     vllm_python: str = _marked("", VLLM)  # interpreter with vLLM installed ("": flashdraft's cached CPU build)
     vllm_tensor_parallel: int = _marked(1, VLLM)  # the engine's tensor_parallel_size (GPUs of its own)
     vllm_expert_parallel: bool = _marked(False, VLLM)  # the engine's enable_expert_parallel (a MoE target)
@@ -122,73 +93,112 @@ class ModelConfig:
     # samples compared tap by tap with the in-process transformers forward at start-up (0: none)
     vllm_check_samples: int = _marked(4, VLLM)
 
+    def __post_init__(self):
+        _check_finite(self, "target")
+        _check(self.num_taps >= 1, "target.num_taps", f"{self.num_taps}", "use 1 or more")
+        _check(self.dtype in DTYPES, "target.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
+        _check(self.tensor_parallel >= 1, "target.tensor_parallel", f"{self.tensor_parallel}",
+               "use 1 (every rank holds the whole target) or the ranks to shard it over, e.g. 8")
+        _check(not self.expert_parallel or self.tensor_parallel > 1, "target.expert_parallel", "true",
+               "expert parallelism splits the experts over a target group: set target.tensor_parallel > 1 too")
+        _check(self.backend in TARGET_BACKENDS, "target.backend", self.backend,
+               f"use {' or '.join(TARGET_BACKENDS)}")
+        _check(self.vllm_tensor_parallel >= 1, "target.vllm_tensor_parallel", f"{self.vllm_tensor_parallel}",
+               "use 1 or the engine's GPUs to shard the target over")
+        _check(0 < self.vllm_gpu_memory_utilization <= 1, "target.vllm_gpu_memory_utilization",
+               f"{self.vllm_gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.9")
+        for key in ("vllm_max_model_len", "vllm_check_samples"):
+            _check(getattr(self, key) >= 0, f"target.{key}", f"{getattr(self, key)}", "use 0 or more")
+        if self.layer_ids is not None:
+            ids = self.layer_ids
+            _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "target.layer_ids",
+                   f"{list(ids)}", "give distinct non-negative layer ids, e.g. [1, 9, 17, 25, 33]")
+        _refuse_unselected([(self, "target", tuple(f.name for f in dataclasses.fields(self) if f.metadata.get(VLLM)))],
+                           self.backend == "vllm", "the vLLM target backend", "set target.backend=vllm too")
+        if self.backend == "vllm":
+            _check(self.tensor_parallel == 1, "target.tensor_parallel", f"{self.tensor_parallel}",
+                   "with target.backend=vllm the engine shards the target: use target.vllm_tensor_parallel")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    # drafter family: dflash | dflash2 (conv around every sublayer + candidate selector)
+    family: str = _marked("dflash", RESUME)
+    num_layers: int = _marked(5, RESUME)  # drafter decoder layers (5 for Qwen3-4B/8B drafts)
+    block_size: int = _marked(16, RESUME)  # tokens per drafted block (anchor + block_size - 1 masks)
+    # id of the mask token; None: the tokenizer's <|MASK|> / mask_token
+    mask_token_id: int | None = _marked(None, RESUME)
+    # auto: flex on CUDA, else blockwise
+    attention: str = "auto"  # drafter training attention: auto, blockwise, split, flex, dense (oracle)
+    activation_checkpointing: bool = False  # recompute drafter layers in backward: less activation memory, ~30% slower
+    # one per drafter layer, or one for all: full_attention | sliding_attention; empty: all full (DFlash v1)
+    layer_types: tuple[str, ...] = _marked(
+        (), RESUME)  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
+    # window of the sliding layers in tokens, the query counted (e.g. 2048)
+    sliding_window: int | None = _marked(None, RESUME)
+    # in-block causality of every layer; null: sliding causal, full not
+    causal: bool | None = _marked(None, RESUME)
+    # a learnable per-head attention sink logit in every drafter layer
+    attention_sink: bool = _marked(False, RESUME)
+    # start from a released drafter (its serving-format directory: a flashdraft export, z-lab's, SpecForge's);
+    # its shape comes from its config.json, and a drafter.* key set otherwise is refused ("": random init)
+    init_from: str = _marked("", RESUME)
+    # dflash2: the conv's taps along the block's slots (1 .. block_size)
+    conv_kernel_size: int = _marked(2, RESUME, DFLASH2)
+    # dflash2: channels sharing one dynamic kernel (must divide the hidden size)
+    conv_group_size: int = _marked(16, RESUME, DFLASH2)
+    # dflash2: rank of the selector's predecessor x successor codebooks
+    selector_rank: int = _marked(256, RESUME, DFLASH2)
+    # dflash2: candidates per slot the selector re-ranks (the head's top-k)
+    selector_top_k: int = _marked(16, RESUME, DFLASH2)
+
     @property
-    def layer_types(self) -> list[str] | None:
+    def per_layer_types(self) -> list[str] | None:
         """The drafter's layer kinds, one per layer (None: DFlash v1's full layers)."""
-        types = list(self.drafter_layer_types)
-        return types * self.num_draft_layers if len(types) == 1 else types or None
+        types = list(self.layer_types)
+        return types * self.num_layers if len(types) == 1 else types or None
 
     def __post_init__(self):
-        _check_finite(self, "model")
-        _check(self.block_size >= 2, "model.block_size", f"{self.block_size}",
+        _check_finite(self, "drafter")
+        _check(self.block_size >= 2, "drafter.block_size", f"{self.block_size}",
                "use 2 or more (16 is the published default)")
-        _check(self.num_draft_layers >= 1, "model.num_draft_layers", f"{self.num_draft_layers}", "use 1 or more")
-        _check(self.num_taps >= 1, "model.num_taps", f"{self.num_taps}", "use 1 or more")
-        _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
-        _check(self.drafter_attention in ATTENTION_IMPLS, "model.drafter_attention", self.drafter_attention,
+        _check(self.num_layers >= 1, "drafter.num_layers", f"{self.num_layers}", "use 1 or more")
+        _check(self.attention in ATTENTION_IMPLS, "drafter.attention", self.attention,
                f"use one of {', '.join(ATTENTION_IMPLS)}")
-        _check(not self.drafter_attention_sink or self.drafter_attention in SINK_IMPLS, "model.drafter_attention",
-               self.drafter_attention, f"flex has no attention sink (model.drafter_attention_sink=true): use one of "
+        _check(not self.attention_sink or self.attention in SINK_IMPLS, "drafter.attention",
+               self.attention, f"flex has no attention sink (drafter.attention_sink=true): use one of "
                f"{', '.join(SINK_IMPLS)} (auto trains sinks blockwise on CUDA, in fp32 under autocast)")
-        _check(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", f"{self.mask_token_id}",
+        _check(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", f"{self.mask_token_id}",
                "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
-        types = self.drafter_layer_types
-        _check(all(t in LAYER_TYPES for t in types) and len(types) in (0, 1, self.num_draft_layers),
-               "model.drafter_layer_types", f"{list(types)}",
-               f"give one of {', '.join(LAYER_TYPES)} per drafter layer ({self.num_draft_layers}), or one for all")
+        types = self.layer_types
+        _check(all(t in LAYER_TYPES for t in types) and len(types) in (0, 1, self.num_layers),
+               "drafter.layer_types", f"{list(types)}",
+               f"give one of {', '.join(LAYER_TYPES)} per drafter layer ({self.num_layers}), or one for all")
         sliding = "sliding_attention" in types
-        _check(sliding == (self.drafter_sliding_window is not None) and
-               (self.drafter_sliding_window is None or self.drafter_sliding_window >= 1),
-               "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
+        _check(sliding == (self.sliding_window is not None) and
+               (self.sliding_window is None or self.sliding_window >= 1),
+               "drafter.sliding_window", f"{self.sliding_window}",
                "give a positive window (e.g. 2048) exactly when a layer is sliding_attention")
-        if sliding and self.drafter_sliding_window >= 1:
-            layers = [LayerMask(self.drafter_sliding_window if t == "sliding_attention" else None)
-                      for t in self.layer_types]
+        if sliding and self.sliding_window >= 1:
+            layers = [LayerMask(self.sliding_window if t == "sliding_attention" else None)
+                      for t in self.per_layer_types]
             blind = blind_slots(layers, self.block_size)  # only ever in an all-sliding stack
             if blind:
-                _check(False, "model.drafter_sliding_window", f"{self.drafter_sliding_window}",
-                       f"with model.block_size {self.block_size} and {len(layers)} sliding layer(s), block slots "
+                _check(False, "drafter.sliding_window", f"{self.sliding_window}",
+                       f"with drafter.block_size {self.block_size} and {len(layers)} sliding layer(s), block slots "
                        f"{_slot_span(blind)} can see no target feature in any layer (not through the window, not "
                        f"through another slot); use a window of {smallest_sighted_window(layers, self.block_size)} "
                        "or more (2048 is the released drafters'), or make a layer full_attention")
-        _check(self.drafter in DRAFTERS, "model.drafter", self.drafter, f"use one of {', '.join(DRAFTERS)}")
-        _check(1 <= self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", f"{self.conv_kernel_size}",
-               f"use 1 .. model.block_size ({self.block_size}); 2 is the released drafters'")
-        _check(self.tensor_parallel >= 1, "model.tensor_parallel", f"{self.tensor_parallel}",
-               "use 1 (every rank holds the whole target) or the ranks to shard it over, e.g. 8")
-        _check(not self.expert_parallel or self.tensor_parallel > 1, "model.expert_parallel", "true",
-               "expert parallelism splits the experts over a target group: set model.tensor_parallel > 1 too")
+        _check(self.family in DRAFTERS, "drafter.family", self.family, f"use one of {', '.join(DRAFTERS)}")
+        _check(1 <= self.conv_kernel_size <= self.block_size, "drafter.conv_kernel_size", f"{self.conv_kernel_size}",
+               f"use 1 .. drafter.block_size ({self.block_size}); 2 is the released drafters'")
         for key in ("conv_group_size", "selector_rank", "selector_top_k"):
-            _check(getattr(self, key) >= 1, f"model.{key}", f"{getattr(self, key)}", "use 1 or more")
-        _check(self.target_backend in TARGET_BACKENDS, "model.target_backend", self.target_backend,
-               f"use {' or '.join(TARGET_BACKENDS)}")
-        _check(self.vllm_tensor_parallel >= 1, "model.vllm_tensor_parallel", f"{self.vllm_tensor_parallel}",
-               "use 1 or the engine's GPUs to shard the target over")
-        _check(0 < self.vllm_gpu_memory_utilization <= 1, "model.vllm_gpu_memory_utilization",
-               f"{self.vllm_gpu_memory_utilization}", "use a share in (0, 1], e.g. 0.9")
-        for key in ("vllm_max_model_len", "vllm_check_samples"):
-            _check(getattr(self, key) >= 0, f"model.{key}", f"{getattr(self, key)}", "use 0 or more")
-        if self.target_layer_ids is not None:
-            ids = self.target_layer_ids
-            _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "model.target_layer_ids",
-                   f"{list(ids)}", "give distinct non-negative layer ids, e.g. [1, 9, 17, 25, 33]")
+            _check(getattr(self, key) >= 1, f"drafter.{key}", f"{getattr(self, key)}", "use 1 or more")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # training data: a token shard, a HF save_to_disk dir or parquet files
-    eval_path: str = ""  # held-out data for eval loss/accuracy ("" = none)
-    eval_prompts: str = ""  # JSONL of {"input_ids": [...]} prompts for tau ("" = from eval_path)
     max_length: int = _marked(3072, RESUME)  # samples longer than this are truncated (tokens)
     token_budget: int = _marked(16384, RESUME)  # max padded tokens per micro-batch (batch_size x padded length)
     max_batch_size: int = _marked(64, RESUME)  # max samples per micro-batch
@@ -200,7 +210,7 @@ class DataConfig:
         _check_finite(self, "data")
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
         _check(self.min_supervised is None or self.min_supervised >= 0, "data.min_supervised",
-               f"{self.min_supervised}", "use 0 or more supervised tokens, or null for 2 * model.block_size")
+               f"{self.min_supervised}", "use 0 or more supervised tokens, or null for 2 * drafter.block_size")
         _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
         _check(self.row_budget >= 1, "data.row_budget", f"{self.row_budget}", "use a positive row count")
@@ -304,16 +314,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many optimizer steps (None: run all epochs)
     seed: int = _marked(0, RESUME)  # seeds init, data order and anchor sampling
     log_every: int = 10  # steps between metric lines
-    save_every: int = 500  # steps between checkpoints (0: only at the end)
-    keep_last: int = 3  # checkpoints kept on disk
-    eval_every: int = 0  # steps between evaluations (0: only at the end)
-    eval_prompts: int = 8  # held-out prompts for the real draft/verify tau
-    eval_max_new_tokens: int = 64  # tokens generated per eval prompt
-    eval_temperature: float = 0.0  # the eval's sampling temperature (0: greedy; > 0: rejection-sampled verify)
-    eval_top_p: float = 1.0  # the eval's nucleus for the target (1: off)
-    eval_top_k: int = 0  # the eval's top-k for the target (0: off)
     grad_accum: int = 1  # micro-batches per optimizer step (gradient sync only on the last)
-    resume: str = "auto"  # auto (latest checkpoint in output_dir, if any), never, or a checkpoint dir
     device: str = "auto"  # auto (cuda if available), cuda or cpu
     metrics: tuple[str, ...] = ("jsonl",)  # metric sinks: jsonl, tensorboard, wandb
     collective_timeout_s: float = 600.0  # a dead or hung rank fails the others after this long
@@ -333,21 +334,6 @@ class TrainConfig:
                "give the run's directory (checkpoints, metrics), e.g. runs/my-run")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
-        _check(self.save_every >= 0, "train.save_every", f"{self.save_every}", "use 0 (only at the end) or more")
-        _check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every}", "use 0 (only at the end) or more")
-        _check(self.eval_prompts >= 0 and self.eval_max_new_tokens >= 1, "train.eval_prompts / eval_max_new_tokens",
-               f"{self.eval_prompts} / {self.eval_max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
-        _check(self.eval_temperature == 0 or self.eval_temperature >= MIN_TEMPERATURE, "train.eval_temperature",
-               f"{self.eval_temperature}", f"use 0 (greedy) or a temperature of at least {MIN_TEMPERATURE:g} (smaller "
-               "ones overflow the logits), e.g. 1.0")
-        _check(0 < self.eval_top_p <= 1, "train.eval_top_p", f"{self.eval_top_p}", "use a value in (0, 1] (1: off)")
-        _check(self.eval_top_k >= 0, "train.eval_top_k", f"{self.eval_top_k}", "use 0 (off) or a positive count")
-        _check(self.eval_temperature > 0 or (self.eval_top_p == 1 and self.eval_top_k == 0),
-               "train.eval_top_p / eval_top_k", f"{self.eval_top_p} / {self.eval_top_k}",
-               "they shape sampling: set train.eval_temperature above 0 with them (0 is greedy)")
-        _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "train.resume", self.resume,
-               "use auto, never, or an existing checkpoint directory")
-        _check(self.keep_last >= 1, "train.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
         _check(self.grad_accum >= 1, "train.grad_accum", f"{self.grad_accum}", "use 1 or more")
         _check(self.device in DEVICES, "train.device", self.device, f"use one of {', '.join(DEVICES)}")
         bad = [m for m in self.metrics if m not in METRIC_SINKS]
@@ -360,6 +346,45 @@ class TrainConfig:
         _check(0 < self.pause_timeout_s <= MAX_TIMEOUT_S, "train.pause_timeout_s", f"{self.pause_timeout_s}",
                f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: writing and hashing a "
                "checkpoint of tens of GB)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_every: int = 500  # steps between checkpoints (0: only at the end)
+    keep_last: int = 3  # checkpoints kept on disk
+    resume: str = "auto"  # auto (latest checkpoint in train.output_dir, if any), never, or a checkpoint dir
+
+    def __post_init__(self):
+        _check(self.save_every >= 0, "checkpoint.save_every", f"{self.save_every}", "use 0 (only at the end) or more")
+        _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "checkpoint.resume", self.resume,
+               "use auto, never, or an existing checkpoint directory")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # steps between evaluations (0: only at the end)
+    data_path: str = ""  # held-out data for eval loss/accuracy ("" = none)
+    prompts_path: str = ""  # JSONL of {"input_ids": [...]} prompts for tau ("" = from data_path)
+    num_prompts: int = 8  # held-out prompts for the real draft/verify tau
+    max_new_tokens: int = 64  # tokens generated per eval prompt
+    temperature: float = 0.0  # the eval's sampling temperature (0: greedy; > 0: rejection-sampled verify)
+    top_p: float = 1.0  # the eval's nucleus for the target (1: off)
+    top_k: int = 0  # the eval's top-k for the target (0: off)
+
+    def __post_init__(self):
+        _check_finite(self, "eval")
+        _check(self.every >= 0, "eval.every", f"{self.every}", "use 0 (only at the end) or more")
+        _check(self.num_prompts >= 0 and self.max_new_tokens >= 1, "eval.num_prompts / max_new_tokens",
+               f"{self.num_prompts} / {self.max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
+        _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "eval.temperature",
+               f"{self.temperature}", f"use 0 (greedy) or a temperature of at least {MIN_TEMPERATURE:g} (smaller "
+               "ones overflow the logits), e.g. 1.0")
+        _check(0 < self.top_p <= 1, "eval.top_p", f"{self.top_p}", "use a value in (0, 1] (1: off)")
+        _check(self.top_k >= 0, "eval.top_k", f"{self.top_k}", "use 0 (off) or a positive count")
+        _check(self.temperature > 0 or (self.top_p == 1 and self.top_k == 0),
+               "eval.top_p / top_k", f"{self.top_p} / {self.top_k}",
+               "they shape sampling: set eval.temperature above 0 with them (0 is greedy)")
 
 
 @dataclass(frozen=True)
@@ -399,60 +424,138 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self):
         # Cross-section checks; each section validated its own fields already.
         dflash2 = [(getattr(self, name), name, tuple(k for s, k in marked_fields(DFLASH2) if s == name))
                    for name, _ in _sections()]
-        _refuse_unselected(dflash2, self.model.drafter == "dflash2", "DFlash2's conv and selector",
-                           "set model.drafter=dflash2 too")
-        vllm = [(self.model, "model", tuple(k for s, k in marked_fields(VLLM) if s == "model"))]
-        _refuse_unselected(vllm, self.model.target_backend == "vllm", "the vLLM target backend",
-                           "set model.target_backend=vllm too")
-        if self.model.target_backend == "vllm":
+        _refuse_unselected(dflash2, self.drafter.family == "dflash2", "DFlash2's conv and selector",
+                           "set drafter.family=dflash2 too")
+        if self.target.backend == "vllm":
             self._check_vllm_backend()
-        if self.model.tensor_parallel > 1:
-            _check(self.pipeline.placement == "colocated" or not (self.data.eval_path or self.data.eval_prompts),
-                   "data.eval_path / data.eval_prompts", self.data.eval_path or self.data.eval_prompts,
+        if self.target.tensor_parallel > 1:
+            _check(self.pipeline.placement == "colocated" or not (self.eval.data_path or self.eval.prompts_path),
+                   "eval.data_path / eval.prompts_path", self.eval.data_path or self.eval.prompts_path,
                    "a disaggregated job's evals run on a drafter rank, which cannot hold a target that needs "
-                   "model.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` on the "
+                   "target.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` on the "
                    "export, or train colocated")
             ram, disk = self.pipeline.feature_cache_bytes, self.pipeline.feature_cache_disk_bytes
             _check(not (ram or disk), "pipeline.feature_cache_bytes" if ram else "pipeline.feature_cache_disk_bytes",
                    f"{ram or disk}", "the feature cache is not used with a tensor-parallel target: set both tiers to 0")
-        _check(self.model.block_size <= self.data.max_length, "model.block_size", f"{self.model.block_size}",
+        _check(self.drafter.block_size <= self.data.max_length, "drafter.block_size", f"{self.drafter.block_size}",
                f"a block cannot be longer than a sample (data.max_length={self.data.max_length}): lower "
-               "model.block_size or raise data.max_length")
+               "drafter.block_size or raise data.max_length")
         if self.data.min_supervised is None:
-            need = 2 * self.model.block_size
+            need = 2 * self.drafter.block_size
             _check(self.data.max_length >= need, "data.max_length", f"{self.data.max_length}",
-                   f"every sample needs 2 * model.block_size = {need} supervised tokens (DFlash's filter), so use "
+                   f"every sample needs 2 * drafter.block_size = {need} supervised tokens (DFlash's filter), so use "
                    f"data.max_length >= {need}, or set data.min_supervised explicitly")
 
     def _check_vllm_backend(self) -> None:
-        """What the vLLM target backend cannot do (yet): decode (the in-training tau), give the
-        target's final normed state (the soft labels), or be sharded by flashdraft (the engine
-        shards the target itself)."""
-        _check(self.model.tensor_parallel == 1, "model.tensor_parallel", f"{self.model.tensor_parallel}",
-               "with model.target_backend=vllm the engine shards the target: use model.vllm_tensor_parallel")
+        """What the vLLM target backend cannot do (yet): decode (the in-training tau), or give the
+        target's final normed state (the soft labels); the engine shards the target itself
+        (TargetConfig refuses target.tensor_parallel)."""
         _check(self.objective.kd_weight == 0, "objective.kd_weight", f"{self.objective.kd_weight}",
                "soft labels need the target's final normed state, which the vLLM engine cannot capture (it "
                "records the stream entering a layer, before the final norm): set objective.kd_weight=0, or use "
-               "model.target_backend=transformers")
-        tau = bool(self.data.eval_prompts or self.data.eval_path) and self.train.eval_prompts > 0
-        _check(not tau, "train.eval_prompts", f"{self.train.eval_prompts}",
-               "the in-training tau decodes with the target in-process, which model.target_backend=vllm does not "
-               "load: set train.eval_prompts=0 (the held-out loss of data.eval_path still runs) and judge the export "
+               "target.backend=transformers")
+        tau = bool(self.eval.prompts_path or self.eval.data_path) and self.eval.num_prompts > 0
+        _check(not tau, "eval.num_prompts", f"{self.eval.num_prompts}",
+               "the in-training tau decodes with the target in-process, which target.backend=vllm does not "
+               "load: set eval.num_prompts=0 (the held-out loss of eval.data_path still runs) and judge the export "
                "with `flashdraft eval --engine vllm`")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
+
+
+# ---- the keys renamed when the sections were cut by owner (issue 37) ------------------------------
+# The one old -> new table: a user's YAML or override with an old key is refused naming the new one
+# (_refuse_renamed); a config this tool saved before (a checkpoint's config.json) is translated
+# (upgrade_saved), so an old checkpoint still resumes and exports.
+RENAMED = {
+    "model.target": "target.path",
+    "model.target_layer_ids": "target.layer_ids",
+    "model.num_taps": "target.num_taps",
+    "model.dtype": "target.dtype",
+    "model.attn_implementation": "target.attn_implementation",
+    "model.trust_remote_code": "target.trust_remote_code",
+    "model.tensor_parallel": "target.tensor_parallel",
+    "model.expert_parallel": "target.expert_parallel",
+    "model.target_backend": "target.backend",
+    **{f"model.vllm_{k}": f"target.vllm_{k}" for k in (
+        "python", "tensor_parallel", "expert_parallel", "quantization", "gpu_memory_utilization", "max_model_len",
+        "devices", "check_samples")},
+    "model.drafter": "drafter.family",
+    "model.num_draft_layers": "drafter.num_layers",
+    "model.block_size": "drafter.block_size",
+    "model.mask_token_id": "drafter.mask_token_id",
+    "model.drafter_attention": "drafter.attention",
+    "model.activation_checkpointing": "drafter.activation_checkpointing",
+    "model.drafter_layer_types": "drafter.layer_types",
+    "model.drafter_sliding_window": "drafter.sliding_window",
+    "model.drafter_causal": "drafter.causal",
+    "model.drafter_attention_sink": "drafter.attention_sink",
+    "model.init_from": "drafter.init_from",
+    "model.conv_kernel_size": "drafter.conv_kernel_size",
+    "model.conv_group_size": "drafter.conv_group_size",
+    "model.selector_rank": "drafter.selector_rank",
+    "model.selector_top_k": "drafter.selector_top_k",
+    "train.save_every": "checkpoint.save_every",
+    "train.keep_last": "checkpoint.keep_last",
+    "train.resume": "checkpoint.resume",
+    "train.eval_every": "eval.every",
+    "train.eval_prompts": "eval.num_prompts",
+    "train.eval_max_new_tokens": "eval.max_new_tokens",
+    "train.eval_temperature": "eval.temperature",
+    "train.eval_top_p": "eval.top_p",
+    "train.eval_top_k": "eval.top_k",
+    "data.eval_path": "eval.data_path",
+    "data.eval_prompts": "eval.prompts_path",
+}
+_REMOVED_SECTIONS = {"model": "target and drafter"}  # a section no key lives in any more: where its keys went
+
+
+def _refuse_renamed(values: Mapping) -> None:
+    """ValueError naming the new key of every renamed key in ``values`` (a YAML file and overrides,
+    nested by section), and the sections of a removed one."""
+    old = [f"{section}.{key}" for section, fields in values.items() if isinstance(fields, Mapping)
+           for key in fields if f"{section}.{key}" in RENAMED]
+    if old:
+        raise ValueError(f"config {', '.join(f'{k} was renamed {RENAMED[k]}' for k in old)}; write "
+                         f"{'them' if len(old) > 1 else 'it'} so (`flashdraft config` prints every field)")
+    for section, where in _REMOVED_SECTIONS.items():
+        if section in values:
+            fields = values[section]
+            known = ", ".join(f"{section}.{k}" for k in fields) if isinstance(fields, Mapping) and fields else section
+            raise ValueError(f"config {known}: the {section} section was split into {where}; move its keys there "
+                             "(`flashdraft config` prints every field)")
+
+
+def upgrade_saved(values: Mapping) -> dict:
+    """A config this tool saved (``Config.to_dict``, a checkpoint's config.json) in today's
+    sections: each renamed key moved to its new name (a key given under both keeps the new one),
+    sections left empty dropped. A config in today's sections comes back unchanged."""
+    out = {section: dict(fields) if isinstance(fields, Mapping) else fields for section, fields in values.items()}
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        fields = out.get(old_section)
+        if isinstance(fields, dict) and old_key in fields:
+            value = fields.pop(old_key)
+            out.setdefault(new_section, {}).setdefault(new_key, value)
+    for section in _REMOVED_SECTIONS:
+        if out.get(section) == {}:
+            del out[section]
+    return out
 
 
 def marked_fields(mark: str) -> list[tuple[str, str]]:
@@ -564,7 +667,7 @@ def _refuse_unselected(sections, selected: bool, option: str, select: str) -> No
     weights, gamma with D-PACE, the LK mix's scale with ce / tv, the selector's schedule with the
     selector frozen). ``sections``: (section, its name, the option's knobs); a knob counts as set
     when its value differs from the declared default (a saved config, which writes every field,
-    loads back). ``select``: how to select ``option`` ("set model.drafter=dflash2 too")."""
+    loads back). ``select``: how to select ``option`` ("set drafter.family=dflash2 too")."""
     if selected:
         return
     given = [f"{name}.{key}={_yaml_value(getattr(section, key))}" for section, name, keys in sections for key in keys
@@ -691,6 +794,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 
 
 def _build(cls, values: dict, prefix: str):
+    if not prefix:
+        _refuse_renamed(values)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
@@ -705,7 +810,7 @@ def _build(cls, values: dict, prefix: str):
             continue
         tp, value = hints[f.name], values[f.name]
         if dataclasses.is_dataclass(tp):
-            if value is None:  # `model:` with every field commented out
+            if value is None:  # `drafter:` with every field commented out
                 value = {}
             if not isinstance(value, dict):
                 raise ValueError(f"config {prefix}{f.name} must be a mapping of its fields")
@@ -716,7 +821,7 @@ def _build(cls, values: dict, prefix: str):
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """['optim.lr=3e-4', 'model.block_size=8'] -> {'optim': {'lr': _Override('3e-4', 3e-4)}, ...}: each
+    """['optim.lr=3e-4', 'drafter.block_size=8'] -> {'optim': {'lr': _Override('3e-4', 3e-4)}, ...}: each
     value keeps its text beside its YAML parse (see _Override)."""
     tree: dict = {}
     for item in overrides:
@@ -789,7 +894,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix the file "
                              "(`flashdraft config` prints a valid one)") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a config file must be a YAML mapping of sections (model, data, optim, ...)")
+            raise ValueError(f"{path}: a config file must be a YAML mapping of sections (target, drafter, data, ...)")
         values = _merge(values, loaded)
     values = _merge(values, parse_overrides(overrides or []))
     return _build(Config, values, "")
@@ -881,8 +986,8 @@ def add_arguments(parser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = describe_fields()
-    parser.add_argument("--config", help="YAML config file to start from (sections model, data, objective, ...)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
+    parser.add_argument("--config", help="YAML config file to start from (sections target, drafter, data, ...)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 target.path=DIR")
 
 
 def run(args) -> int:

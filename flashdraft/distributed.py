@@ -294,7 +294,7 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0, num_ta
     sharded_ranks = num_target_ranks or world_size  # the ranks that run the target
     if tensor_parallel > 1 and sharded_ranks % tensor_parallel:
         raise ValueError(
-            f"model.tensor_parallel={tensor_parallel} with "
+            f"target.tensor_parallel={tensor_parallel} with "
             + (f"pipeline.target_ranks={num_target_ranks}: the target ranks must be a multiple of it, e.g. "
                f"pipeline.target_ranks={tensor_parallel}" if num_target_ranks else
                f"WORLD_SIZE={world_size}: the world must be a multiple of it; launch e.g. torchrun "

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.checkpoint import MANIFEST, CheckpointError, CheckpointManager, follow_umask, step_dir_name
+from flashdraft.config import upgrade_saved
 from flashdraft.judge.engine import ENGINES
 from flashdraft.outputs import check_output
 from flashdraft.target.engine import warn_last_layer
@@ -141,8 +142,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _target_dir(config: dict, checkpoint: Path) -> str:
-    """The run's model.target as an absolute path (an engine reads a relative one as a hub model id)."""
-    return _run_path(config.get("model", {}).get("target") or "TARGET", config, checkpoint)
+    """The run's target.path as an absolute path (an engine reads a relative one as a hub model id)."""
+    return _run_path(config.get("target", {}).get("path") or "TARGET", config, checkpoint)
 
 
 def _run_path(value: str, config: dict, checkpoint: Path) -> str:
@@ -235,7 +236,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--verify-engine", choices=ENGINES,
                         help="then decode prompts with the export in this serving engine and compare with flashdraft's "
                              "own decode (flashdraft eval --engine; CPU: vLLM's CPU build in a cached environment)")
-    parser.add_argument("--prompts", help="with --verify-engine: JSONL prompts (default: the run's data.eval_prompts)")
+    parser.add_argument("--prompts", help="with --verify-engine: JSONL prompts (default: the run's eval.prompts_path)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --verify-engine: tokens per prompt")
     parser.add_argument("--engine-python", metavar="PATH",
                         help="with --verify-engine: the python of an environment where vLLM is installed (default: "
@@ -256,7 +257,7 @@ def run(args) -> int:
         args.prompts = args.prompts or _run_eval_prompts(checkpoint)
         if not args.prompts:
             raise ValueError("--verify-engine: give --prompts FILE (JSONL of input_ids); the run has no "
-                             "data.eval_prompts to use")
+                             "eval.prompts_path to use")
         prompts = _engine_prompts(checkpoint, args.prompts, args.max_new_tokens)
         reason = why_unavailable(args.engine_python)
         if reason:
@@ -276,7 +277,7 @@ def run(args) -> int:
     # absolute paths, always: an engine reads a relative one (qs/target) as a hub model id
     target = Path(done["target"])
     if not target.is_dir():
-        print(f"note: the run's model.target {done['target']} is not a directory here ({target}); give the "
+        print(f"note: the run's target.path {done['target']} is not a directory here ({target}); give the "
               "engines the target's absolute path")
     for line in serving_commands(target, Path(done["path"]).resolve(), done["block_size"], done["v2_runner"]):
         print(f"  {line}")
@@ -296,7 +297,7 @@ def _engine_prompts(checkpoint: Path, path: str, max_new_tokens: int) -> list[li
 
     prompts = read_prompts(path)
     try:
-        run_config = json.loads((checkpoint / "config.json").read_text())
+        run_config = upgrade_saved(json.loads((checkpoint / "config.json").read_text()))
         export = json.loads((checkpoint / "export" / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{checkpoint}: not a flashdraft training checkpoint ({exc})") from None
@@ -308,7 +309,7 @@ def _engine_prompts(checkpoint: Path, path: str, max_new_tokens: int) -> list[li
 
 
 def _run_eval_prompts(checkpoint: Path) -> str | None:
-    """The run's data.eval_prompts (absolute: a relative one is the run's), from the run config
+    """The run's eval.prompts_path (absolute: a relative one is the run's), from the run config
     the checkpoint holds (None if none)."""
     try:
         config = json.loads((checkpoint / "config.json").read_text())

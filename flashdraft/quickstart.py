@@ -69,22 +69,23 @@ class Budget:
 # feature cache come from the stages before it: _drafter_config).
 TRAINING = {
     "train.max_steps": 800,  # ~10 epochs of the prompts; the feature cache runs the target on epoch 1 only
-    "model.num_draft_layers": 1,
-    "model.block_size": 8,
-    "model.drafter": "dflash",  # or dflash2 (conv + candidate selector, the released sizes)
+    "drafter.num_layers": 1,
+    "drafter.block_size": 8,
+    "drafter.family": "dflash",  # or dflash2 (conv + candidate selector, the released sizes)
     "objective.num_anchors": 24,
     "objective.weighting": "decay",  # the loss's slot weights: decay or dpace
     "data.token_budget": 4096,
     "optim.lr": 1e-2,
-    "train.eval_every": 400,  # in-training evals (all held-out prompts, 32 new tokens each): at 400 and 800
-    "model.target_backend": "transformers",  # or vllm: the features from the engine (no in-training evals then)
+    "eval.every": 400,  # in-training evals (all held-out prompts, 32 new tokens each): at 400 and 800
+    "target.backend": "transformers",  # or vllm: the features from the engine (no in-training evals then)
 }
 
 # The flags that write one config key each (--sliding-window writes three: sliding_window).
-TRAINING_FLAGS = {"drafter_steps": "train.max_steps", "drafter_layers": "model.num_draft_layers",
-                  "block_size": "model.block_size", "drafter": "model.drafter", "num_anchors": "objective.num_anchors",
+TRAINING_FLAGS = {"drafter_steps": "train.max_steps", "drafter_layers": "drafter.num_layers",
+                  "block_size": "drafter.block_size", "drafter": "drafter.family",
+                  "num_anchors": "objective.num_anchors",
                   "weighting": "objective.weighting", "token_budget": "data.token_budget", "drafter_lr": "optim.lr",
-                  "eval_every": "train.eval_every", "target_backend": "model.target_backend"}
+                  "eval_every": "eval.every", "target_backend": "target.backend"}
 
 OUTPUT_ENTRIES = ("target", "data", "eval", "run", "drafter", "summary.md", "training.png")  # what --output holds
 
@@ -93,7 +94,7 @@ SMOKE = Budget(corpus_bytes=200_000, vocab_size=400, target_layers=3, target_hid
                target_batch=4, target_seq=128, num_train_prompts=48, num_eval_prompts=3, answer_tokens=24,
                eval_max_new_tokens=16, regen_temperature=1.0)
 SMOKE_TRAINING = {**TRAINING, "train.max_steps": 12, "objective.num_anchors": 8, "data.token_budget": 1024,
-                  "train.eval_every": 6}
+                  "eval.every": 6}
 
 
 def sliding_window(window: int) -> dict:
@@ -103,8 +104,8 @@ def sliding_window(window: int) -> dict:
         raise ValueError(f"--sliding-window {window}: use 0 (full layers) or a positive window")
     if not window:
         return {}
-    return {"model.drafter_layer_types": ["sliding_attention"], "model.drafter_sliding_window": window,
-            "model.drafter_causal": False}
+    return {"drafter.layer_types": ["sliding_attention"], "drafter.sliding_window": window,
+            "drafter.causal": False}
 
 
 def _say(msg: str) -> None:
@@ -427,7 +428,7 @@ def _data(out: Path, budget: Budget, config, seed: int, target_dir: Path, train_
     regenerate([chats_path], regen_path, backend="hf", model_dir=str(target_dir), temperature=budget.regen_temperature,
                seed=seed, max_tokens=budget.answer_tokens, batch_size=64, progress=False, log=lambda *a: None)
     summary = prepare([regen_path], target_dir, out / "data" / "tokens", max_length=1024,
-                      min_supervised=2 * config.model.block_size, num_workers=1, progress=False, log=lambda *a: None)
+                      min_supervised=2 * config.drafter.block_size, num_workers=1, progress=False, log=lambda *a: None)
     _say(f"      {summary['samples']} samples, {summary['tokens']} tokens "
          f"({100 * summary['supervised_share']:.0f}% supervised), dropped {summary['dropped']}")
     return summary
@@ -450,26 +451,26 @@ def _drafter_config(out: Path, budget: Budget, training: Mapping[str, object], s
     taps, logging, evals). Refuses a wrong training key naming the flag that set it."""
     from flashdraft.config import config_from_dict
 
-    engine = training.get("model.target_backend") == "vllm"
+    engine = training.get("target.backend") == "vllm"
     sections = {
-        "model": {"target": str(out / "target"), "target_layer_ids": tap_layers(budget.target_layers),
-                  "dtype": "float32"},
-        "data": {"path": str(out / "data" / "tokens"), "eval_prompts": str(out / "eval" / "prompts.jsonl"),
-                 "max_length": 1024, "max_batch_size": 64},
-        "train": {"output_dir": str(out / "run"), "seed": seed,
-                  # resume: a quickstart stopped by a signal saved its step; run again, it goes on from there
-                  "log_every": max(1, training["train.max_steps"] // 12), "save_every": 0, "resume": "auto",
-                  # In-training evals use every prompt of the final eval, so the plot and the summary
-                  # agree: tau varies a lot by prompt (the first 4 alone: 2.47, all 12: 3.21, the same
-                  # drafter); 32 new tokens each keeps them cheap. None with the vLLM backend: they
-                  # decode with the target in-process (the final eval, stage 6, still does).
-                  "eval_prompts": 0 if engine else budget.num_eval_prompts, "eval_max_new_tokens": 32},
+        "target": {"path": str(out / "target"), "layer_ids": tap_layers(budget.target_layers), "dtype": "float32"},
+        "data": {"path": str(out / "data" / "tokens"), "max_length": 1024, "max_batch_size": 64},
+        "train": {"output_dir": str(out / "run"), "seed": seed, "log_every": max(1, training["train.max_steps"] // 12)},
+        # resume: a quickstart stopped by a signal saved its step; run again, it goes on from there
+        "checkpoint": {"save_every": 0, "resume": "auto"},
+        # In-training evals use every prompt of the final eval, so the plot and the summary
+        # agree: tau varies a lot by prompt (the first 4 alone: 2.47, all 12: 3.21, the same
+        # drafter); 32 new tokens each keeps them cheap. None with the vLLM backend: they decode
+        # with the target in-process (the final eval, stage 6, still does).
+        "eval": {"prompts_path": str(out / "eval" / "prompts.jsonl"),
+                 "num_prompts": 0 if engine else budget.num_eval_prompts,
+                 "max_new_tokens": 32},
     }
     try:
         return config_from_dict(sections, training)
     except ValueError as exc:
         named = ", ".join(f"--{flag.replace('_', '-')} sets {key}" for flag, key in
-                          {**TRAINING_FLAGS, "sliding_window": "model.drafter_sliding_window"}.items()
+                          {**TRAINING_FLAGS, "sliding_window": "drafter.sliding_window"}.items()
                           if re.search(rf"\b{re.escape(key)}\b", str(exc)))  # the flag behind the refused key
         raise ValueError(f"{exc} (the quickstart's drafter settings{': ' + named if named else ''})") from None
 
@@ -482,7 +483,7 @@ def _with_data(config, budget: Budget, mask_id: int, num_tokens: int):
     feature_size = len(tap_layers(budget.target_layers)) * budget.target_hidden  # fp32 taps per token
     # The run sees every sample ~10 times and the target is frozen: keep each sample's target
     # features after its first forward (RAM; the whole dataset fits) so later epochs skip the target.
-    return replace(config, model=replace(config.model, mask_token_id=mask_id),
+    return replace(config, drafter=replace(config.drafter, mask_token_id=mask_id),
                    pipeline=replace(config.pipeline, feature_cache_bytes=full_cache_bytes(num_tokens, feature_size, 4)))
 
 
@@ -500,12 +501,12 @@ def _train_drafter(out: Path, budget: Budget, config, settings: dict, tokenizer,
     lands in ``out/drafter``."""
     from flashdraft.train.trainer import train
 
-    model = config.model
-    layers = f"sliding-window {model.drafter_sliding_window} " if model.drafter_sliding_window else ""
-    _say(f"[5/7] drafter: {model.num_draft_layers}-layer {layers}{_FAMILY[model.drafter]} drafter, "
-         f"block {model.block_size}, "
+    drafter = config.drafter
+    layers = f"sliding-window {drafter.sliding_window} " if drafter.sliding_window else ""
+    _say(f"[5/7] drafter: {drafter.num_layers}-layer {layers}{_FAMILY[drafter.family]} drafter, "
+         f"block {drafter.block_size}, "
          f"{config.objective.weighting} weighting, {config.train.max_steps} steps (flashdraft.train"
-         + (", the target's features from a vLLM engine)" if model.target_backend == "vllm" else ")"))
+         + (", the target's features from a vLLM engine)" if config.target.backend == "vllm" else ")"))
     config = _with_data(config, budget, tokenizer.convert_tokens_to_ids("<|MASK|>"), num_tokens)
     (out / "run").mkdir(parents=True, exist_ok=True)  # what a stopped run goes on with (_resumable)
     (out / "run" / "quickstart.json").write_text(json.dumps(settings))
@@ -527,13 +528,13 @@ def _evaluate(out: Path, budget: Budget, target_dir: Path, run: _DrafterRun, tok
     from flashdraft.train.trainer import initial_drafter
 
     _say(f"[6/7] eval: {len(eval_prompts)} held-out prompts, {budget.eval_max_new_tokens} new tokens, greedy")
-    target = TargetModel.from_pretrained(target_dir, target_layer_ids=run.config.model.target_layer_ids)
+    target = TargetModel.from_pretrained(target_dir, target_layer_ids=run.config.target.layer_ids)
     drafter = DFlashDrafter.from_pretrained(out / "drafter").eval()  # the serving export, as users load it
     eos = eos_ids_of(target_dir, target.config)
     settings = dict(max_new_tokens=budget.eval_max_new_tokens, eos_ids=eos)
     greedy = [greedy_generate(target, p, budget.eval_max_new_tokens, eos) for p in eval_prompts]  # once, shared
     trained = evaluate_tau(target, drafter, eval_prompts, references=greedy, **settings)
-    baseline = evaluate_tau(target, None, eval_prompts, baseline="ngram", block_size=run.config.model.block_size,
+    baseline = evaluate_tau(target, None, eval_prompts, baseline="ngram", block_size=run.config.drafter.block_size,
                             references=greedy, **settings)
     untrained = initial_drafter(run.config, target).eval()  # the weights the run started from
     random_init = evaluate_tau(target, untrained, eval_prompts, check_lossless=False, **settings)
@@ -577,7 +578,7 @@ def _write_outputs(out: Path, budget: Budget, settings: dict, run: _DrafterRun, 
         "feature_cache": result.feature_cache.as_metrics("") if result.feature_cache else {},
         "wall_seconds": times,
         "settings": {**eval_settings, **settings,
-                     "target_layer_ids": list(run.config.model.target_layer_ids), "device": "cpu",
+                     "target_layer_ids": list(run.config.target.layer_ids), "device": "cpu",
                      "torch_threads": torch.get_num_threads()},
     }
     write_report(out / "eval" / "report.json", json.dumps(report, indent=2) + "\n", flag="--output")
@@ -591,7 +592,7 @@ _FAMILY = {"dflash": "DFlash", "dflash2": "DFlash2"}
 
 
 def format_summary(report: dict, pipeline_table: str = "") -> str:
-    family = _FAMILY[report.get("settings", {}).get("training", {}).get("model.drafter", "dflash")]
+    family = _FAMILY[report.get("settings", {}).get("training", {}).get("drafter.family", "dflash")]
     nan = float("nan")
     rows = [
         (f"trained {family} drafter", report["tau"], report.get("tau_pooled", nan), report["speedup"]),
@@ -610,7 +611,7 @@ def format_summary(report: dict, pipeline_table: str = "") -> str:
               "wall-clock per quickstart stage (s): " + ", ".join(
                   f"{k} {v:.0f}" for k, v in report["wall_seconds"].items())]
     if pipeline_table:
-        backend = report.get("settings", {}).get("training", {}).get("model.target_backend", "transformers")
+        backend = report.get("settings", {}).get("training", {}).get("target.backend", "transformers")
         engine = " (target: the vLLM engine's prefill and the capture read)" if backend == "vllm" else ""
         lines += ["", f"where drafter training time went (pipeline stages, whole run){engine}:", "```",
                   pipeline_table, "```"]
@@ -636,7 +637,7 @@ def add_arguments(parser) -> None:
                             choices=choices.get(name), help=f"sets {key} (default {TRAINING[key]})")
     parser.add_argument("--sliding-window", type=int, default=None,
                         help="> 0: every drafter layer sliding-window, in-block bidirectional (DFlash2's layout); sets "
-                             "model.drafter_layer_types, drafter_sliding_window, drafter_causal (default 0: full)")
+                             "drafter.layer_types, drafter_sliding_window, drafter_causal (default 0: full)")
 
 
 def run(args) -> int:

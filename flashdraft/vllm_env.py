@@ -2,7 +2,7 @@
 run, for both the judge (flashdraft.judge) and the feature producer (flashdraft.target.engine).
 
 flashdraft never imports vLLM; it starts scripts with this interpreter. ``engine_python`` picks it:
-- one the user names (``--engine-python PATH``, ``model.vllm_python``, or the environment variable
+- one the user names (``--engine-python PATH``, ``target.vllm_python``, or the environment variable
   FLASHDRAFT_ENGINE_PYTHON): the python of an environment where vLLM is installed, such as a CUDA
   machine's serving environment. It is checked (an executable that finds vLLM) and used as it is:
   flashdraft installs nothing there;
@@ -105,7 +105,7 @@ def why_unavailable(python=None, named_by: str = "--engine-python") -> str | Non
     return None
 
 
-NAME_ONE = (f"name the python of an environment where vLLM is installed (--engine-python PATH, model.vllm_python, "
+NAME_ONE = (f"name the python of an environment where vLLM is installed (--engine-python PATH, target.vllm_python, "
             f"or {PYTHON_ENV}); flashdraft installs nothing there and leaves this environment's torch as it is")
 
 

@@ -212,7 +212,7 @@ def train_ranks(overrides_json: str, stop_at: str = "0") -> None:
     config = load_config(overrides=json.loads(overrides_json))
     if config.pipeline.placement == "disaggregated" and \
             int(os.environ["RANK"]) in D.role_layout(int(os.environ["WORLD_SIZE"]), config.pipeline.target_ranks,
-                                                     config.model.tensor_parallel)[1]:
+                                                     config.target.tensor_parallel)[1]:
         stopped = False
         try:
             train(config)  # a target rank: serves features, then leaves the process group

@@ -266,10 +266,10 @@ def make_job(root: Path, model) -> Path:
 
 def overrides(job: Path, out: Path, **extra) -> list[str]:
     base = {
-        "model.target": job / "target", "model.mask_token_id": 299, "model.num_draft_layers": 1,
-        "model.block_size": 4, "model.target_layer_ids": "[1,2]", "data.path": job / "data",
+        "target.path": job / "target", "drafter.mask_token_id": 299, "drafter.num_layers": 1,
+        "drafter.block_size": 4, "target.layer_ids": "[1,2]", "data.path": job / "data",
         "data.token_budget": 160, "data.max_batch_size": 4, "objective.num_anchors": 8, "optim.lr": "2e-3",
-        "train.max_steps": 6, "train.log_every": 1, "train.save_every": 0, "train.output_dir": out,
+        "train.max_steps": 6, "train.log_every": 1, "checkpoint.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.deterministic": "true",
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})

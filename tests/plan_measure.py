@@ -45,7 +45,7 @@ def measure(libc, target: str, seq_len: int, overrides: list[str]) -> dict:
     from flashdraft.train.step import forward_backward
     from flashdraft.train.strategy import strategy_for
 
-    cfg = load_config(None, [f"model.target={target}", "train.device=cpu", *overrides])
+    cfg = load_config(None, [f"target.path={target}", "train.device=cpu", *overrides])
     shape = _target_shape(str(target_config_path(target)), False)
     b = batch_size_at(cfg, seq_len)
     config = _drafter_config(cfg, shape)
@@ -57,17 +57,17 @@ def measure(libc, target: str, seq_len: int, overrides: list[str]) -> dict:
     input_ids = torch.randint(0, shape.vocab - 1, (b, seq_len), generator=gen)
     loss_mask = torch.ones(b, seq_len, dtype=torch.long)
     lengths = torch.full((b,), seq_len)
-    blocks = [make_blocks(input_ids, loss_mask, lengths, block_size=cfg.model.block_size,
+    blocks = [make_blocks(input_ids, loss_mask, lengths, block_size=cfg.drafter.block_size,
                           mask_token_id=config["dflash_config"]["mask_token_id"],
-                          num_anchors=cfg.objective.num_anchors, gamma=default_gamma(cfg.model.block_size),
-                          seed=step).shard(0, cfg.model.tensor_parallel) for step in range(2)]
+                          num_anchors=cfg.objective.num_anchors, gamma=default_gamma(cfg.drafter.block_size),
+                          seed=step).shard(0, cfg.target.tensor_parallel) for step in range(2)]
     assert blocks[0].anchors.shape[1] == anchors_per_pass(cfg, seq_len)  # the plan's shapes
     gc.collect()
     libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident set
     base = _rss("VmRSS")
-    drafter = DFlashDrafter(config, attention=cfg.model.drafter_attention)
+    drafter = DFlashDrafter(config, attention=cfg.drafter.attention)
     drafter.reset_parameters(0.02, gen)
     optimizer, _ = build_optimizer(drafter.parameters(), cfg.optim, 10, torch.device("cpu"))
     strategy, backend = strategy_for(drafter, heads, cfg.objective), Backend(drafter)

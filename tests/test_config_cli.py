@@ -20,9 +20,9 @@ def _sections():
 
 def test_every_field_has_a_doc_read_from_its_comment():
     docs = field_docs(_sections()[0][1])
-    assert docs["target"] == "local directory of the Hugging Face target model (config.json + weights)"
+    assert docs["path"] == "local directory of the Hugging Face target model (config.json + weights)"
     # a comment line above the field is part of its doc
-    assert docs["drafter_attention"].endswith("; auto: flex on CUDA, else blockwise")
+    assert field_docs(_sections()[1][1])["attention"].endswith("; auto: flex on CUDA, else blockwise")
     for section, cls in _sections():
         docs = field_docs(cls)
         assert set(docs) == {f.name for f in dataclasses.fields(cls)}, section
@@ -52,9 +52,9 @@ def test_flashdraft_config_prints_yaml_that_loads_back_to_the_same_config(tmp_pa
     defaults = tmp_path / "defaults.yaml"
     defaults.write_text(capsys.readouterr().out)
     assert load_config(defaults) == Config()
-    overrides = ["optim.lr=3e-4", "model.target_layer_ids=[1, 9, 17]", "data.eval_path=held out/data",
+    overrides = ["optim.lr=3e-4", "target.layer_ids=[1, 9, 17]", "eval.data_path=held out/data",
                  "train.metrics=[jsonl, tensorboard]", "pipeline.feature_cache_bytes=64e9", "objective.gamma=null",
-                 "model.mask_token_id=151669", "train.max_steps=100"]
+                 "drafter.mask_token_id=151669", "train.max_steps=100"]
     assert main(["config", *overrides]) == 0
     written = tmp_path / "run.yaml"
     written.write_text(capsys.readouterr().out)
@@ -67,8 +67,8 @@ def test_flashdraft_config_prints_yaml_that_loads_back_to_the_same_config(tmp_pa
 
 
 def test_flashdraft_config_refuses_a_bad_value_naming_the_field():
-    with pytest.raises(ValueError, match=r"config model.block_size=1 is invalid"):
-        main(["config", "model.block_size=1"])
+    with pytest.raises(ValueError, match=r"config drafter.block_size=1 is invalid"):
+        main(["config", "drafter.block_size=1"])
     with pytest.raises(ValueError, match=r"unknown key optim.learning_rate"):
         main(["config", "optim.learning_rate=1e-3"])
 
@@ -77,7 +77,7 @@ def test_a_missing_or_malformed_config_file_is_named_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"nope.yaml: cannot read the config file \(No such file or directory\)"):
         main(["config", "--config", str(tmp_path / "nope.yaml")])
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  block_size: [8\n")
+    bad.write_text("drafter:\n  block_size: [8\n")
     with pytest.raises(ValueError, match=r"bad.yaml: not valid YAML at line 3, column 1"):
         main(["config", "--config", str(bad)])
     with pytest.raises(ValueError, match=r"--output .*afile: cannot use it as the output directory"):
@@ -88,16 +88,16 @@ def test_a_missing_or_malformed_config_file_is_named_with_the_fix(tmp_path):
 def test_the_marked_field_lists_are_the_hand_kept_lists_they_replace():
     """The resume-invariant fields and DFlash2's knobs are derived from marks on the fields; here
     they are written out as they were kept by hand (train/state.py, Config.__post_init__), with the
-    fields added since (model.init_from: a resume must start from the same released drafter)."""
+    fields added since (drafter.init_from: a resume must start from the same released drafter)."""
     from flashdraft.train.state import RESUME_KEYS
 
-    resume = ([("model", k) for k in ("num_draft_layers", "block_size", "target_layer_ids", "num_taps",
-                                      "mask_token_id", "drafter_layer_types", "drafter_sliding_window",
-                                      "drafter_causal", "drafter_attention_sink", "drafter", "conv_kernel_size",
-                                      "conv_group_size", "selector_rank", "selector_top_k", "init_from")]
+    resume = ([("target", k) for k in ("layer_ids", "num_taps")]
+              + [("drafter", k) for k in ("num_layers", "block_size", "mask_token_id", "layer_types", "sliding_window",
+                                          "causal", "attention_sink", "family", "conv_kernel_size", "conv_group_size",
+                                          "selector_rank", "selector_top_k", "init_from")]
               + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
     assert sorted(RESUME_KEYS) == sorted(resume)  # the same fields, listed in their declaration order now
-    assert marked_fields(DFLASH2) == [("model", k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+    assert marked_fields(DFLASH2) == [("drafter", k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                              "selector_top_k")] \
         + [("objective", k) for k in ("selector_alpha", "selector_warmup_frac", "selector_ramp_frac",
                                       "selector_stop_gradient")]
@@ -115,7 +115,7 @@ def test_every_choice_the_config_offers_has_its_own_implementation():
         LOSSES,
         SINK_IMPLS,
         WEIGHTINGS,
-        ModelConfig,
+        DrafterConfig,
         ObjectiveConfig,
     )
     from flashdraft.drafter.attention import attention_plan, resolve_attention
@@ -141,4 +141,4 @@ def test_every_choice_the_config_offers_has_its_own_implementation():
     assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, ce, correct, weights, 3)[0].sum().item() for kind in LOSSES}) \
         == len(LOSSES)
     assert len({SlotLoss.of(ObjectiveConfig(weighting=w)) for w in WEIGHTINGS}) == len(WEIGHTINGS)
-    assert len({DFlash2Modules.of(ModelConfig(drafter=d)) for d in DRAFTERS}) == len(DRAFTERS)
+    assert len({DFlash2Modules.of(DrafterConfig(family=d)) for d in DRAFTERS}) == len(DRAFTERS)

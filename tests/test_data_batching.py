@@ -303,7 +303,7 @@ def test_a_row_budget_below_one_block_is_not_advised_a_num_anchors_that_cannot_f
     with pytest.raises(ValueError) as caught:
         check_row_budget(40, DrafterRows(7, 512, 8), "sample 3")
     assert "raise data.row_budget to at least 312" in str(caught.value)
-    assert "one anchor's block alone is model.block_size=8 rows: no num_anchors fits" in str(caught.value)
+    assert "one anchor's block alone is drafter.block_size=8 rows: no num_anchors fits" in str(caught.value)
     assert "num_anchors to" not in str(caught.value)
     with pytest.raises(ValueError, match=r"at least 312 or lower objective.num_anchors to 2$"):
         check_row_budget(40, DrafterRows(16, 512, 8), "sample 3")  # two blocks fit: that advice holds

@@ -132,21 +132,21 @@ def test_a_last_layer_tap_is_refused_before_any_engine_starts(target_dir):
 def test_without_vllm_the_backend_is_refused_with_the_reason_and_nothing_is_installed(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")  # what a CUDA machine's training environment has
     monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", str(tmp_path / "engine"))
-    with pytest.raises(EngineError, match="cannot start its engine: .*model.vllm_python") as refused:
+    with pytest.raises(EngineError, match="cannot start its engine: .*target.vllm_python") as refused:
         engine_interpreter(EngineOptions())
     # the reason is the torch it would replace (elsewhere than Linux x86-64: the platform)
     assert "this environment has torch 2.13.0+cu130" in str(refused.value) or "Linux x86-64" in str(refused.value)
     assert not (tmp_path / "engine").exists()
-    with pytest.raises(EngineError, match=r"interpreter .*python \(model.vllm_python\) does not exist: name the "
+    with pytest.raises(EngineError, match=r"interpreter .*python \(target.vllm_python\) does not exist: name the "
                                           "python of an environment where vLLM is installed"):
         engine_interpreter(EngineOptions(python=str(tmp_path / "python")))
 
 
 def test_the_engine_arguments_pass_through_from_the_config():
-    model = load_config(overrides=["model.target_backend=vllm", "model.vllm_tensor_parallel=4",
-                                   "model.vllm_expert_parallel=true", "model.vllm_quantization=fp8",
-                                   "model.vllm_gpu_memory_utilization=0.5", "model.vllm_max_model_len=8192",
-                                   "model.vllm_devices=0,1,2,3", "model.vllm_python=/opt/vllm/bin/python"]).model
+    model = load_config(overrides=["target.backend=vllm", "target.vllm_tensor_parallel=4",
+                                   "target.vllm_expert_parallel=true", "target.vllm_quantization=fp8",
+                                   "target.vllm_gpu_memory_utilization=0.5", "target.vllm_max_model_len=8192",
+                                   "target.vllm_devices=0,1,2,3", "target.vllm_python=/opt/vllm/bin/python"]).target
     options = EngineOptions.of(model)
     assert options.engine_args() == {"tensor_parallel_size": 4, "enable_expert_parallel": True, "quantization": "fp8",
                                      "gpu_memory_utilization": 0.5}
@@ -162,17 +162,17 @@ def test_the_engine_target_takes_right_padded_batches_only():
 
 
 def test_the_config_refuses_what_the_vllm_backend_cannot_do_and_knobs_it_would_ignore():
-    assert load_config(overrides=["model.target_backend=vllm", "model.vllm_tensor_parallel=8"]).model.target_backend
-    with pytest.raises(ValueError, match="model.vllm_quantization=fp8 is ignored.*model.target_backend=vllm"):
-        load_config(overrides=["model.vllm_quantization=fp8"])
-    with pytest.raises(ValueError, match="use model.vllm_tensor_parallel"):
-        load_config(overrides=["model.target_backend=vllm", "model.tensor_parallel=2"])
-    with pytest.raises(ValueError, match="train.eval_prompts=0"):
-        load_config(overrides=["model.target_backend=vllm", "data.eval_path=heldout"])
-    load_config(overrides=["model.target_backend=vllm", "data.eval_path=heldout", "train.eval_prompts=0"])
+    assert load_config(overrides=["target.backend=vllm", "target.vllm_tensor_parallel=8"]).target.backend
+    with pytest.raises(ValueError, match="target.vllm_quantization=fp8 is ignored.*target.backend=vllm"):
+        load_config(overrides=["target.vllm_quantization=fp8"])
+    with pytest.raises(ValueError, match="use target.vllm_tensor_parallel"):
+        load_config(overrides=["target.backend=vllm", "target.tensor_parallel=2"])
+    with pytest.raises(ValueError, match="eval.num_prompts=0"):
+        load_config(overrides=["target.backend=vllm", "eval.data_path=heldout"])
+    load_config(overrides=["target.backend=vllm", "eval.data_path=heldout", "eval.num_prompts=0"])
     with pytest.raises(ValueError, match=r"objective.kd_weight=0.5 .*final normed state, which the vLLM engine "
                                          r"cannot capture.*objective.kd_weight=0"):
-        load_config(overrides=["model.target_backend=vllm", "objective.kd_weight=0.5"])
+        load_config(overrides=["target.backend=vllm", "objective.kd_weight=0.5"])
 
 
 @pytest.mark.slow
@@ -187,7 +187,7 @@ def test_an_engine_that_died_is_reported_with_its_log_not_waited_for(engine, tar
 
 
 def test_the_engine_runs_on_the_ranks_own_gpu_unless_the_config_names_others(monkeypatch):
-    """model.vllm_devices empty: the engine's CUDA_VISIBLE_DEVICES is the rank's own GPU (its
+    """target.vllm_devices empty: the engine's CUDA_VISIBLE_DEVICES is the rank's own GPU (its
     physical index under the caller's CUDA_VISIBLE_DEVICES), where the memory plan counts its
     share; named devices stand; a CPU rank changes nothing."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

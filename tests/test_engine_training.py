@@ -1,4 +1,4 @@
-"""Training with the vLLM target backend (model.target_backend=vllm): the same per-step losses as
+"""Training with the vLLM target backend (target.backend=vllm): the same per-step losses as
 the transformers backend, fp32, same seed, on samples of several lengths (padded batches), with the
 start-up feature check on and the feature cache serving the engine's features from the second epoch
 (20 steps: 8 per epoch). One engine start (the trainer's)."""
@@ -56,8 +56,8 @@ def test_training_on_the_engines_features_gives_the_transformers_backends_losses
     runs = {}
     for backend, cache in (("transformers", 0), ("vllm", int(1e8))):  # the engine's features cached from epoch 2 on
         out = tmp_path / backend
-        assert main(["train", *overrides(tmp_path, out, train__max_steps=STEPS, model__target_backend=backend,
-                                         model__mask_token_id=mask_id, pipeline__feature_cache_bytes=cache)]) == 0
+        assert main(["train", *overrides(tmp_path, out, train__max_steps=STEPS, target__backend=backend,
+                                         drafter__mask_token_id=mask_id, pipeline__feature_cache_bytes=cache)]) == 0
         runs[backend] = losses(out)
     assert len(runs["vllm"]) == len(runs["transformers"]) == STEPS
     np.testing.assert_allclose(runs["vllm"], runs["transformers"], rtol=1e-4, atol=0)

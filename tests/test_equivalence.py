@@ -17,8 +17,8 @@ import torch
 from conftest import Finished, final_drafter, overrides, results, run_ranks
 from p2p_model import assert_one_way_and_nccl_safe
 
-DFLASH2 = {"model__drafter": "dflash2", "model__conv_group_size": 8, "model__selector_rank": 8,
-           "model__selector_top_k": 8}
+DFLASH2 = {"drafter__family": "dflash2", "drafter__conv_group_size": 8, "drafter__selector_rank": 8,
+           "drafter__selector_top_k": 8}
 DISAGGREGATED = {"pipeline__placement": "disaggregated", "pipeline__target_ranks": 1, "train__collective_timeout_s": 60}
 # soft labels (the target's final states travel with its taps) and accept-until-fail (per-row weights)
 SOFT = {"objective__kd_weight": 0.5, "objective__kd_temperature": 2.0, "objective__accept_until_fail": "true",
@@ -100,7 +100,7 @@ class Layout:
     steps: int = 6
 
 
-TP2 = {"model__tensor_parallel": 2}
+TP2 = {"target__tensor_parallel": 2}
 LAYOUTS = {
     # 2 ranks x micro-batch b == 1 rank x (2 micro-batches of b): the same samples each step. With
     # D-PACE too: its weights depend on the drafter's outputs, its normaliser (the scored-slot count)
@@ -117,11 +117,11 @@ LAYOUTS = {
         Run(4, {**TP2, "pipeline__placement": "disaggregated", "pipeline__target_ranks": 2}, p2p=True),
         Run(1, {"train__grad_accum": 2}), _from_a_sharded_target_group, drafters=2),
     "disaggregated_soft_labels": Layout(
-        Run(3, {**DISAGGREGATED, **SOFT, "train__max_steps": 8, "train__save_every": 4}, p2p=True),
+        Run(3, {**DISAGGREGATED, **SOFT, "train__max_steps": 8, "checkpoint__save_every": 4}, p2p=True),
         Run(2, {**SOFT, "train__max_steps": 8}), _disaggregated, drafters=2, steps=8),
     "ddp_soft_labels": Layout(Run(2, SOFT), Run(1, {"train__grad_accum": 2, **SOFT}), _ddp),
     "disaggregated_1_target_2_drafters": Layout(
-        Run(3, {**DISAGGREGATED, "train__max_steps": 8, "train__save_every": 4}, p2p=True),
+        Run(3, {**DISAGGREGATED, "train__max_steps": 8, "checkpoint__save_every": 4}, p2p=True),
         Run(2, {"train__max_steps": 8}), _disaggregated, drafters=2, steps=8),
 }
 
@@ -209,7 +209,7 @@ EPOCHS = {"train__max_steps": "null", "train__epochs": 3}
 RESUMES = {
     # Checkpoints do not depend on T (the target is never saved): the batch plan's world is the
     # number of target groups, 1 both times.
-    "1_process_to_tp2": Resume(Run(1, {"train__save_every": 3}), 3, Run(2, TP2),
+    "1_process_to_tp2": Resume(Run(1, {"checkpoint__save_every": 3}), 3, Run(2, TP2),
                                partial(_same_run_from_the_checkpoint, rtol=1e-5, same_weights=False)),
     # the disaggregated run's step-4 checkpoint on 2 target ranks x 2 drafter ranks (1:1 pairs)
     "disaggregated_1x2_to_2x2": Resume(
@@ -217,11 +217,11 @@ RESUMES = {
         Run(4, {**DISAGGREGATED, "pipeline__target_ranks": 2, "train__max_steps": 8}),
         partial(_same_run_from_the_checkpoint, rtol=1e-6, same_weights=True)),
     # the budget belongs to the run, not to its world size (3 epochs, no max_steps)
-    "2_ranks_to_1": Resume(Run(2, {**EPOCHS, "train__save_every": 7}), 7, Run(1, EPOCHS),
+    "2_ranks_to_1": Resume(Run(2, {**EPOCHS, "checkpoint__save_every": 7}), 7, Run(1, EPOCHS),
                            partial(_the_samples_left, same_samples=False)),
-    "2x1_to_1x2": Resume(Run(2, {**EPOCHS, "train__save_every": 7}), 7, Run(1, {**EPOCHS, "train__grad_accum": 2}),
+    "2x1_to_1x2": Resume(Run(2, {**EPOCHS, "checkpoint__save_every": 7}), 7, Run(1, {**EPOCHS, "train__grad_accum": 2}),
                          partial(_the_samples_left, same_samples=True)),
-    "1_rank_to_2": Resume(Run(1, {**EPOCHS, "train__save_every": 13}), 13, Run(2, EPOCHS),
+    "1_rank_to_2": Resume(Run(1, {**EPOCHS, "checkpoint__save_every": 13}), 13, Run(2, EPOCHS),
                           partial(_the_samples_left, same_samples=False)),
 }
 
@@ -231,12 +231,12 @@ def test_a_run_resumed_in_another_layout_goes_on_as_the_uninterrupted_one(refere
     case = RESUMES[name]
     straight = case.straight.of(references)
     out = tmp_path / "resumed"
-    args = overrides(references.job, out, train__resume=straight.out / "checkpoints" / f"step_{case.at:08d}",
+    args = overrides(references.job, out, checkpoint__resume=straight.out / "checkpoints" / f"step_{case.at:08d}",
                      **case.then.knobs)
     workers = run_ranks(forkserver, "train_ranks", json.dumps(args), world_size=case.then.world_size, timeout=300)
     assert all(forkserver.wait(pid, 0) == 0 for pid, _ in workers)
     ranks = results(workers)
     assert ranks[0]["steps"][0][0] == case.at + 1 and ranks[0]["final_step"] == ranks[0]["total_steps"]
-    if case.then.knobs.get("model__tensor_parallel"):
+    if case.then.knobs.get("target__tensor_parallel"):
         assert all(r["target_sharded"] for r in ranks)
     case.check(straight, ranks, out, case.at)

@@ -231,9 +231,9 @@ def test_eval_output_never_overwrites_its_own_inputs(eval_dir, victim):
 def test_a_temperature_below_the_minimum_is_refused_at_load_and_parse_and_the_minimum_decodes(eval_dir):
     from flashdraft.config import MIN_TEMPERATURE, load_config
 
-    with pytest.raises(ValueError, match=r"(?s)train.eval_temperature=1e-40 is invalid.*use 0 \(greedy\).*"
+    with pytest.raises(ValueError, match=r"(?s)eval.temperature=1e-40 is invalid.*use 0 \(greedy\).*"
                                          r"at least 0.0001"):
-        load_config(overrides=["train.eval_temperature=1e-40"])
+        load_config(overrides=["eval.temperature=1e-40"])
     with pytest.raises(ValueError, match=r"--temperature 1e-40: use 0 \(greedy\) or a finite temperature of at least"):
         _eval(eval_dir, "--temperature", "1e-40", "--max-new-tokens", "4")
     assert _eval(eval_dir, "--temperature", str(MIN_TEMPERATURE), "--max-new-tokens", "6") == 0

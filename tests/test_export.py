@@ -21,7 +21,7 @@ from flashdraft.train.trainer import train
 def run_dir(tiny_job, tmp_path_factory):
     """A 6-step run with checkpoints at steps 2, 4 and 6."""
     out = tmp_path_factory.mktemp("export") / "run"
-    train(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2)))
+    train(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, checkpoint__save_every=2)))
     return out
 
 
@@ -123,11 +123,11 @@ def test_the_readme_serving_lines_say_what_the_engines_read():
     """vLLM takes a draft for DFlash only with method "dflash" (or "dflash" in its path) and wants
     block_size - 1 speculative tokens; SGLang wants the algorithm DFLASH and block_size draft tokens."""
     from conftest import REPO
-    from flashdraft.config import ModelConfig
+    from flashdraft.config import DrafterConfig
     from flashdraft.export import serving_commands
 
     text = (REPO / "README.md").read_text()
-    bs = ModelConfig().block_size
+    bs = DrafterConfig().block_size
     vllm = text.split("vllm serve /models/Qwen3-8B --speculative-config \\\n", 1)[1].split("\n", 1)[0].strip()
     spec = json.loads(vllm.strip("'"))
     assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == bs - 1
@@ -279,8 +279,8 @@ def test_export_prints_the_absolute_target_of_a_run_trained_with_relative_paths(
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
-    monkeypatch.chdir(tiny_job)  # trained with model.target=target, train.output_dir=rel/run
-    given = overrides(tiny_job, tmp_path, train__max_steps=1, model__target="target", train__output_dir="rel/run")
+    monkeypatch.chdir(tiny_job)  # trained with target.path=target, train.output_dir=rel/run
+    given = overrides(tiny_job, tmp_path, train__max_steps=1, target__path="target", train__output_dir="rel/run")
     train(load_config(overrides=given))
     monkeypatch.chdir(tmp_path)  # exported from elsewhere
     assert main(["export", str(tiny_job / "rel" / "run"), "--out", "exp"]) == 0

@@ -30,17 +30,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdraft"
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"model__target_layer_ids": "[1,4]"},
-     r"model.target_layer_ids=\[1, 4\] is invalid for this 4-layer target: use distinct ids in \[0, 3\]"),
-    ({"model__mask_token_id": 300},
-     r"model.mask_token_id=300 is outside the target's embedding table \(vocab_size 300\): set "
-     r"model.mask_token_id to an unused id in \[0, 299\]"),
+    ({"target__layer_ids": "[1,4]"},
+     r"target.layer_ids=\[1, 4\] is invalid for this 4-layer target: use distinct ids in \[0, 3\]"),
+    ({"drafter__mask_token_id": 300},
+     r"drafter.mask_token_id=300 is outside the target's embedding table \(vocab_size 300\): set "
+     r"drafter.mask_token_id to an unused id in \[0, 299\]"),
     ({"data__token_budget": 30},
      r"data.token_budget=30 is smaller than the longest sample \(40 tokens.*raise data.token_budget to at least 40"),
-    ({"model__drafter": "dflash2", "model__conv_group_size": 5},
-     r"model.conv_group_size=5 must divide the target.s hidden size 32: use e.g. 16"),
-    ({"model__drafter": "dflash2", "model__selector_top_k": 400},
-     r"model.selector_top_k=400 exceeds the target's vocabulary \(300\)"),
+    ({"drafter__family": "dflash2", "drafter__conv_group_size": 5},
+     r"drafter.conv_group_size=5 must divide the target.s hidden size 32: use e.g. 16"),
+    ({"drafter__family": "dflash2", "drafter__selector_top_k": 400},
+     r"drafter.selector_top_k=400 exceeds the target's vocabulary \(300\)"),
 ], ids=["tap_beyond_layers", "mask_outside_vocab", "budget_below_longest_sample", "conv_groups", "top_k"])
 def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(tiny_job, tmp_path, extra, message):
     extra = {k: str(v).replace("{job}", str(tiny_job)) for k, v in extra.items()}
@@ -49,19 +49,21 @@ def test_config_mistakes_found_with_the_target_or_data_are_refused_at_start_up(t
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("model.block_size=1", r"model.block_size=1 is invalid: use 2 or more"),
-    ("model.mask_token_id=-1", r"model.mask_token_id=-1 is invalid: use an unused id inside the target's vocabulary"),
-    ("model.target_layer_ids=[3,3]", r"model.target_layer_ids=\[3, 3\] is invalid: give distinct"),
-    ("data.max_length=6", r"data.max_length=6 is invalid: every sample needs 2 \* model.block_size = 8"),
+    ("drafter.block_size=1", r"drafter.block_size=1 is invalid: use 2 or more"),
+    ("drafter.mask_token_id=-1",
+     r"drafter.mask_token_id=-1 is invalid: use an unused id inside the target's vocabulary"),
+    ("target.layer_ids=[3,3]", r"target.layer_ids=\[3, 3\] is invalid: give distinct"),
+    ("data.max_length=6", r"data.max_length=6 is invalid: every sample needs 2 \* drafter.block_size = 8"),
     ("train.collective_timeout_s=0", r"train.collective_timeout_s=0.0 is invalid: use a positive number"),
     ("train.max_nonfinite_steps=x", r"train.max_nonfinite_steps='x' is invalid: give an integer"),
-    ("train.resum=never", r"unknown key train.resum; known keys of train: .*resume"),
-    ("train.resume=nevr", r"train.resume=nevr is invalid: use auto, never, or an existing checkpoint directory"),
-    ("train.save_every=-5", r"train.save_every=-5 is invalid: use 0 \(only at the end\) or more"),
-    ("train.eval_every=-1", r"train.eval_every=-1 is invalid"),
+    ("checkpoint.resum=never", r"unknown key checkpoint.resum; known keys of checkpoint: .*resume"),
+    ("checkpoint.resume=nevr",
+     r"checkpoint.resume=nevr is invalid: use auto, never, or an existing checkpoint directory"),
+    ("checkpoint.save_every=-5", r"checkpoint.save_every=-5 is invalid: use 0 \(only at the end\) or more"),
+    ("eval.every=-1", r"eval.every=-1 is invalid"),
 ])
 def test_config_mistakes_are_refused_before_anything_loads(override, message):
-    base = ["model.block_size=4"]
+    base = ["drafter.block_size=4"]
     with pytest.raises(ValueError, match=message):
         load_config(overrides=[*base, override])
 
@@ -73,7 +75,7 @@ def test_eval_data_that_no_batch_can_hold_is_refused_at_start_up_not_at_the_firs
 
     write_token_shard(tmp_path / "long_heldout", [(np.arange(1, 200) % 290, np.ones(199))], vocab_size=300)
     with pytest.raises(ValueError, match=r"long_heldout: data.token_budget=160 is smaller than the longest sample"):
-        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_path=tmp_path / "long_heldout")))
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", eval__data_path=tmp_path / "long_heldout")))
 
 
 def test_samples_longer_than_the_targets_positions_are_refused(tiny_job, tmp_path):
@@ -96,17 +98,17 @@ def test_eval_prompts_outside_the_vocabulary_are_refused_at_start_up(tiny_job, t
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
     with pytest.raises(ValueError, match=r"(?s)prompts.jsonl: prompt 1 has token id \d+.*vocabulary \[0, 300\)"):
         Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run",
-                                                data__eval_prompts=tmp_path / "prompts.jsonl")))
+                                                eval__prompts_path=tmp_path / "prompts.jsonl")))
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"model__block_size": 8}, r"model.block_size: checkpoint 4 vs now 8"),
-    ({"model__num_draft_layers": 2}, r"model.num_draft_layers: checkpoint 1 vs now 2"),
+    ({"drafter__block_size": 8}, r"drafter.block_size: checkpoint 4 vs now 8"),
+    ({"drafter__num_layers": 2}, r"drafter.num_layers: checkpoint 1 vs now 2"),
     ({"data__token_budget": 200}, r"data.token_budget: checkpoint 160 vs now 200"),
     # the drafter's attention layout: the same weights under other masks would train another drafter
-    ({"model__drafter_layer_types": "[sliding_attention]", "model__drafter_sliding_window": 5},
-     r"model.drafter_layer_types: checkpoint \[\] vs now \['sliding_attention'\]"),
-    ({"model__drafter_causal": "true"}, r"model.drafter_causal: checkpoint None vs now True"),
+    ({"drafter__layer_types": "[sliding_attention]", "drafter__sliding_window": 5},
+     r"drafter.layer_types: checkpoint \[\] vs now \['sliding_attention'\]"),
+    ({"drafter__causal": "true"}, r"drafter.causal: checkpoint None vs now True"),
 ])
 def test_resume_with_an_incompatible_config_is_refused_with_the_fix(tiny_job, tmp_path, change, message):
     out = tmp_path / "run"
@@ -137,7 +139,7 @@ def test_a_resume_the_data_cursor_refuses_names_the_checkpoint_and_the_field(tin
      r"pipeline.feature_cache_disk_bytes=1000000000 is invalid: the feature cache \(both tiers\) runs in"),
     (["pipeline.placement=disaggregated", "pipeline.feature_cache_bytes=1e9"],
      r"pipeline.feature_cache_bytes=1000000000 is invalid: the feature cache \(both tiers\)"),
-    (["model.tensor_parallel=2", "pipeline.feature_cache_disk_bytes=1e9"],
+    (["target.tensor_parallel=2", "pipeline.feature_cache_disk_bytes=1e9"],
      r"pipeline.feature_cache_disk_bytes=1000000000 is invalid: the feature cache is not used with a tensor-parallel"),
 ], ids=["disk_disaggregated", "ram_disaggregated", "disk_tensor_parallel"])
 def test_a_feature_cache_refusal_names_the_tier_that_is_set(given, named):
@@ -161,15 +163,15 @@ def test_train_output_dir_is_never_another_runs_export_or_logs(tiny_job, tmp_pat
 
 
 def test_a_checkpoint_from_before_the_attention_layout_keys_resumes(tiny_job, tmp_path):
-    """A checkpoint whose saved config predates model.drafter_layer_types & co. had their
+    """A checkpoint whose saved config predates drafter.layer_types & co. had their
     defaults then (full, bidirectional layers): it resumes under the defaults, and only them."""
     trainer = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run")))
     saved = trainer.config.to_dict()
-    for key in ("drafter_layer_types", "drafter_sliding_window", "drafter_causal"):
-        del saved["model"][key]
+    for key in ("layer_types", "sliding_window", "causal"):
+        del saved["drafter"][key]
     trainer.checkpoints._check_compatible(saved)  # no difference
-    swa = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "swa", model__drafter_causal="true")))
-    with pytest.raises(ValueError, match=r"model.drafter_causal: checkpoint None vs now True"):
+    swa = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "swa", drafter__causal="true")))
+    with pytest.raises(ValueError, match=r"drafter.causal: checkpoint None vs now True"):
         swa.checkpoints._check_compatible(saved)
 
 
@@ -218,14 +220,14 @@ def test_a_version_1_checkpoint_resumes_and_a_newer_format_is_refused(tiny_job, 
 
 
 def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(tiny_job, tmp_path):
-    """train.resume=never in a directory that holds checkpoints would prune them (they are newer
+    """checkpoint.resume=never in a directory that holds checkpoints would prune them (they are newer
     than the fresh run's first save) and overwrite the export: it is refused, nothing touched."""
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2))).fit()
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, checkpoint__save_every=2))).fit()
     before = sorted(p.name for p in (out / "checkpoints").iterdir()), (out / "config.yaml").read_text()
-    fresh = Trainer(load_config(overrides=overrides(tiny_job, out, train__resume="never")))
-    with pytest.raises(ValueError, match=r"train.resume=never, but .*checkpoints.* holds checkpoints of an earlier "
-                                         r"run \(newest step_0+4\).*use another train.output_dir"):
+    fresh = Trainer(load_config(overrides=overrides(tiny_job, out, checkpoint__resume="never")))
+    with pytest.raises(ValueError, match=r"checkpoint.resume=never, but .*checkpoints.* holds checkpoints of an "
+                                         r"earlier run \(newest step_0+4\).*use another train.output_dir"):
         fresh.fit()
     assert (sorted(p.name for p in (out / "checkpoints").iterdir()), (out / "config.yaml").read_text()) == before
 
@@ -297,7 +299,7 @@ def test_remote_code_in_a_target_directory_is_not_run_unless_asked(tmp_path):
         "model_type": "evil", "architectures": ["EvilForCausalLM"],
         "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilForCausalLM"}}))
     (target / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    assert load_config().model.trust_remote_code is False
+    assert load_config().target.trust_remote_code is False
     with pytest.raises(ValueError, match="trust_remote_code"):
         TargetModel.from_pretrained(target)
     assert not marker.exists()
@@ -313,14 +315,14 @@ def test_the_command_line_prints_a_mistake_as_one_line_with_the_fix(monkeypatch)
 
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("FLASHDRAFT_TRACEBACK", None)
-    proc = subprocess.run([sys.executable, "-m", "flashdraft.cli", "train", "model.block_size=1"],
+    proc = subprocess.run([sys.executable, "-m", "flashdraft.cli", "train", "drafter.block_size=1"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("flashdraft train: error: config model.block_size=1 is invalid: use 2 or more")
+    assert proc.stderr.startswith("flashdraft train: error: config drafter.block_size=1 is invalid: use 2 or more")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     monkeypatch.setenv("FLASHDRAFT_TRACEBACK", "1")
-    with pytest.raises(ValueError, match="model.block_size=1 is invalid"):
-        entry(["train", "model.block_size=1"])
+    with pytest.raises(ValueError, match="drafter.block_size=1 is invalid"):
+        entry(["train", "drafter.block_size=1"])
 
 
 def test_a_second_run_on_the_same_output_dir_is_refused_while_the_first_trains(tiny_job, tmp_path):
@@ -358,8 +360,8 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
 
     def trainer(data, *extra):
         return Trainer(load_config(overrides=[
-            f"model.target={tmp_path / 'target'}", f"data.path={tmp_path / data}", "model.num_draft_layers=1",
-            "model.block_size=4", "model.target_layer_ids=[0,1]", "data.token_budget=512", "train.device=cpu",
+            f"target.path={tmp_path / 'target'}", f"data.path={tmp_path / data}", "drafter.num_layers=1",
+            "drafter.block_size=4", "target.layer_ids=[0,1]", "data.token_budget=512", "train.device=cpu",
             f"train.output_dir={tmp_path / 'run'}", *extra]))
 
     check_tokenizer(tmp_path / "target", open_dataset(tmp_path / "ok", progress=False))  # the target's own: accepted
@@ -377,26 +379,26 @@ def test_data_prepared_with_another_tokenizer_is_refused_at_start_up(tmp_path, c
 
 
 @pytest.mark.parametrize("overrides_,field", [
-    (["model.drafter_layer_types=[sliding_attention]"], "model.drafter_sliding_window"),  # no window
-    (["model.drafter_layer_types=[sliding_attention]", "model.drafter_sliding_window=0"],
-     "model.drafter_sliding_window"),
-    (["model.drafter_sliding_window=64"], "model.drafter_sliding_window"),  # a window without a sliding layer
-    (["model.drafter_layer_types=[sliding_attention, full_attention]"], "model.drafter_layer_types"),  # 5 layers
-    (["model.drafter_layer_types=[chunked_attention]"], "model.drafter_layer_types"),
+    (["drafter.layer_types=[sliding_attention]"], "drafter.sliding_window"),  # no window
+    (["drafter.layer_types=[sliding_attention]", "drafter.sliding_window=0"],
+     "drafter.sliding_window"),
+    (["drafter.sliding_window=64"], "drafter.sliding_window"),  # a window without a sliding layer
+    (["drafter.layer_types=[sliding_attention, full_attention]"], "drafter.layer_types"),  # 5 layers
+    (["drafter.layer_types=[chunked_attention]"], "drafter.layer_types"),
     (["objective.weighting=kl"], "objective.weighting"),
     (["objective.loss=kl"], "objective.loss"),
     (["objective.lk_kl_scale=-1"], "objective.lk_kl_scale / lk_kl_decay"),
-    (["train.eval_top_k=20"], "train.eval_top_p / eval_top_k"),  # top-k without a temperature
+    (["eval.top_k=20"], "eval.top_p / top_k"),  # top-k without a temperature
     (["objective.selector_alpha=0.5"], "objective.selector_alpha"),  # a DFlash2 knob on a DFlash drafter
-    (["model.selector_rank=64", "model.conv_group_size=8"], "model.conv_group_size=8, model.selector_rank"),
-    (["model.drafter=dflash2", "objective.selector_warmup_frac=0.7", "objective.selector_ramp_frac=0.5"],
+    (["drafter.selector_rank=64", "drafter.conv_group_size=8"], "drafter.conv_group_size=8, drafter.selector_rank"),
+    (["drafter.family=dflash2", "objective.selector_warmup_frac=0.7", "objective.selector_ramp_frac=0.5"],
      "objective.selector_warmup_frac / selector_ramp_frac"),  # alpha never reached
-    (["model.drafter=dflash2", "model.conv_kernel_size=17"], "model.conv_kernel_size"),  # more taps than slots
-    (["model.tensor_parallel=0"], "model.tensor_parallel"),
-    (["model.expert_parallel=true"], "model.expert_parallel"),  # without tensor_parallel
-    (["model.tensor_parallel=2", "pipeline.feature_cache_bytes=1000"], "pipeline.feature_cache_bytes"),
-    (["model.tensor_parallel=2", "pipeline.placement=disaggregated", "data.eval_prompts=p.jsonl"],
-     "data.eval_path / data.eval_prompts"),  # the evals would need the whole target on a drafter rank
+    (["drafter.family=dflash2", "drafter.conv_kernel_size=17"], "drafter.conv_kernel_size"),  # more taps than slots
+    (["target.tensor_parallel=0"], "target.tensor_parallel"),
+    (["target.expert_parallel=true"], "target.expert_parallel"),  # without tensor_parallel
+    (["target.tensor_parallel=2", "pipeline.feature_cache_bytes=1000"], "pipeline.feature_cache_bytes"),
+    (["target.tensor_parallel=2", "pipeline.placement=disaggregated", "eval.prompts_path=p.jsonl"],
+     "eval.data_path / eval.prompts_path"),  # the evals would need the whole target on a drafter rank
 ])
 def test_drafter_layout_and_sampling_mistakes_are_refused_at_load_naming_the_field(overrides_, field):
     with pytest.raises(ValueError, match=f"config {re.escape(field)}="):
@@ -410,7 +412,7 @@ def test_drafter_layout_and_sampling_mistakes_are_refused_at_load_naming_the_fie
     ("optim.betas=[.nan, 0.9]", "optim.betas"), ("optim.weight_decay=.nan", "optim.weight_decay"),
     ("optim.weight_decay=-1", "optim.weight_decay"), ("pipeline.join_timeout_s=.inf", "pipeline.join_timeout_s"),
     ("objective.dpace_alpha=0", "objective.dpace_alpha"), ("objective.dpace_alpha=1.5", "objective.dpace_alpha"),
-    ("train.eval_temperature=-1", "train.eval_temperature"), ("train.eval_top_p=0", "train.eval_top_p"),
+    ("eval.temperature=-1", "eval.temperature"), ("eval.top_p=0", "eval.top_p"),
 ])
 def test_non_finite_or_out_of_range_floats_are_refused_at_load_naming_the_field(override, field):
     with pytest.raises(ValueError, match=rf"config {re.escape(field)}=.+ is invalid"):
@@ -447,7 +449,7 @@ def test_exports_and_checkpoints_follow_the_umask(tiny_job, tmp_path):
 
 def test_a_run_whose_checkpoints_are_all_damaged_stops_and_deletes_nothing(tiny_job, tmp_path):
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, checkpoint__save_every=2))).fit()
     ckpts = sorted((out / "checkpoints").glob("step_*"))
     assert [p.name for p in ckpts] == ["step_00000002", "step_00000004", "step_00000006"]
     for ckpt in ckpts:  # one flipped byte in each checkpoint's drafter weights
@@ -455,7 +457,7 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_and_deletes_nothing(tiny_
         data = bytearray(weights.read_bytes())
         data[-5] ^= 0x01
         weights.write_bytes(bytes(data))
-    again = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=8, train__save_every=2)))
+    again = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=8, checkpoint__save_every=2)))
     with pytest.raises(CheckpointError, match=r"holds 3 checkpoints \(newest step_00000006\) but none of them loads.*"
                                               r"Nothing was deleted"):
         again.fit()
@@ -469,10 +471,10 @@ def test_a_resume_that_changes_what_a_step_holds_under_max_steps_says_so(tiny_jo
     from flashdraft.signals import Stopped
 
     out = tmp_path / "run"
-    first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, checkpoint__save_every=2)))
     with pytest.raises(Stopped):  # preempted after step 2, as SIGTERM would (its checkpoint saved)
         first.fit(on_step=lambda t: t.stop.request(signal.SIGTERM) if t.step == 2 else None)
-    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2,
+    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, checkpoint__save_every=2,
                                                       train__grad_accum=2)))
     resumed.fit()
     assert resumed.step == 4
@@ -503,13 +505,13 @@ def test_raising_the_budget_of_a_finished_run_is_refused_not_trained_at_learning
 
 def test_a_checkpoint_whose_manifest_leaves_out_a_part_is_refused_by_name(tiny_job, tmp_path):
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, train__save_every=2))).fit()
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, checkpoint__save_every=2))).fit()
     path = out / "checkpoints" / "step_00000002" / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["parts"].remove("optimizer")  # an edit that keeps the manifest self-consistent
     manifest["digest"] = manifest_digest(manifest)
     path.write_text(json.dumps(manifest))
-    again = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    again = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, checkpoint__save_every=2)))
     with pytest.raises(CheckpointError, match=r"step 2 checkpoint holds no optimizer state"):
         again.fit()
 
@@ -518,13 +520,13 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_kept_not_deleted(tiny_job, t
     """Resuming from the last good checkpoint, the save of the damaged one's step used to delete it:
     it is kept, out of the way of the next resume."""
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, checkpoint__save_every=2))).fit()
     weights = out / "checkpoints" / "step_00000006" / "drafter.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0x01
     weights.write_bytes(bytes(data))
     damaged = weights.read_bytes()
-    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=10, train__save_every=2)))
+    resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=10, checkpoint__save_every=2)))
     resumed.fit()  # resumes from step 4, saves step 6 again (where the damaged one is), 8, 10
     assert resumed.step == 10
     kept = out / "checkpoints" / "abandoned-step_00000006" / "drafter.safetensors"
@@ -534,10 +536,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_kept_not_deleted(tiny_job, t
 
 def test_steps_trained_again_after_a_resume_appear_once_in_metrics_jsonl(tiny_job, tmp_path):
     out = tmp_path / "run"
-    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, train__save_every=2))).fit()
+    Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=6, checkpoint__save_every=2))).fit()
     (out / "metrics.jsonl").open("a").write('{"step": 7, "loss": 1.0')  # and a line torn by a crash
     resumed = Trainer(load_config(overrides=overrides(
-        tiny_job, out, train__max_steps=6, train__save_every=2, train__resume=out / "checkpoints" / "step_00000004")))
+        tiny_job, out, train__max_steps=6, checkpoint__save_every=2,
+        checkpoint__resume=out / "checkpoints" / "step_00000004")))
     resumed.fit()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [s for s, line in zip(steps, (out / "metrics.jsonl").read_text().splitlines()) if '"loss"' in line]
@@ -547,16 +550,16 @@ def test_steps_trained_again_after_a_resume_appear_once_in_metrics_jsonl(tiny_jo
 
 
 def test_a_block_longer_than_a_sample_and_an_eval_prompt_beyond_the_targets_positions_are_refused(tiny_job, tmp_path):
-    with pytest.raises(ValueError, match=r"(?s)model.block_size=64 is invalid.*longer than a sample.*"
+    with pytest.raises(ValueError, match=r"(?s)drafter.block_size=64 is invalid.*longer than a sample.*"
                                          r"data.max_length=32"):
-        load_config(overrides=["model.block_size=64", "data.max_length=32", "data.min_supervised=1"])
+        load_config(overrides=["drafter.block_size=64", "data.max_length=32", "data.min_supervised=1"])
     (tmp_path / "long.jsonl").write_text(json.dumps({"input_ids": [1] * 500}) + "\n")
     from transformers import AutoConfig
 
     from flashdraft.train.checks import load_eval_prompts
 
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", data__eval_prompts=tmp_path / "long.jsonl",
-                                          train__eval_max_new_tokens=64))
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", eval__prompts_path=tmp_path / "long.jsonl",
+                                          eval__max_new_tokens=64))
     with pytest.raises(ValueError, match=r"(?s)long.jsonl: prompt 1 has 500 tokens.*64 new tokens.*block of 4.*568 "
                                          r"positions.*max_position_embeddings=512"):
         load_eval_prompts(cfg, None, AutoConfig.from_pretrained(tiny_job / "target"))  # the trainer's start-up check
@@ -568,7 +571,7 @@ def test_a_full_disk_under_metrics_jsonl_costs_log_lines_not_the_run(tiny_job, t
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
-    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, train__save_every=2)))
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=4, checkpoint__save_every=2)))
     with caplog.at_level(logging.WARNING):
         trainer.fit()
     assert trainer.step == 4 and CheckpointManager(out / "checkpoints").load_latest().step == 4
@@ -595,10 +598,10 @@ def test_an_output_dir_or_checkpoints_path_that_is_a_file_is_refused_at_start(ti
     (["objective.weighting=dpace", "objective.gamma=null"], "objective.gamma=null is", "weighting=decay"),
     (["objective.lk_kl_scale=2"], "objective.lk_kl_scale=2.0 is", "set objective.loss=lk_lambda too"),
     (["objective.loss=tv", "objective.lk_kl_decay=0.5"], "objective.lk_kl_decay=0.5 is", "loss=lk_lambda"),
-    (["model.drafter=dflash2", "objective.selector_alpha=0", "objective.selector_warmup_frac=0.2",
+    (["drafter.family=dflash2", "objective.selector_alpha=0", "objective.selector_warmup_frac=0.2",
       "objective.selector_ramp_frac=0.1"], "objective.selector_warmup_frac=0.2, objective.selector_ramp_frac=0.1 are",
      "set objective.selector_alpha above 0 too"),
-    (["model.selector_rank=64"], "model.selector_rank=64 is", "set model.drafter=dflash2 too"),  # no "=set"
+    (["drafter.selector_rank=64"], "drafter.selector_rank=64 is", "set drafter.family=dflash2 too"),  # no "=set"
 ])
 def test_knobs_of_an_unselected_option_are_refused_at_load(given, refused, fix):
     from flashdraft.config import load_config
@@ -611,7 +614,7 @@ def test_the_selected_options_knobs_and_a_saved_config_load():
     from flashdraft.config import load_config, to_yaml
 
     for given in (["objective.weighting=dpace", "objective.dpace_alpha=0.7"], ["objective.gamma=5"],
-                  ["objective.loss=lk_lambda", "objective.lk_kl_scale=2"], ["model.drafter=dflash2",
+                  ["objective.loss=lk_lambda", "objective.lk_kl_scale=2"], ["drafter.family=dflash2",
                    "objective.selector_warmup_frac=0.2"]):
         config = load_config(overrides=given)
         assert load_config(base=__import__("yaml").safe_load(to_yaml(config))) == config
@@ -623,12 +626,12 @@ def test_a_yaml_alias_bomb_or_deep_nesting_in_a_config_is_one_short_line(tmp_pat
     layers = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     for name, prev in zip("bcdefghi", "abcdefgh"):  # 9^9 strings if expanded
         layers.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
-    (tmp_path / "bomb.yaml").write_text("model:\n  target: [" + ", ".join(layers) + "]\n")
-    (tmp_path / "deep.yaml").write_text("model:\n  target_layer_ids: " + "[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "bomb.yaml").write_text("target:\n  path: [" + ", ".join(layers) + "]\n")
+    (tmp_path / "deep.yaml").write_text("target:\n  layer_ids: " + "[" * 5000 + "]" * 5000 + "\n")
     deep = "[" * 5000 + "]" * 5000
-    for args, wanted in [(["--config", str(tmp_path / "bomb.yaml")], "config model.target=[['lol'"),
+    for args, wanted in [(["--config", str(tmp_path / "bomb.yaml")], "config target.path=[['lol'"),
                          (["--config", str(tmp_path / "deep.yaml")], f"{tmp_path / 'deep.yaml'}: nested too deeply"),
-                         ([f"model.target_layer_ids={deep}"], "config model.target_layer_ids='[[[[")]:
+                         ([f"target.layer_ids={deep}"], "config target.layer_ids='[[[[")]:
         with pytest.raises(ValueError) as exc:  # the command line prints it as one `error:` line
             main(["config", *args])
         assert str(exc.value).startswith(wanted) and len(str(exc.value)) < 300 and "\n" not in str(exc.value)
@@ -639,9 +642,9 @@ def test_a_selector_too_large_for_the_device_is_refused_at_start_up_with_its_siz
     from flashdraft.config import load_config
     from flashdraft.train.checks import check_drafter_sizes
 
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", model__drafter="dflash2",
-                                          model__conv_group_size=8, model__selector_rank=1_000_000_000))
-    with pytest.raises(ValueError, match=r"(?s)model.selector_rank=1000000000:.*10,112.0 GB.*GB of this device.*"
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", drafter__family="dflash2",
+                                          drafter__conv_group_size=8, drafter__selector_rank=1_000_000_000))
+    with pytest.raises(ValueError, match=r"(?s)drafter.selector_rank=1000000000:.*10,112.0 GB.*GB of this device.*"
                                          r"use e.g. 256"):
         check_drafter_sizes(cfg, "cpu")
 
@@ -653,8 +656,8 @@ def test_a_list_of_strings_is_asked_for_as_names_not_numbers():
 
     with pytest.raises(ValueError, match=r"config train.metrics=3 is invalid: give a list of names, e.g. \[a, b\]"):
         load_config(overrides=["train.metrics=3"])
-    with pytest.raises(ValueError, match=r"config model.target_layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
-        load_config(overrides=["model.target_layer_ids=x"])
+    with pytest.raises(ValueError, match=r"config target.layer_ids='x' is invalid: give a list, e.g. \[1, 2\]"):
+        load_config(overrides=["target.layer_ids=x"])
 
 
 # ---- issue 31, 14: accepted silently before, refused now -----------------------------------------
@@ -693,8 +696,8 @@ def test_a_mask_token_id_that_occurs_in_the_training_data_is_warned_at_start_up(
     assert check_mask_token(data, unused) == 0
     assert check_mask_token(data, used, chunk=7) == int((data.ids == used).sum()) > 0  # chunked == whole
     with caplog.at_level(logging.WARNING):
-        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", model__mask_token_id=used)))
-    assert f"model.mask_token_id={used} occurs" in caplog.text and "set model.mask_token_id to an id" in caplog.text
+        Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", drafter__mask_token_id=used)))
+    assert f"drafter.mask_token_id={used} occurs" in caplog.text and "set drafter.mask_token_id to an id" in caplog.text
 
 
 # ---- issue 31, the trial's re-run (h31b): defects its probes found -------------------------------
@@ -706,7 +709,7 @@ def test_train_output_dir_is_never_the_target_or_the_runs_data(tiny_job, tmp_pat
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run"))
     check_paths(cfg)  # a run directory of its own
-    for out, field in [(cfg.model.target, "model.target"), (f"{cfg.model.target}/run", "model.target"),
+    for out, field in [(cfg.target.path, "target.path"), (f"{cfg.target.path}/run", "target.path"),
                        (cfg.data.path, "data.path")]:
         bad = load_config(overrides=overrides(tiny_job, out))
         with pytest.raises(ValueError, match=rf"train.output_dir .* is or lies inside {field} .*another directory"):

@@ -118,8 +118,8 @@ def test_sigterm_during_the_final_eval_still_saves_and_exits_143(tiny_job, tmp_p
     """The final eval and save run after the loop; a preemption there used to kill the process
     (default SIGTERM action) before the final checkpoint."""
     out = tmp_path / "run"
-    args = overrides(tiny_job, out, train__max_steps=2, data__eval_prompts=tiny_job / "prompts.jsonl",
-                     train__eval_max_new_tokens=120)  # a final eval long enough to be hit
+    args = overrides(tiny_job, out, train__max_steps=2, eval__prompts_path=tiny_job / "prompts.jsonl",
+                     eval__max_new_tokens=120)  # a final eval long enough to be hit
     pid, log = _spawn_train(forkserver, args, sleep=0)
     _wait_for(lambda: _last_step(out) >= 2, 120, "the last step", log)
     os.kill(pid, signal.SIGTERM)
@@ -146,7 +146,7 @@ def test_ten_sigkills_including_during_checkpoint_writes_resume_from_newest_comp
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
     extra = {"pipeline__feature_cache_bytes": 10**7} if cache == "on" else {}
-    args = overrides(tiny_job, out, train__max_steps=STEPS, train__save_every=1, train__keep_last=2, **extra)
+    args = overrides(tiny_job, out, train__max_steps=STEPS, checkpoint__save_every=1, checkpoint__keep_last=2, **extra)
     moments = []
     for trial in range(10):
         newest_before = CheckpointManager(ckpts).latest_complete()
@@ -206,7 +206,7 @@ def test_disk_full_at_save_time_stops_with_a_clear_error_and_keeps_the_previous_
     step 2 and `latest` intact, and the run must stop there instead of training on unsaved."""
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
-    args = overrides(tiny_job, out, train__max_steps=STEPS, train__save_every=2, train__log_every=1)
+    args = overrides(tiny_job, out, train__max_steps=STEPS, checkpoint__save_every=2, train__log_every=1)
     pid, log = _spawn_train(forkserver, args, sleep=0.3, FLASHDRAFT_TEST_IGNORE_SIGXFSZ="1")
     _wait_for(lambda: (ckpts / "latest").exists(), 120, "the first checkpoint", log)
     drafter_bytes = (ckpts / "step_00000002" / "drafter.safetensors").stat().st_size
@@ -249,7 +249,7 @@ def poisoned_job(tiny_job, tmp_path_factory) -> tuple[Path, int]:
 
 def _poisoned_overrides(tiny_job, poisoned_job, out, **extra):
     root, _ = poisoned_job
-    return overrides(tiny_job, out, model__target=root / "target", data__path=root / "data", **extra)
+    return overrides(tiny_job, out, target__path=root / "target", data__path=root / "data", **extra)
 
 
 def test_nonfinite_features_skip_the_step_count_it_and_name_sample_and_stage(tiny_job, poisoned_job, tmp_path,
@@ -313,10 +313,10 @@ def test_a_half_precision_target_trains_on_cpu(tiny_job, tmp_path, dtype, family
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
-    sizes = dict(model__conv_group_size=8, model__selector_rank=8, model__selector_top_k=4)
+    sizes = dict(drafter__conv_group_size=8, drafter__selector_rank=8, drafter__selector_top_k=4)
     extra = sizes if family == "dflash2" else {}
-    result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__dtype=dtype,
-                                                   model__drafter=family, **extra))).metrics
+    result = train(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, target__dtype=dtype,
+                                                   drafter__family=family, **extra))).metrics
     assert math.isfinite(result["loss"]) and (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
 
 

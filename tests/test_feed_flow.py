@@ -391,7 +391,7 @@ class Faulty:
 def test_a_failure_in_any_stage_ends_the_run_fast_and_keeps_the_checkpoint(tiny_job, tmp_path, stage,
                                                                            monkeypatch):
     out = tmp_path / "run"
-    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, train__save_every=2)))
+    trainer = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=20, checkpoint__save_every=2)))
     Faulty(trainer, stage, monkeypatch)
     with pytest.raises(RuntimeError, match=f"injected {stage} failure") as info:
         trainer.fit()

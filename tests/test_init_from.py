@@ -1,4 +1,4 @@
-"""Starting from a released drafter (model.init_from): a flashdraft export and a checkpoint written
+"""Starting from a released drafter (drafter.init_from): a flashdraft export and a checkpoint written
 by the DFlash authors' package load, the drafter's shape comes from them, a mismatch is refused by
 name, the step-0 eval is the released drafter's own tau, and a resume of such a run is exact."""
 
@@ -29,12 +29,12 @@ def released(tiny_job, tmp_path_factory):
 
 def _eval(tiny_job) -> dict:
     """The in-training eval: the job's first 3 prompts, 10 new tokens each."""
-    return {"data__eval_prompts": tiny_job / "prompts.jsonl", "train__eval_prompts": 3,
-            "train__eval_max_new_tokens": 10}
+    return {"eval__prompts_path": tiny_job / "prompts.jsonl", "eval__num_prompts": 3,
+            "eval__max_new_tokens": 10}
 
 
 def test_a_run_starts_from_the_export_and_its_step_0_eval_is_flashdraft_evals_tau(tiny_job, released, tmp_path):
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__init_from=released,
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, drafter__init_from=released,
                                           **_eval(tiny_job)))
     trainer = Trainer(cfg)
     weights = serving.read_weights(released)
@@ -51,25 +51,25 @@ def test_a_run_starts_from_the_export_and_its_step_0_eval_is_flashdraft_evals_ta
 
 
 def test_the_drafters_shape_comes_from_the_export_and_a_disagreeing_key_is_refused(tiny_job, released, tmp_path):
-    base = overrides(tiny_job, tmp_path / "run", model__init_from=released)
-    shaped = [o for o in base if not o.startswith(("model.num_draft_layers", "model.block_size",
-                                                   "model.target_layer_ids", "model.mask_token_id"))]
+    base = overrides(tiny_job, tmp_path / "run", drafter__init_from=released)
+    shaped = [o for o in base if not o.startswith(("drafter.num_layers", "drafter.block_size",
+                                                   "target.layer_ids", "drafter.mask_token_id"))]
     trainer = Trainer(load_config(overrides=shaped))  # the defaults (5 layers, block 16) give way to the export's
-    assert (trainer.config.model.num_draft_layers, trainer.config.model.block_size) == (1, 4)
-    assert trainer.config.model.target_layer_ids == (1, 2) and trainer.config.model.mask_token_id == 299
-    with pytest.raises(ValueError, match=r"model.num_draft_layers=2 disagrees with the drafter in model.init_from="
-                                         r".*\(1\): drop model.num_draft_layers"):
-        Trainer(load_config(overrides=base + ["model.num_draft_layers=2"]))
+    assert (trainer.config.drafter.num_layers, trainer.config.drafter.block_size) == (1, 4)
+    assert trainer.config.target.layer_ids == (1, 2) and trainer.config.drafter.mask_token_id == 299
+    with pytest.raises(ValueError, match=r"drafter.num_layers=2 disagrees with the drafter in drafter.init_from="
+                                         r".*\(1\): drop drafter.num_layers"):
+        Trainer(load_config(overrides=base + ["drafter.num_layers=2"]))
 
 
 def test_an_export_for_another_target_is_refused_before_any_weights_load(released, tmp_path_factory, tmp_path):
     other = make_job(tmp_path_factory.mktemp("other"), tiny_qwen3(num_layers=4, hidden=48, seed=2))
-    with pytest.raises(ValueError, match=r"was trained for another target than model.target=.*hidden_size 32 vs 48"):
-        Trainer(load_config(overrides=overrides(other, tmp_path / "run", model__init_from=released)))
+    with pytest.raises(ValueError, match=r"was trained for another target than target.path=.*hidden_size 32 vs 48"):
+        Trainer(load_config(overrides=overrides(other, tmp_path / "run", drafter__init_from=released)))
 
 
 def test_a_resume_of_an_init_from_run_is_exact(tiny_job, released, tmp_path):
-    knobs = {"model__init_from": released, "train__max_steps": 4, "train__save_every": 2}
+    knobs = {"drafter__init_from": released, "train__max_steps": 4, "checkpoint__save_every": 2}
     straight = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "straight", **knobs)))
     straight.fit()
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
@@ -107,7 +107,7 @@ def test_a_checkpoint_in_the_dflash_authors_format_loads_and_fine_tunes(tiny_job
     )
     subprocess.run([str(python), "-c", script, str(released), str(zlab)], check=True, capture_output=True,
                    env={"PYTHONPATH": "", "PATH": "/usr/bin:/bin"})
-    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, model__init_from=zlab,
+    cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=2, drafter__init_from=zlab,
                                           **_eval(tiny_job)))
     trainer = Trainer(cfg)
     theirs = serving.read_weights(zlab)

@@ -78,12 +78,12 @@ def vllm_python():
 # The drafter families vLLM's CPU build serves (DFlash2 needs its V2 model runner: GPU only, docs/evaluation.md)
 FAMILIES = {
     "dflash": {},
-    "swa": {"model__drafter_layer_types": '["sliding_attention"]', "model__drafter_sliding_window": 16,
-            "model__drafter_causal": "false"},
-    "sinks": {"model__drafter_attention_sink": "true"},
+    "swa": {"drafter__layer_types": '["sliding_attention"]', "drafter__sliding_window": 16,
+            "drafter__causal": "false"},
+    "sinks": {"drafter__attention_sink": "true"},
 }
 # Trained here too, for the reference decoder only (vLLM's CPU build cannot serve it)
-EXPORT_FAMILIES = {**FAMILIES, "dflash2": {"model__drafter": "dflash2"}}
+EXPORT_FAMILIES = {**FAMILIES, "dflash2": {"drafter__family": "dflash2"}}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def trained_export(tmp_path_factory):
     def export(family: str = "dflash") -> Path:
         out = root / f"run-{family}"
         if not (out / "drafter" / "config.json").is_file():
-            assert main(["train", *overrides(job, out, train__max_steps=150, model__block_size=8, optim__lr="1e-2",
+            assert main(["train", *overrides(job, out, train__max_steps=150, drafter__block_size=8, optim__lr="1e-2",
                                               data__token_budget=640, data__max_batch_size=16,
                                               objective__num_anchors=16, **EXPORT_FAMILIES[family])]) == 0
         return out / "drafter"

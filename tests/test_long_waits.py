@@ -57,8 +57,8 @@ def test_a_disaggregated_run_outlives_its_collective_timeout_and_trains_what_the
     unpaced = LAYOUTS["disaggregated_1_target_2_drafters"].run.of(references).out
     out = tmp_path / "run"
     args = overrides(tiny_job, out, **{**DISAGGREGATED, "train__max_steps": 8, "train__collective_timeout_s": TIMEOUT_S,
-                                       "train__eval_every": 4, "data__eval_prompts": tiny_job / "prompts.jsonl",
-                                       "train__eval_prompts": 2, "train__eval_max_new_tokens": 8})
+                                       "eval__every": 4, "eval__prompts_path": tiny_job / "prompts.jsonl",
+                                       "eval__num_prompts": 2, "eval__max_new_tokens": 8})
     elapsed = _paced_run(forkserver, args, 3, {**STEPS, "FLASHDRAFT_TEST_EVAL_SLEEP": str(PAUSE_S)})
     assert elapsed > 3 * TIMEOUT_S  # the paced run outlived its collective timeout many times over
     _same_training(out, unpaced)
@@ -75,7 +75,7 @@ def test_a_tensor_parallel_target_group_outlives_its_collective_timeout_and_trai
     layout = LAYOUTS["disaggregated_from_a_tp2_group"]
     unpaced = layout.run.of(references).out
     out = tmp_path / "run"
-    args = overrides(tiny_job, out, **{**layout.run.knobs, "train__save_every": 3,
+    args = overrides(tiny_job, out, **{**layout.run.knobs, "checkpoint__save_every": 3,
                                        "train__collective_timeout_s": TIMEOUT_S})
     elapsed = _paced_run(forkserver, args, 4, {**STEPS, **SLOW_WRITES, "FLASHDRAFT_TEST_HELLO_SLEEP": str(PAUSE_S)})
     assert elapsed > 3 * TIMEOUT_S
@@ -89,7 +89,7 @@ def test_a_checkpoint_written_slower_than_the_collective_timeout_is_waited_for(t
     unpaced 2-rank run trains."""
     unpaced = references(2).out
     out = tmp_path / "run"
-    args = overrides(tiny_job, out, train__save_every=3, train__collective_timeout_s=TIMEOUT_S)
+    args = overrides(tiny_job, out, checkpoint__save_every=3, train__collective_timeout_s=TIMEOUT_S)
     elapsed = _paced_run(forkserver, args, 2, {**STEPS, **SLOW_WRITES})
     assert elapsed > 2 * TIMEOUT_S
     _same_training(out, unpaced)

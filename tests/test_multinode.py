@@ -44,7 +44,7 @@ def test_a_rank_loading_slower_than_the_collective_timeout_still_trains(tiny_job
     is gathered (its embedding and head) right after loading: the ranks meet first, host-side on
     the start-up clock (before, rank 0's gather failed after 4 s)."""
     args = overrides(tiny_job, tmp_path / "run", train__max_steps=2, train__collective_timeout_s=4,
-                     model__tensor_parallel=tensor_parallel)
+                     target__tensor_parallel=tensor_parallel)
     ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(args), "8", timeout=240))
     assert [(r["error"], r["steps"]) for r in ranks] == [(None, 2), (None, 2)]
 
@@ -54,12 +54,12 @@ def test_rank_0_verifying_the_checkpoint_longer_than_the_collective_timeout_stil
     """A resume's slow part, rank 0 hashing every checkpoint file (8 s here, past the 4 s
     collective timeout), comes before the start-up barrier: the other rank waits there, not in
     the collective that shares rank 0's choice (which failed after 4 s before)."""
-    first = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__save_every=2)
+    first = overrides(tiny_job, tmp_path / "run", train__max_steps=4, checkpoint__save_every=2)
     assert [r["error"] for r in results(run_ranks(forkserver, "train_slow_loader", json.dumps(first), "0",
                                                   timeout=240))] == [None, None]
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")  # as if preempted after step 2
     (tmp_path / "run" / "checkpoints" / "latest").unlink(missing_ok=True)
-    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, train__save_every=2,
+    resumed = overrides(tiny_job, tmp_path / "run", train__max_steps=4, checkpoint__save_every=2,
                         train__collective_timeout_s=4)
     ranks = results(run_ranks(forkserver, "train_slow_loader", json.dumps(resumed), "8", "verify",
                               timeout=240))
@@ -235,7 +235,7 @@ def test_two_nodes_start_checkpoint_lose_a_node_and_resume_exactly(tiny_job, tmp
     reference = references(2, train__max_steps=steps).out
     out, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
-    args = overrides(tiny_job, out, train__max_steps=steps, train__save_every=2, train__collective_timeout_s=20)
+    args = overrides(tiny_job, out, train__max_steps=steps, checkpoint__save_every=2, train__collective_timeout_s=20)
     nodes = _launch_nodes(args, logs, "first", step_sleep=1.0)
     manager, deadline = CheckpointManager(out / "checkpoints"), time.monotonic() + 300
     while not (out / "checkpoints" / "step_00000004" / "manifest.json").is_file():

@@ -37,7 +37,7 @@ def _small_target(root: Path, hidden: int) -> Path:
 
 
 # a row budget that holds one sample of up to 513 tokens (512 anchors x block 16): train refuses longer ones
-SMALL = ["model.mask_token_id=8191", "model.num_draft_layers=2", "model.num_taps=3", "data.max_length=1024",
+SMALL = ["drafter.mask_token_id=8191", "drafter.num_layers=2", "target.num_taps=3", "data.max_length=1024",
          "data.row_budget=8192", "data.token_budget=4096", "train.device=cpu"]
 
 
@@ -54,7 +54,7 @@ def test_estimate_within_15_percent_of_measured_cpu_steps(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     for (target, s, overrides), got in zip(runs, measured):
-        plan = plan_memory(load_config(None, [f"model.target={target}", *overrides]), seq_len=s)
+        plan = plan_memory(load_config(None, [f"target.path={target}", *overrides]), seq_len=s)
         assert plan.batch_size == got["batch"]
         drafter = sum(v for name, v in plan.consumers if not name.startswith(("target", "features")))
         assert got["peak"] > 50 * 2**20  # large enough for the process's own noise not to matter
@@ -65,7 +65,7 @@ def test_row_budget_bounds_the_worst_micro_batch():
     """B samples of length S: never over the token budget, the batch size cap, or the row
     budget (unless one sample alone exceeds it: then one sample)."""
     cfg = load_config(None, ["data.row_budget=16384", "data.token_budget=16384", "data.max_batch_size=64"])
-    bs, n = cfg.model.block_size, cfg.objective.num_anchors
+    bs, n = cfg.drafter.block_size, cfg.objective.num_anchors
     for s in (2, 17, 100, 513, 1024, 3072):
         b = batch_size_at(cfg, s)
         per = min(n, s - 1) * bs
@@ -92,8 +92,8 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading_weights(tmp_path, mo
     loads = []
     monkeypatch.setattr(plan_module, "device_memory", lambda device: 24 * GiB)
     monkeypatch.setattr(TargetModel, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
-    cfg = load_config(None, [f"model.target={_qwen3_8b(tmp_path)}", "model.mask_token_id=151669",
-                             "model.num_draft_layers=1", "data.path=unused", "train.device=cpu",
+    cfg = load_config(None, [f"target.path={_qwen3_8b(tmp_path)}", "drafter.mask_token_id=151669",
+                             "drafter.num_layers=1", "data.path=unused", "train.device=cpu",
                              f"train.output_dir={tmp_path / 'out'}"])
     with pytest.raises(ValueError, match="train.memory_check=false") as info:
         Trainer(cfg)
@@ -104,7 +104,7 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading_weights(tmp_path, mo
 
 def test_plan_command_exit_status_and_table(tmp_path, capsys):
     target = _qwen3_8b(tmp_path)
-    args = ["plan", f"model.target={target}", "model.mask_token_id=151669", "model.num_draft_layers=1",
+    args = ["plan", f"target.path={target}", "drafter.mask_token_id=151669", "drafter.num_layers=1",
             "--seq-len", "512"]
     assert main([*args, "--device-memory", "141"]) == 0
     out = capsys.readouterr().out
@@ -120,11 +120,11 @@ def test_the_estimate_follows_the_code(tmp_path):
     target = _small_target(tmp_path / "t", 256)
 
     def activations(*extra):
-        plan = plan_memory(load_config(None, [f"model.target={target}", *SMALL, *extra]), seq_len=512)
+        plan = plan_memory(load_config(None, [f"target.path={target}", *SMALL, *extra]), seq_len=512)
         return dict(plan.consumers)["drafter saved activations + temporaries (measured)"]
 
     full = activations()
-    assert activations("model.activation_checkpointing=true") < 0.85 * full
+    assert activations("drafter.activation_checkpointing=true") < 0.85 * full
     assert activations("objective.anchors_per_microbatch=128") < 0.5 * full
 
 
@@ -135,8 +135,8 @@ TARGETS = [("Qwen3-8B", 1, False, 8.19), ("Qwen3-30B-A3B", 2, True, 30.5), ("Qwe
 
 @pytest.mark.parametrize("name,tp,ep,billions", TARGETS)
 def test_plan_of_each_public_target(name, tp, ep, billions):
-    cfg = load_config(None, [f"model.target={FIXTURES / name}", "model.mask_token_id=0",
-                             f"model.tensor_parallel={tp}", f"model.expert_parallel={str(ep).lower()}"])
+    cfg = load_config(None, [f"target.path={FIXTURES / name}", "drafter.mask_token_id=0",
+                             f"target.tensor_parallel={tp}", f"target.expert_parallel={str(ep).lower()}"])
     plan = plan_memory(cfg, device_bytes=141 * GiB, seq_len=2048)
     parts = dict(plan.consumers)
     weights = next(v for k, v in parts.items() if k.startswith("target weights"))
@@ -148,13 +148,13 @@ def test_plan_of_each_public_target(name, tp, ep, billions):
     assert 0 <= parts["AdamW state (fp32)"] - 2 * parts["drafter weights (fp32 master)"] < 2**20
     # the row budget holds row_budget // (512 x block) samples of 512 anchors (the default: 4); a
     # tensor-parallel rank trains on 1/tp of them
-    per_sample = 512 * cfg.model.block_size
+    per_sample = 512 * cfg.drafter.block_size
     assert plan.batch_size == cfg.data.row_budget // per_sample == 4 and plan.rows == 4 * per_sample // tp
 
 
 def _disaggregated_32b(*extra: str):
     """Qwen3-32B (61 GiB of bf16 weights) on its own target rank, the drafter on the others."""
-    return load_config(None, [f"model.target={FIXTURES / 'Qwen3-32B'}", "model.mask_token_id=0",
+    return load_config(None, [f"target.path={FIXTURES / 'Qwen3-32B'}", "drafter.mask_token_id=0",
                               "pipeline.placement=disaggregated", "pipeline.target_ranks=1", *extra])
 
 
@@ -166,17 +166,17 @@ def test_a_disaggregated_plan_counts_the_whole_target_on_the_drafter_rank_that_e
     fit for a run that dies of OOM."""
     shape = plan_module._target_shape(str(FIXTURES / "Qwen3-32B" / "config.json"), False)
     assert abs(shape.params / 1e9 - 32.8) < 0.1  # Qwen/Qwen3-32B's model card
-    with_evals = plan_memory(_disaggregated_32b("data.eval_prompts=prompts.jsonl"), seq_len=3072,
+    with_evals = plan_memory(_disaggregated_32b("eval.prompts_path=prompts.jsonl"), seq_len=3072,
                              device_bytes=int(79.6 * GiB), world_size=2)
     without = plan_memory(_disaggregated_32b(), seq_len=3072, device_bytes=int(79.6 * GiB), world_size=2)
     assert with_evals.role == "drafter rank 0 (evals)" and not with_evals.fits
     assert dict(with_evals.consumers)["target weights (whole: drafter rank 0 runs the evals)"] == shape.params * 2
     assert without.role == "drafter rank" and without.fits
     assert with_evals.peak_bytes - without.peak_bytes == (shape.params - shape.head_params) * 2  # 58.1 GiB
-    assert "leave data.eval_path and data.eval_prompts empty" in with_evals.advice[0]
+    assert "leave eval.data_path and eval.prompts_path empty" in with_evals.advice[0]
     # the command says the same
-    args = ["plan", f"model.target={FIXTURES / 'Qwen3-32B'}", "model.mask_token_id=0",
-            "pipeline.placement=disaggregated", "pipeline.target_ranks=1", "data.eval_prompts=prompts.jsonl",
+    args = ["plan", f"target.path={FIXTURES / 'Qwen3-32B'}", "drafter.mask_token_id=0",
+            "pipeline.placement=disaggregated", "pipeline.target_ranks=1", "eval.prompts_path=prompts.jsonl",
             "--seq-len", "3072", "--world-size", "2", "--device-memory", "79.6"]
     assert main(args) == 1
     out = capsys.readouterr().out
@@ -215,10 +215,10 @@ def _moe_target(root: Path, experts: int, per_token: int) -> Path:
 
 
 @pytest.mark.parametrize(("extra", "refusal"), [
-    (["model.target_layer_ids=[1,40]"], r"model.target_layer_ids=\[1, 40\] is invalid for this 8-layer target"),
-    (["model.tensor_parallel=3"], r"model.tensor_parallel=3 must divide the target's num_attention_heads=4"),
+    (["target.layer_ids=[1,40]"], r"target.layer_ids=\[1, 40\] is invalid for this 8-layer target"),
+    (["target.tensor_parallel=3"], r"target.tensor_parallel=3 must divide the target's num_attention_heads=4"),
     (["data.row_budget=1"], r"data.row_budget=1: raise data.row_budget to at least 16 \(one anchor's block alone is "
-                            r"model.block_size=16 rows: no num_anchors fits\)"),
+                            r"drafter.block_size=16 rows: no num_anchors fits\)"),
     (["--seq-len", "5000", "data.max_length=8192", "data.token_budget=8192"],
      r"--seq-len 5000: give a padded length in \[2, 4096\] \(the target's max_position_embeddings=4096: train "
      r"refuses longer samples\)"),
@@ -245,7 +245,7 @@ def test_plan_refuses_what_train_refuses_before_planning(tmp_path, extra, refusa
     flags = [e for e in extra if e.startswith("--") or not e.startswith(("model.", "data."))]
     overrides = [e for e in extra if e not in flags]
     with pytest.raises(ValueError, match=refusal):
-        main(["plan", f"model.target={target}", "model.mask_token_id=1", "model.num_taps=2", "train.device=cpu",
+        main(["plan", f"target.path={target}", "drafter.mask_token_id=1", "target.num_taps=2", "train.device=cpu",
               *overrides, *flags])
 
 
@@ -264,7 +264,7 @@ def _linear_scan(cfg, model, other, longest_s):
 
 @pytest.mark.parametrize("overrides", [
     [], ["data.token_budget=3000", "data.max_batch_size=7"], ["objective.num_anchors=40", "data.row_budget=2048"],
-    ["model.tensor_parallel=2", "objective.anchors_per_microbatch=100"], ["pipeline.enabled=false"],
+    ["target.tensor_parallel=2", "objective.anchors_per_microbatch=100"], ["pipeline.enabled=false"],
     ["data.max_length=700", "data.token_budget=65536", "data.max_batch_size=512", "objective.num_anchors=1000"]])
 @pytest.mark.parametrize("coefficients", [(1e6, 50.0, 2000.0, 3.0), (1e6, -40.0, 1500.0, -5.0),
                                           (0.0, 1.0, -900.0, 0.0)])
@@ -273,7 +273,7 @@ def test_the_worst_length_search_takes_steps_and_finds_what_the_linear_scan_find
     CUDA start-up ran the same loop): now by runs of equal batch size and anchors, the same answer
     under step models of any sign (concave ones included)."""
     target = _small_target(tmp_path / "t", 256)
-    cfg = load_config(None, [f"model.target={target}", "model.mask_token_id=1", *overrides])
+    cfg = load_config(None, [f"target.path={target}", "drafter.mask_token_id=1", *overrides])
     shape = plan_module._target_shape(str(target / "config.json"), False)
     sizes = plan_module._Sizes(cfg, shape, 2, 5, 8)
     model = plan_module._StepModel(*coefficients)
@@ -289,7 +289,7 @@ def test_the_plan_over_a_billion_lengths_takes_seconds(tmp_path):
     target = _small_target(tmp_path / "t", 256)
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**30}))
-    cfg = load_config(None, [f"model.target={target}", "model.mask_token_id=1", "data.max_length=1000000000",
+    cfg = load_config(None, [f"target.path={target}", "drafter.mask_token_id=1", "data.max_length=1000000000",
                              "data.token_budget=1000000000", "train.device=cpu"])
     found = []
     planning = threading.Thread(target=lambda: found.append(plan_memory(cfg)), daemon=True)
@@ -307,14 +307,14 @@ def test_the_stand_in_attention_is_named_and_no_config_picks_it():
 
     assert {stand_in_name("flex"), stand_in_name("blockwise"), stand_in_name("split")} == set(EXTRA_IMPLS)
     assert resolve_attention(stand_in_name("flex"), torch.device("cpu"), True) == "stand-in:flex"
-    with pytest.raises(ValueError, match="model.drafter_attention"):
-        load_config(None, ["model.drafter_attention=stand-in:flex"])
+    with pytest.raises(ValueError, match="drafter.attention"):
+        load_config(None, ["drafter.attention=stand-in:flex"])
 
 
 def test_soft_labels_add_the_final_state_to_every_feature_the_plan_counts():
     """objective.kd_weight > 0: each token's features are its K taps and the target's final normed
     state (TargetModel's final_state), in flight, in the target forward and in the measured step."""
-    base = [f"model.target={FIXTURES / 'Qwen3-8B'}", "model.mask_token_id=0", "model.num_taps=5"]
+    base = [f"target.path={FIXTURES / 'Qwen3-8B'}", "drafter.mask_token_id=0", "target.num_taps=5"]
     plans = {kd: plan_memory(load_config(None, [*base, f"objective.kd_weight={kd}"]), seq_len=2048)
              for kd in (0.0, 0.5)}
     flight = {kd: dict(p.consumers)["features in flight"] for kd, p in plans.items()}
@@ -325,14 +325,14 @@ def test_soft_labels_add_the_final_state_to_every_feature_the_plan_counts():
 
 
 def test_a_rank_whose_features_a_vllm_engine_computes_holds_the_heads_and_the_features_only():
-    """model.target_backend=vllm: the rank loads the target's embedding and LM head only
-    (EngineTarget) and runs no forward; the engine's memory is its own devices' (model.vllm_devices),
+    """target.backend=vllm: the rank loads the target's embedding and LM head only
+    (EngineTarget) and runs no forward; the engine's memory is its own devices' (target.vllm_devices),
     or, sharing the rank's GPU, its gpu_memory_utilization of it. Before, the plan counted the whole
     in-process target and its forward: Qwen3-8B's 15 GiB of weights the rank never loads."""
-    base = [f"model.target={FIXTURES / 'Qwen3-8B'}", "model.mask_token_id=0"]
+    base = [f"target.path={FIXTURES / 'Qwen3-8B'}", "drafter.mask_token_id=0"]
     shape = plan_module._target_shape(str(FIXTURES / "Qwen3-8B" / "config.json"), False)
     inprocess = plan_memory(load_config(None, base), device_bytes=80 * GiB, seq_len=2048)
-    engine = plan_memory(load_config(None, [*base, "model.target_backend=vllm", "model.vllm_devices=0"]),
+    engine = plan_memory(load_config(None, [*base, "target.backend=vllm", "target.vllm_devices=0"]),
                          device_bytes=80 * GiB, seq_len=2048)
     parts, before = dict(engine.consumers), dict(inprocess.consumers)
     assert parts["target embedding + LM head (the vLLM engine holds the rest)"] == shape.head_params * 2
@@ -340,6 +340,6 @@ def test_a_rank_whose_features_a_vllm_engine_computes_holds_the_heads_and_the_fe
     assert parts["features in flight"] == before["features in flight"]  # the same features, from the engine
     assert inprocess.peak_bytes - engine.peak_bytes >= (shape.params - shape.head_params) * 2
     assert any("vLLM's own plan" in note for note in engine.notes)
-    shared = load_config(None, [*base, "model.target_backend=vllm", "model.vllm_gpu_memory_utilization=0.5"])
+    shared = load_config(None, [*base, "target.backend=vllm", "target.vllm_gpu_memory_utilization=0.5"])
     shared = plan_memory(shared, device_bytes=80 * GiB, seq_len=2048)
-    assert dict(shared.consumers)["vLLM engine on this device (model.vllm_gpu_memory_utilization of it)"] == 40 * GiB
+    assert dict(shared.consumers)["vLLM engine on this device (target.vllm_gpu_memory_utilization of it)"] == 40 * GiB

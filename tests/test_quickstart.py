@@ -34,8 +34,8 @@ def test_smoke_quickstart_leaves_the_documented_layout(smoke_run):
     for key in ("tau", "tau_untrained", "tau_ngram", "per_position_acceptance", "lossless", "settings"):
         assert key in saved, key
     assert saved["lossless"] is True
-    assert 1.0 <= saved["tau"] <= SMOKE_TRAINING["model.block_size"]
-    assert len(saved["per_position_acceptance"]) == SMOKE_TRAINING["model.block_size"] - 1
+    assert 1.0 <= saved["tau"] <= SMOKE_TRAINING["drafter.block_size"]
+    assert len(saved["per_position_acceptance"]) == SMOKE_TRAINING["drafter.block_size"] - 1
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -117,11 +117,11 @@ def test_bad_variant_flags_are_refused_before_any_stage_runs(tmp_path, flags, me
 
 @pytest.mark.parametrize("flags, wanted", [
     (["--drafter-lr", "-1.0"], "optim.lr=-1.0"), (["--num-anchors", "0"], "objective.num_anchors=0"),
-    (["--block-size", "1"], "model.block_size=1"), (["--regen-temperature", "-1.0"], "--regen-temperature -1.0"),
+    (["--block-size", "1"], "drafter.block_size=1"), (["--regen-temperature", "-1.0"], "--regen-temperature -1.0"),
     (["--regen-temperature", "1e-40"], "--regen-temperature 1e-40"),
     (["--target-layers", "0"], "--target-layers 0: use 1 or more"),  # the trial's re-run: a late, wrong fix before
     (["--target-hidden", "3"], "--target-hidden 3: use a positive multiple of 8"),  # a ZeroDivisionError traceback
-    (["--sliding-window", "1"], "model.drafter_sliding_window=1 is invalid"),  # no slot would see a target feature
+    (["--sliding-window", "1"], "drafter.sliding_window=1 is invalid"),  # no slot would see a target feature
     (["--answer-tokens", "0"], "--answer-tokens 0: use 1 or more"),  # "need at least one array to concatenate"
     (["--num-eval-prompts", "0"], "--num-eval-prompts 0: use 1 or more"),  # a ZeroDivisionError traceback
     (["--corpus-bytes", "-5"], "--corpus-bytes -5: use 1 or more"),  # "found no Python standard library sources"
@@ -154,10 +154,10 @@ def test_the_vllm_target_backend_runs_without_in_training_evals(tmp_path, capsys
     in-process) is off, the final eval (stage 6) still judges the export with the target in-process."""
     from flashdraft.quickstart import TRAINING, _drafter_config
 
-    config = _drafter_config(tmp_path / "qs", SMOKE, {**TRAINING, "model.target_backend": "vllm"}, 0)
-    assert config.model.target_backend == "vllm" and config.train.eval_prompts == 0
-    assert config.data.eval_prompts  # the final eval's prompts: written and used by stage 6
-    assert _drafter_config(tmp_path / "qs", SMOKE, TRAINING, 0).train.eval_prompts == SMOKE.num_eval_prompts
+    config = _drafter_config(tmp_path / "qs", SMOKE, {**TRAINING, "target.backend": "vllm"}, 0)
+    assert config.target.backend == "vllm" and config.eval.num_prompts == 0
+    assert config.eval.prompts_path  # the final eval's prompts: written and used by stage 6
+    assert _drafter_config(tmp_path / "qs", SMOKE, TRAINING, 0).eval.num_prompts == SMOKE.num_eval_prompts
     with pytest.raises(SystemExit):
         main(["quickstart", "--help"])
     assert "--target-backend {transformers,vllm}" in " ".join(capsys.readouterr().out.split())

@@ -26,13 +26,13 @@ def test_mask_id_comes_from_config_else_the_tokenizers_mask_token(tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     assert resolve_mask_token_id(None, str(tmp_path / "tok")) == tok.get_vocab()["<|MASK|>"]
     assert resolve_mask_token_id(7, str(tmp_path / "tok")) == 7
-    with pytest.raises(ValueError, match="no tokenizer to find the mask token in .*set model.mask_token_id"):
+    with pytest.raises(ValueError, match="no tokenizer to find the mask token in .*set drafter.mask_token_id"):
         resolve_mask_token_id(None, str(tmp_path / "nothing"))
 
 
 def test_defaults_are_the_published_recipe():
     cfg = load_config(overrides=[])
-    assert (cfg.model.num_draft_layers, cfg.model.block_size, cfg.objective.num_anchors) == (5, 16, 512)
+    assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.objective.num_anchors) == (5, 16, 512)
     assert cfg.optim.lr == 6e-4 and cfg.optim.warmup_frac == 0.04 and cfg.optim.grad_clip == 1.0
     assert tuple(cfg.optim.betas) == (0.9, 0.999) and cfg.optim.weight_decay == 0.0 and cfg.optim.init_std == 0.02
     assert cfg.train.epochs == 6 and cfg.data.max_length == 3072

@@ -91,7 +91,7 @@ def test_sigterm_ends_a_benchmark_with_143_within_a_step(tmp_path, forkserver):
 
 def test_a_second_signal_ends_the_run_at_once(tiny_job, tmp_path, forkserver):
     out = tmp_path / "run"
-    args = overrides(tiny_job, out, train__max_steps=12, train__save_every=1)
+    args = overrides(tiny_job, out, train__max_steps=12, checkpoint__save_every=1)
     pid, log = _start(forkserver, ["train", *args], tmp_path, pace=5.0)
     _wait_for(log, "[paced] optimizer step done", forkserver, pid)
     code, took = _stop(forkserver, pid, signal.SIGTERM, signal.SIGINT, gap=1.5)

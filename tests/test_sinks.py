@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from test_step_equivalence import assert_same, batch, grads_of, make
 
-from flashdraft.config import ModelConfig
+from flashdraft.config import DrafterConfig
 from flashdraft.drafter import DFlashDrafter, resolve_attention
 from flashdraft.drafter.attention import attend, attention_plan
 
@@ -96,9 +96,9 @@ def test_sinks_resolve_auto_to_blockwise_and_refuse_flex_naming_the_fix():
     assert resolve_attention("auto", cuda, needs_grad=True, sinks=True) == "blockwise"
     with pytest.raises(ValueError, match="auto trains sinks blockwise"):
         resolve_attention("flex", cuda, needs_grad=True, sinks=True)
-    with pytest.raises(ValueError, match=r"model\.drafter_attention.*use one of auto, dense, split, blockwise"):
-        ModelConfig(drafter_attention="flex", drafter_attention_sink=True)
-    ModelConfig(drafter_attention="auto", drafter_attention_sink=True)
+    with pytest.raises(ValueError, match=r"drafter\.attention.*use one of auto, dense, split, blockwise"):
+        DrafterConfig(attention="flex", attention_sink=True)
+    DrafterConfig(attention="auto", attention_sink=True)
     target, drafter = make(sinks=True)
     anchors, valid = torch.tensor([[3, 9]]), torch.tensor([[True, True]])
     with pytest.raises(ValueError, match="has no attention sink"):

@@ -230,11 +230,11 @@ def test_dense_mask_invalid_blocks_see_no_context():
 
 
 def test_config_knobs_validate():
-    from flashdraft.config import ModelConfig, ObjectiveConfig
+    from flashdraft.config import DrafterConfig, ObjectiveConfig
 
-    assert ModelConfig().drafter_attention == "auto" and ObjectiveConfig().anchors_per_microbatch == 0
-    with pytest.raises(ValueError, match="model.drafter_attention"):
-        ModelConfig(drafter_attention="paged")
+    assert DrafterConfig().attention == "auto" and ObjectiveConfig().anchors_per_microbatch == 0
+    with pytest.raises(ValueError, match="drafter.attention"):
+        DrafterConfig(attention="paged")
     with pytest.raises(ValueError, match="objective.anchors_per_microbatch"):
         ObjectiveConfig(anchors_per_microbatch=-1)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import MASK_ID, VOCAB, make_drafter
-from flashdraft.config import DRAFTERS, ModelConfig, ObjectiveConfig
+from flashdraft.config import DRAFTERS, DrafterConfig, ObjectiveConfig
 from flashdraft.data.collate import Batch
 from flashdraft.drafter import DFlashDrafter
 from flashdraft.drafter.dflash2 import DFlash2Modules
@@ -64,7 +64,7 @@ def features_of(target, micro: Micro) -> torch.Tensor:
 
 def test_each_drafter_family_config_offers_gets_a_strategy_of_its_own(target):
     drafters = {family: DFlashDrafter.for_target(target, num_layers=1, block_size=4, mask_token_id=MASK_ID,
-                                                 dflash2=DFlash2Modules.of(ModelConfig(drafter=family)))
+                                                 dflash2=DFlash2Modules.of(DrafterConfig(family=family)))
                 for family in DRAFTERS}
     chosen = {family: type(strategy_for(d, target, ObjectiveConfig())) for family, d in drafters.items()}
     assert chosen == {"dflash": Strategy, "dflash2": DFlash2Strategy}

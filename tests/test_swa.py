@@ -187,24 +187,23 @@ def test_a_blind_slot_of_a_real_drafter_has_no_gradient_from_the_target_features
 
 
 @pytest.mark.parametrize(("window", "block_size", "layers", "message"), [
-    (1, 16, 5, r"model.drafter_sliding_window=1 .*block slots 1..15 can see no target feature.*window of 5 or more"),
-    (2, 16, 5, r"model.drafter_sliding_window=2 .*block slots 5..15 .*window of 5 or more"),
-    (4, 4, 1, r"model.drafter_sliding_window=4 .*block slots 3 can see.*window of 5 or more"),
+    (1, 16, 5, r"drafter.sliding_window=1 .*block slots 1..15 can see no target feature.*window of 5 or more"),
+    (2, 16, 5, r"drafter.sliding_window=2 .*block slots 5..15 .*window of 5 or more"),
+    (4, 4, 1, r"drafter.sliding_window=4 .*block slots 3 can see.*window of 5 or more"),
 ])
 def test_a_sliding_window_that_leaves_a_slot_blind_is_refused_at_load(window, block_size, layers, message):
-    from flashdraft.config import ModelConfig
+    from flashdraft.config import DrafterConfig
 
     with pytest.raises(ValueError, match=message + r".*or make a layer full_attention"):
-        ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
-                    drafter_sliding_window=window)
+        DrafterConfig(block_size=block_size, num_layers=layers, layer_types=("sliding_attention",),
+                      sliding_window=window)
     # what stays accepted: the released layout's miniature (W 3 < block 4, 2 layers: tests/test_dflash2.py), a
     # full layer anywhere in the stack, the smallest window the refusal names, the released window
-    ModelConfig(block_size=4, num_draft_layers=2, drafter_layer_types=("sliding_attention",), drafter_sliding_window=3)
-    ModelConfig(block_size=block_size, num_draft_layers=2, drafter_sliding_window=window,
-                drafter_layer_types=("sliding_attention", "full_attention"))
-    ModelConfig(block_size=block_size, num_draft_layers=layers, drafter_layer_types=("sliding_attention",),
-                drafter_sliding_window=5)
-    ModelConfig(drafter_layer_types=("sliding_attention",), drafter_sliding_window=2048)
+    DrafterConfig(block_size=4, num_layers=2, layer_types=("sliding_attention",), sliding_window=3)
+    DrafterConfig(block_size=block_size, num_layers=2, sliding_window=window,
+                  layer_types=("sliding_attention", "full_attention"))
+    DrafterConfig(block_size=block_size, num_layers=layers, layer_types=("sliding_attention",), sliding_window=5)
+    DrafterConfig(layer_types=("sliding_attention",), sliding_window=2048)
 
 
 def test_an_export_whose_window_leaves_a_slot_blind_is_refused_on_load(eval_dir, tmp_path):

@@ -25,7 +25,7 @@ def test_default_tap_ids_follow_dflash():
 
 
 def test_default_taps_refuse_duplicates_on_shallow_targets():
-    with pytest.raises(ValueError, match="target_layer_ids"):
+    with pytest.raises(ValueError, match="target.layer_ids"):
         default_target_layer_ids(4, 3)  # the formula gives [1, 1, 1]
 
 
@@ -340,7 +340,7 @@ def test_a_target_config_or_weights_nothing_can_be_built_from_is_one_line_in_pla
         argv = ["eval", "--target", str(target), "--baseline", "ngram", "--prompts",
                 str(saved_target / "prompts.jsonl"), "--block-size", "4", "--max-new-tokens", "2", "--device", "cpu"]
     else:
-        argv = [command, *overrides(saved_target, tmp_path / "run", model__target=target)]
+        argv = [command, *overrides(saved_target, tmp_path / "run", target__path=target)]
     if command == "plan" and what == "model.safetensors":
         assert main(argv) == 0
         return
@@ -357,6 +357,6 @@ def test_a_target_with_code_of_its_own_is_refused_without_a_hub_url_made_of_its_
     (tmp_path / "target" / "config.json").write_text(json.dumps({
         "model_type": "custom", "auto_map": {"AutoModelForCausalLM": "modeling.CustomForCausalLM"}}))
     with pytest.raises(ValueError, match=r"config.json: this target's architecture is Python code in its own "
-                                         r"directory .*model.trust_remote_code=true") as caught:
+                                         r"directory .*target.trust_remote_code=true") as caught:
         TargetModel.from_pretrained(tmp_path / "target")
     assert "hf.co" not in str(caught.value) and "https://" not in str(caught.value)

@@ -1,4 +1,4 @@
-"""Targets sharded over several ranks (model.tensor_parallel, model.expert_parallel): the sharded
+"""Targets sharded over several ranks (target.tensor_parallel, target.expert_parallel): the sharded
 target's taps and decoding forward against the same target loaded whole, on 2 and 4 gloo ranks
 (target groups of 2 and 4, and 2 groups of 2 side by side); evaluation and the failure of a rank
 in a target group. Training with a sharded target, and resuming at another tensor-parallel size:
@@ -70,7 +70,7 @@ def test_a_rank_lost_in_a_target_group_fails_the_job_with_a_named_error(tiny_job
     """Rank 1 dies, or hangs, inside a sharded target forward: rank 0, waiting in that forward's
     collective, fails with the operation named within the collective timeout, never a hang."""
     timeout_s = 5.0
-    args = overrides(tiny_job, tmp_path / "run", train__collective_timeout_s=timeout_s, model__tensor_parallel=2)
+    args = overrides(tiny_job, tmp_path / "run", train__collective_timeout_s=timeout_s, target__tensor_parallel=2)
     mark = tmp_path / "fault_time"
     workers = run_ranks(forkserver, "train_rank_fails", json.dumps(args), how, "3", str(mark), expect_exit=False)
     (pid0, log0), (pid1, _) = workers
@@ -101,7 +101,7 @@ def test_a_signal_to_a_rank_of_a_disaggregated_target_group_stops_the_whole_job_
     the group's first rank through the group's per-step vote, then the drafter rank with the
     next step; it checkpoints, and every rank exits 143."""
     server, out = forkserver, tmp_path / "run"
-    args = overrides(tiny_job, out, train__max_steps=12, model__tensor_parallel=2, pipeline__placement="disaggregated",
+    args = overrides(tiny_job, out, train__max_steps=12, target__tensor_parallel=2, pipeline__placement="disaggregated",
                      pipeline__target_ranks=2, train__collective_timeout_s=60)
     workers = run_ranks(server, "cli", "train", *args, world_size=3, expect_exit=False,
                         env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.3"})

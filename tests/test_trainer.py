@@ -18,8 +18,8 @@ from flashdraft.train.trainer import Trainer, train
 
 def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=30, train__log_every=5,
-                                          optim__lr="1e-2", data__eval_path=tiny_job / "heldout",
-                                          data__eval_prompts=tiny_job / "prompts.jsonl", train__eval_max_new_tokens=12))
+                                          optim__lr="1e-2", eval__data_path=tiny_job / "heldout",
+                                          eval__prompts_path=tiny_job / "prompts.jsonl", eval__max_new_tokens=12))
     trainer = Trainer(cfg)
     result = trainer.fit()
     losses = [h["loss"] for h in trainer.history if "loss" in h]
@@ -36,9 +36,9 @@ def test_training_lowers_the_loss_and_exports(tiny_job, tmp_path):
 def test_a_dpace_run_with_a_sampled_eval_trains_and_evaluates(tiny_job, tmp_path, loss):
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=20, optim__lr="1e-2",
                                           objective__weighting="dpace", objective__loss=loss,
-                                          data__eval_prompts=tiny_job / "prompts.jsonl",
-                                          train__eval_max_new_tokens=12, train__eval_temperature="1.0",
-                                          train__eval_top_k=20))
+                                          eval__prompts_path=tiny_job / "prompts.jsonl",
+                                          eval__max_new_tokens=12, eval__temperature="1.0",
+                                          eval__top_k=20))
     trainer = Trainer(cfg)
     result = trainer.fit()
     losses = [h["loss"] for h in trainer.history if "loss" in h]
@@ -51,9 +51,9 @@ def test_a_sliding_window_drafter_trains_and_exports_the_keys_the_engines_read(t
     from flashdraft.drafter import DFlashDrafter
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=12, optim__lr="1e-2",
-                                          model__drafter_layer_types="[sliding_attention]",
-                                          model__drafter_sliding_window=6, model__drafter_causal="false",
-                                          data__eval_prompts=tiny_job / "prompts.jsonl", train__eval_max_new_tokens=8))
+                                          drafter__layer_types="[sliding_attention]",
+                                          drafter__sliding_window=6, drafter__causal="false",
+                                          eval__prompts_path=tiny_job / "prompts.jsonl", eval__max_new_tokens=8))
     trainer = Trainer(cfg)
     result = trainer.fit()
     assert trainer.drafter.layer_masks == [LayerMask(6, False)] and result["eval_tau"] >= 1.0
@@ -63,8 +63,8 @@ def test_a_sliding_window_drafter_trains_and_exports_the_keys_the_engines_read(t
     assert DFlashDrafter.from_pretrained(tmp_path / "run" / "drafter").layer_masks == [LayerMask(6, False)]
 
 
-DFLASH2 = {"model__drafter": "dflash2", "model__conv_group_size": 8, "model__selector_rank": 8,
-           "model__selector_top_k": 8}
+DFLASH2 = {"drafter__family": "dflash2", "drafter__conv_group_size": 8, "drafter__selector_rank": 8,
+           "drafter__selector_top_k": 8}
 
 
 def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, tmp_path):
@@ -75,8 +75,8 @@ def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, t
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=16, optim__lr="1e-2",
                                           objective__selector_warmup_frac="0.25", objective__selector_ramp_frac="0.25",
-                                          train__log_every=1, data__eval_prompts=tiny_job / "prompts.jsonl",
-                                          train__eval_max_new_tokens=8, train__eval_temperature="1.0", **DFLASH2))
+                                          train__log_every=1, eval__prompts_path=tiny_job / "prompts.jsonl",
+                                          eval__max_new_tokens=8, eval__temperature="1.0", **DFLASH2))
     trainer = Trainer(cfg)
     alphas = []
     trainer_step = trainer.strategy.blocks
@@ -102,7 +102,7 @@ def test_a_dflash2_drafter_trains_its_selector_evaluates_and_exports(tiny_job, t
 
 def test_a_drafter_with_attention_sinks_trains_them_and_exports_them(tiny_job, tmp_path):
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=6, optim__lr="1e-2",
-                                          model__drafter_attention_sink="true"))
+                                          drafter__attention_sink="true"))
     trainer = Trainer(cfg)
     trainer.fit()
     assert trainer.drafter.layers[0].self_attn.attention_sink_bias.abs().sum() > 0  # trained from 0
@@ -118,7 +118,7 @@ def test_selector_alpha_0_freezes_the_selector(tiny_job, tmp_path):
     from flashdraft.signals import Stopped
 
     cfg = load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=4, objective__selector_alpha=0,
-                                          train__save_every=1, **DFLASH2))
+                                          checkpoint__save_every=1, **DFLASH2))
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.drafter.candidate_selector.state_dict().items()}
     with pytest.raises(Stopped):  # preempted after step 2, its checkpoint saved: the schedule is mid-way
@@ -128,7 +128,7 @@ def test_selector_alpha_0_freezes_the_selector(tiny_job, tmp_path):
     assert not any(p in trainer.optimizer.state for p in selector.parameters())
     assert all(torch.equal(before[k], v) for k, v in selector.state_dict().items())
     resumed = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run", train__max_steps=4,
-                                                      train__save_every=1, **DFLASH2)))
+                                                      checkpoint__save_every=1, **DFLASH2)))
     resumed.fit()
     assert resumed.step == 4
     assert any(p in resumed.optimizer.state for p in resumed.drafter.candidate_selector.parameters())
@@ -141,7 +141,7 @@ def test_a_hybrid_linear_attention_target_trains_evaluates_and_exports(tmp_path_
     the RoPE the drafter trained with."""
     job = make_job(tmp_path_factory.mktemp("hybrid"), tiny_qwen3_5(hidden=32, seed=1))
     cfg = load_config(overrides=overrides(job, tmp_path / "run", train__max_steps=20, optim__lr="1e-2",
-                                          data__eval_prompts=job / "prompts.jsonl", train__eval_max_new_tokens=12))
+                                          eval__prompts_path=job / "prompts.jsonl", eval__max_new_tokens=12))
     trainer = Trainer(cfg)
     result = trainer.fit()
     losses = [h["loss"] for h in trainer.history if "loss" in h]
@@ -172,7 +172,7 @@ def test_resume_after_sigkill_is_exact(tiny_job, tmp_path, references, forkserve
     assert step == 8
 
     resumed = tmp_path / "resumed"
-    args = overrides(tiny_job, resumed, train__max_steps=8, train__save_every=4)
+    args = overrides(tiny_job, resumed, train__max_steps=8, checkpoint__save_every=4)
     pid, log = forkserver.spawn("cli", "train", *args, env={"FLASHDRAFT_TEST_STEP_SLEEP": "0.5"})
     latest = resumed / "checkpoints" / "latest"
     deadline = time.monotonic() + 120

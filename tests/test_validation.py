@@ -31,7 +31,7 @@ def test_the_eval_drafter_is_built_on_meta_and_takes_the_rounded_training_weight
     eval device, and the RoPE tables the training drafter's (fp32). On CPU the eval device is
     the host, so "no host copy" shows here as: nothing but the rounded weights is allocated."""
     trainer = Trainer(load_config(overrides=overrides(tiny_job, tmp_path / "run",
-                                                      data__eval_prompts=tiny_job / "prompts.jsonl")))
+                                                      eval__prompts_path=tiny_job / "prompts.jsonl")))
     validator, drafter = trainer.validator, trainer.drafter
     with _Ops() as seen:
         shipped = validator.shipped_drafter()

@@ -1,5 +1,5 @@
 """`flashdraft bench engine-features`: the target's features from a vLLM engine against the
-in-process transformers forward, on CPU (model.target_backend, flashdraft.target.engine).
+in-process transformers forward, on CPU (target.backend, flashdraft.target.engine).
 
 Two parts, each on random-weight Qwen3 targets of the chosen sizes (``--sizes``):
 
@@ -147,12 +147,12 @@ def measure_overlap(target_dir: Path, taps: list[int], backend: str, pipelined: 
         write_job(job, AutoModelForCausalLM.from_pretrained(target_dir), samples=64, length=256, prompt_length=64,
                   max_id=SIZES[target_dir.name][0] - 2)
     overrides = {
-        "model.target": job / "target", "model.mask_token_id": SIZES[target_dir.name][0] - 1,
-        "model.num_draft_layers": 1, "model.block_size": 8, "model.target_layer_ids": json.dumps(taps),
-        "model.target_backend": backend, "data.path": job / "data", "data.token_budget": 2048,
+        "target.path": job / "target", "drafter.mask_token_id": SIZES[target_dir.name][0] - 1,
+        "drafter.num_layers": 1, "drafter.block_size": 8, "target.layer_ids": json.dumps(taps),
+        "target.backend": backend, "data.path": job / "data", "data.token_budget": 2048,
         "data.max_batch_size": 8, "objective.num_anchors": 32, "train.max_steps": steps, "train.log_every": steps,
-        "train.save_every": 0, "train.output_dir": out, "train.device": "cpu", "train.metrics": "[jsonl]",
-        "train.resume": "never", "pipeline.enabled": str(pipelined).lower(),
+        "checkpoint.save_every": 0, "train.output_dir": out, "train.device": "cpu", "train.metrics": "[jsonl]",
+        "checkpoint.resume": "never", "pipeline.enabled": str(pipelined).lower(),
     }
     trainer, clock = trainer_for(overrides), StepClock()
     try:

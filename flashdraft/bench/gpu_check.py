@@ -176,13 +176,13 @@ def _overrides(job: Path, target: str, data: str, out: Path, smoke: bool, **extr
     config = AutoConfig.from_pretrained(job / target)
     layers = config.num_hidden_layers
     overrides = {
-        "model.target": job / target, "model.mask_token_id": config.vocab_size - 1,
-        "model.target_layer_ids": json.dumps(list(range(1, layers))[-5:]), "data.path": job / data,
-        "train.output_dir": out, "train.resume": "never", "train.device": _device(smoke), "train.log_every": 1,
-        "train.save_every": 0, "train.metrics": "[jsonl]",
+        "target.path": job / target, "drafter.mask_token_id": config.vocab_size - 1,
+        "target.layer_ids": json.dumps(list(range(1, layers))[-5:]), "data.path": job / data,
+        "train.output_dir": out, "checkpoint.resume": "never", "train.device": _device(smoke), "train.log_every": 1,
+        "checkpoint.save_every": 0, "train.metrics": "[jsonl]",
     }
     if smoke:  # toy work: a few rows per micro-batch on 2 shared CPU cores
-        overrides.update({"data.token_budget": 512, "objective.num_anchors": 8, "model.num_draft_layers": 1})
+        overrides.update({"data.token_budget": 512, "objective.num_anchors": 8, "drafter.num_layers": 1})
     return {**overrides, **extra}
 
 

@@ -53,11 +53,11 @@ def run_mode(root: Path, enabled: bool, steps: int, layers: int, device: str = "
     taps = default_target_layer_ids(layers, 5)  # DFlash's spread, as for Qwen3-8B
     vocab = AutoConfig.from_pretrained(root / "target").vocab_size  # the last id is the MASK token
     overrides = {
-        "model.target": root / "target", "model.mask_token_id": vocab - 1, "model.num_draft_layers": 5,
-        "model.block_size": 16, "model.target_layer_ids": json.dumps(taps), "data.path": root / "data",
+        "target.path": root / "target", "drafter.mask_token_id": vocab - 1, "drafter.num_layers": 5,
+        "drafter.block_size": 16, "target.layer_ids": json.dumps(taps), "data.path": root / "data",
         "data.token_budget": budget, "data.max_batch_size": 8, "objective.num_anchors": anchors,
-        "train.max_steps": steps, "train.log_every": min(10, max(1, steps // 3)), "train.save_every": 0,
-        "train.output_dir": root / (name or f"run_{enabled}"), "train.resume": "never", "train.device": device,
+        "train.max_steps": steps, "train.log_every": min(10, max(1, steps // 3)), "checkpoint.save_every": 0,
+        "train.output_dir": root / (name or f"run_{enabled}"), "checkpoint.resume": "never", "train.device": device,
         "pipeline.enabled": str(enabled).lower(),
     }
     trainer, clock = trainer_for(overrides), StepClock()

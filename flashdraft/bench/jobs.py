@@ -115,12 +115,13 @@ def real_run(job: Path, out: Path, *, steps: int, enabled: bool, threads: int, c
     torch.set_num_threads(threads)
     taps = tiny_job_taps(AutoConfig.from_pretrained(job / "target").num_hidden_layers)
     overrides = {
-        "model.target": job / "target", "model.mask_token_id": 1023, "model.num_draft_layers": 1,
-        "model.block_size": 8, "model.target_layer_ids": json.dumps(taps), "data.path": job / "data",
+        "target.path": job / "target", "drafter.mask_token_id": 1023, "drafter.num_layers": 1,
+        "drafter.block_size": 8, "target.layer_ids": json.dumps(taps), "data.path": job / "data",
         "data.token_budget": 2048, "data.max_batch_size": 8, "objective.num_anchors": 32,
-        "train.max_steps": steps, "train.log_every": steps, "train.save_every": 0, "train.output_dir": out,
+        "train.max_steps": steps, "train.log_every": steps, "checkpoint.save_every": 0, "train.output_dir": out,
         "train.device": "cpu", "train.metrics": "[jsonl]", "pipeline.enabled": str(enabled).lower(),
-        "pipeline.capacity": capacity, "train.resume": "never", "pipeline.feature_cache_bytes": feature_cache_bytes,
+        "pipeline.capacity": capacity, "checkpoint.resume": "never",
+        "pipeline.feature_cache_bytes": feature_cache_bytes,
         "train.keep_freed_host_memory": str(keep_freed_host_memory).lower(),
     }
     trainer, clock = trainer_for(overrides), StepClock()

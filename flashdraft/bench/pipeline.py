@@ -215,8 +215,8 @@ def _feature_cache_args(args) -> tuple[str, str, int, float, float]:
         from flashdraft.config import load_config
 
         cfg = load_config(args.config)
-        target, data = cfg.model.target, cfg.data.path
-        taps = len(cfg.model.target_layer_ids) if cfg.model.target_layer_ids else cfg.model.num_taps
+        target, data = cfg.target.path, cfg.data.path
+        taps = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_taps
         ram, disk = cfg.pipeline.feature_cache_bytes, cfg.pipeline.feature_cache_disk_bytes
     pick = lambda given, default: default if given is None or given == "" else given  # noqa: E731
     return (pick(args.target, target), pick(args.data, data), pick(args.num_taps, taps),

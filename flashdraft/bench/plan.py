@@ -12,10 +12,10 @@ import logging
 from pathlib import Path
 
 # the sharding each public target needs (colocated: every GPU holds its share of the target)
-LAYOUTS = {"Qwen3-32B": ["model.tensor_parallel=2"],
-           "Qwen3-30B-A3B": ["model.tensor_parallel=2", "model.expert_parallel=true"],
-           "Qwen3-235B-A22B": ["model.tensor_parallel=4", "model.expert_parallel=true"],
-           "gpt-oss-120b": ["model.tensor_parallel=4"]}
+LAYOUTS = {"Qwen3-32B": ["target.tensor_parallel=2"],
+           "Qwen3-30B-A3B": ["target.tensor_parallel=2", "target.expert_parallel=true"],
+           "Qwen3-235B-A22B": ["target.tensor_parallel=4", "target.expert_parallel=true"],
+           "gpt-oss-120b": ["target.tensor_parallel=4"]}
 
 
 def add_arguments(parser) -> None:
@@ -40,7 +40,7 @@ def run(args) -> int:
     for target in sorted(p for p in Path(args.targets).iterdir() if (p / "config.json").is_file()):
         layout = LAYOUTS.get(target.name, [])
         for s in lengths:
-            cfg = load_config(None, [f"model.target={target}", "model.mask_token_id=0",
+            cfg = load_config(None, [f"target.path={target}", "drafter.mask_token_id=0",
                                      f"data.max_length={max(s, 3072)}", *layout, *args.overrides])
             plan = plan_memory(cfg, seq_len=s, device="cuda")
             parts = dict(plan.consumers)

@@ -54,13 +54,13 @@ def run(args) -> int:
     soak_job(out)
     torch.set_num_threads(1)
     config = load_config(overrides=[
-        f"model.target={out / 'target'}", "model.mask_token_id=299", "model.num_draft_layers=1", "model.block_size=4",
-        "model.target_layer_ids=[1,2]", f"data.path={out / 'data'}", f"data.eval_path={out / 'heldout'}",
-        f"data.eval_prompts={out / 'prompts.jsonl'}", "data.token_budget=160", "data.max_batch_size=4",
+        f"target.path={out / 'target'}", "drafter.mask_token_id=299", "drafter.num_layers=1", "drafter.block_size=4",
+        "target.layer_ids=[1,2]", f"data.path={out / 'data'}", f"eval.data_path={out / 'heldout'}",
+        f"eval.prompts_path={out / 'prompts.jsonl'}", "data.token_budget=160", "data.max_batch_size=4",
         "objective.num_anchors=8", f"train.max_steps={args.steps}", "train.log_every=50",
-        f"train.save_every={args.save_every}", f"train.eval_every={args.eval_every}", "train.eval_prompts=4",
-        "train.eval_max_new_tokens=16", "train.keep_last=2", f"train.output_dir={out / 'run'}", "train.device=cpu",
-        "train.resume=never",
+        f"checkpoint.save_every={args.save_every}", f"eval.every={args.eval_every}", "eval.num_prompts=4",
+        "eval.max_new_tokens=16", "checkpoint.keep_last=2", f"train.output_dir={out / 'run'}", "train.device=cpu",
+        "checkpoint.resume=never",
     ])
     samples: list[dict] = []
     t0 = time.monotonic()

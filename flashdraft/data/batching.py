@@ -67,7 +67,7 @@ class DrafterRows:
 
     budget: int  # data.row_budget
     num_anchors: int  # objective.num_anchors
-    block_size: int  # model.block_size
+    block_size: int  # drafter.block_size
 
     def __post_init__(self):
         if min(self.budget, self.num_anchors, self.block_size) < 1:
@@ -80,8 +80,8 @@ class DrafterRows:
 
     @classmethod
     def of(cls, config) -> DrafterRows:
-        """The budget a flashdraft Config sets (data.row_budget, objective.num_anchors, model.block_size)."""
-        return cls(config.data.row_budget, config.objective.num_anchors, config.model.block_size)
+        """The budget a flashdraft Config sets (data.row_budget, objective.num_anchors, drafter.block_size)."""
+        return cls(config.data.row_budget, config.objective.num_anchors, config.drafter.block_size)
 
 
 def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int, epoch: int,
@@ -151,10 +151,10 @@ def check_row_budget(length: int, rows: DrafterRows, what: str) -> None:
     if need > rows.budget:
         fits = rows.budget // rows.block_size  # anchors whose blocks the budget holds
         other = (f" or lower objective.num_anchors to {fits}" if fits else
-                 f" (one anchor's block alone is model.block_size={rows.block_size} rows: no num_anchors fits)")
+                 f" (one anchor's block alone is drafter.block_size={rows.block_size} rows: no num_anchors fits)")
         raise ValueError(
             f"{what} has {length} tokens: min(objective.num_anchors={rows.num_anchors}, {length} - 1) anchors x "
-            f"model.block_size={rows.block_size} = {need} drafter rows, more than data.row_budget={rows.budget}: "
+            f"drafter.block_size={rows.block_size} = {need} drafter rows, more than data.row_budget={rows.budget}: "
             f"raise data.row_budget to at least {need}{other}"
         )
 
@@ -373,7 +373,7 @@ class BatchSampler:
     # each as the run config names it (a refusal names what to restore)
     PLAN_FIELDS = {"seed": "train.seed", "token_budget": "data.token_budget", "max_batch_size": "data.max_batch_size",
                    "num_samples": "the number of samples in data.path", "row_budget": "data.row_budget",
-                   "num_anchors": "objective.num_anchors", "block_size": "model.block_size"}
+                   "num_anchors": "objective.num_anchors", "block_size": "drafter.block_size"}
 
     def _plan_key(self, key: str) -> int:
         if key == "num_samples":

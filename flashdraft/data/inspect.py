@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 
-from flashdraft.config import DataConfig, ModelConfig
+from flashdraft.config import DataConfig, DrafterConfig
 
 
 def add_arguments(parser) -> None:
-    d, m = DataConfig(), ModelConfig()
+    d, m = DataConfig(), DrafterConfig()
     parser.add_argument("path",
                         help="token shard, HF save_to_disk directory, parquet file or directory of parquet files")
     parser.add_argument("--vocab-size", type=int, default=None, help="target vocab size to check ids against")
@@ -98,7 +98,7 @@ def format_summary(s: dict) -> str:
 
 
 def run(args) -> int:
-    min_sup = args.min_supervised if args.min_supervised is not None else 2 * ModelConfig().block_size
+    min_sup = args.min_supervised if args.min_supervised is not None else 2 * DrafterConfig().block_size
     s = summarize(args.path, vocab_size=args.vocab_size, max_length=args.max_length, token_budget=args.token_budget,
                   max_batch_size=args.max_batch_size, min_supervised=min_sup, cache_dir=args.cache_dir)
     print(json.dumps(s, indent=1) if args.json else format_summary(s))

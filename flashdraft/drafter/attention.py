@@ -39,7 +39,7 @@ def resolve_attention(impl: str, device: torch.device, needs_grad: bool, sinks: 
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention implementation {impl!r} unknown: use one of {', '.join(ATTENTION_IMPLS)}")
     if sinks and impl not in SINK_IMPLS:
-        raise ValueError(f"model.drafter_attention={impl} has no attention sink (model.drafter_attention_sink=true): "
+        raise ValueError(f"drafter.attention={impl} has no attention sink (drafter.attention_sink=true): "
                          f"use one of {', '.join(SINK_IMPLS)} (auto trains sinks blockwise on CUDA)")
     if impl in ("auto", "flex"):
         if device.type == "cuda" and _flex_available() and not sinks:
@@ -522,7 +522,7 @@ def _flex_attention(q, k, v, block_mask, enable_gqa):
             raise RuntimeError(
                 f"the drafter's compiled flex_attention failed on {torch.cuda.get_device_name(q.device)} "
                 f"(torch {torch.__version__}, q {tuple(q.shape)} {q.dtype}): {type(exc).__name__}: {exc}. "
-                "Set model.drafter_attention=blockwise to train with the exact matmul attention instead "
+                "Set drafter.attention=blockwise to train with the exact matmul attention instead "
                 "(slower, more memory), and report the error"
             ) from exc
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.config import ModelConfig
+from flashdraft.config import DrafterConfig
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,11 @@ class DFlash2Modules:
     selector_top_k: int = 16
 
     @classmethod
-    def of(cls, model: ModelConfig) -> DFlash2Modules | None:
-        """The sizes a run's ``model`` config sets (None: a DFlash drafter, which has neither module)."""
-        if model.drafter != "dflash2":
+    def of(cls, drafter: DrafterConfig) -> DFlash2Modules | None:
+        """The sizes a run's ``drafter`` config sets (None: a DFlash drafter, which has neither module)."""
+        if drafter.family != "dflash2":
             return None
-        return cls(model.conv_kernel_size, model.conv_group_size, model.selector_rank, model.selector_top_k)
+        return cls(drafter.conv_kernel_size, drafter.conv_group_size, drafter.selector_rank, drafter.selector_top_k)
 
 
 class GroupedDynamicConv(nn.Module):

@@ -122,8 +122,8 @@ def drafter_config_from_target(
         cfg["dflash_config"].update(block_size=block_size, **dataclasses.asdict(dflash2))
     if not 0 <= mask_token_id < cfg["vocab_size"]:
         raise ValueError(
-            f"model.mask_token_id={mask_token_id} is outside the target's embedding table (vocab_size "
-            f"{cfg['vocab_size']}): set model.mask_token_id to an unused id in [0, {cfg['vocab_size'] - 1}] "
+            f"drafter.mask_token_id={mask_token_id} is outside the target's embedding table (vocab_size "
+            f"{cfg['vocab_size']}): set drafter.mask_token_id to an unused id in [0, {cfg['vocab_size'] - 1}] "
             "(Qwen3: 151669), or add a mask token to the tokenizer and resize the target's embeddings"
         )
     return cfg
@@ -238,36 +238,36 @@ def check_supported(config: dict, where) -> None:
 
 
 
-def model_fields(config: dict) -> dict:
-    """The ``model.*`` config fields that describe the drafter of the export whose config.json is
-    ``config`` (the inverse of ``drafter_config_from_target``): its taps, layers, block, MASK id,
-    attention per layer, sinks and family (with DFlash2's sizes). A run that starts from the export
-    (model.init_from) takes its drafter's shape from these, not from its own config."""
+def config_fields(config: dict) -> dict[str, dict]:
+    """The run config's fields, by section (target, drafter), that describe the drafter of the
+    export whose config.json is ``config`` (the inverse of ``drafter_config_from_target``): its
+    taps, layers, block, MASK id, attention per layer, sinks and family (with DFlash2's sizes). A
+    run that starts from the export (drafter.init_from) takes its drafter's shape from these, not
+    from its own config."""
     layers = layer_attention(config)
     dflash = config.get("dflash_config") or {}
     sliding = [layer.window is not None for layer in layers]
     by_type = [layer.causal == s for layer, s in zip(layers, sliding)]  # the default: sliding causal, full not
     causal = {layer.causal for layer in layers}
     if not all(by_type) and len(causal) > 1:
-        raise ValueError("its layers mix in-block causality in a way model.drafter_causal cannot say (one value for "
+        raise ValueError("its layers mix in-block causality in a way drafter.causal cannot say (one value for "
                          "all layers, or by layer type); flashdraft cannot continue training it")
+    taps = {"layer_ids": tuple(int(i) for i in dflash["target_layer_ids"]), "num_taps": len(dflash["target_layer_ids"])}
     fields = {
-        "target_layer_ids": tuple(int(i) for i in dflash["target_layer_ids"]),
-        "num_taps": len(dflash["target_layer_ids"]),
-        "num_draft_layers": len(layers),
+        "num_layers": len(layers),
         "block_size": int(dflash.get("block_size") or config["block_size"]),
         "mask_token_id": int(dflash["mask_token_id"]),
-        "drafter_layer_types": tuple("sliding_attention" if s else "full_attention" for s in sliding) if any(sliding)
+        "layer_types": tuple("sliding_attention" if s else "full_attention" for s in sliding) if any(sliding)
         else (),
-        "drafter_sliding_window": next((layer.window for layer in layers if layer.window is not None), None),
-        "drafter_causal": None if all(by_type) else causal.pop(),
-        "drafter_attention_sink": attention_sinks(config),
-        "drafter": "dflash",
+        "sliding_window": next((layer.window for layer in layers if layer.window is not None), None),
+        "causal": None if all(by_type) else causal.pop(),
+        "attention_sink": attention_sinks(config),
+        "family": "dflash",
     }
     dflash2 = dflash2_modules(config)
     if dflash2 is not None:
-        fields.update(drafter="dflash2", **dataclasses.asdict(dflash2))
-    return fields
+        fields.update(family="dflash2", **dataclasses.asdict(dflash2))
+    return {"target": taps, "drafter": fields}
 
 
 def write_export(path: str | os.PathLike, state: dict[str, torch.Tensor], config: dict) -> Path:

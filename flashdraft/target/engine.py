@@ -3,12 +3,12 @@
 The frozen target's forward is the costliest part of online training, and for the targets users
 most want drafters for (large MoE, FP8 checkpoints, hybrid linear attention) a transformers
 forward is also the weakest: no fused MoE kernels, no FP8 path, no paged batching. With
-``model.target_backend=vllm`` the features come from a vLLM engine instead: each training batch's
+``target.backend=vllm`` the features come from a vLLM engine instead: each training batch's
 samples are prefilled whole (one request each, ``max_tokens=1``), vLLM's ``extract_hidden_states``
 method captures the tapped layers, and flashdraft's connector hands each request's states over
 (engine_env/hidden_states_connector.py). flashdraft never imports vLLM: the engine runs in
 engine_env/feature_worker.py under the engine environment's interpreter (flashdraft.vllm_env: the
-one the user names in model.vllm_python or FLASHDRAFT_ENGINE_PYTHON, else flashdraft's cached CPU
+one the user names in target.vllm_python or FLASHDRAFT_ENGINE_PYTHON, else flashdraft's cached CPU
 build), driven over a pipe.
 
 The hand-over: the connector writes one file per request to a tmpfs (``/dev/shm``; the pages never
@@ -84,10 +84,10 @@ def last_layer_refusal(layer_ids, num_layers: int) -> str | None:
     the target's final norm by flashdraft and before it by vLLM."""
     if num_layers - 1 not in list(layer_ids):
         return None
-    return (f"model.target_layer_ids {list(layer_ids)} taps the target's last layer ({num_layers - 1}), which "
+    return (f"target.layer_ids {list(layer_ids)} taps the target's last layer ({num_layers - 1}), which "
             "flashdraft takes after the final norm (transformers' last hidden_states entry) and vLLM captures "
             "before it: the engine's features would not be the ones the drafter is served with elsewhere; tap "
-            f"layers below {num_layers - 1}, or use model.target_backend=transformers")
+            f"layers below {num_layers - 1}, or use target.backend=transformers")
 
 
 def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
@@ -101,7 +101,7 @@ def last_layer_warning(target_layer_ids, num_target_layers: int) -> str | None:
     return (f"the drafter taps the target's last layer ({num_target_layers - 1} in target_layer_ids "
             f"{list(target_layer_ids)}): vLLM and SGLang capture it before the target's final norm (hidden + "
             "residual), flashdraft after it (hidden_states[-1]), so the served drafter sees other features than it "
-            f"was trained on; tap layers below {num_target_layers - 1} (model.target_layer_ids)")
+            f"was trained on; tap layers below {num_target_layers - 1} (target.layer_ids)")
 
 
 def warn_last_layer(target_layer_ids, num_target_layers: int) -> bool:
@@ -128,9 +128,9 @@ class EngineOptions:
     env: dict = field(default_factory=dict)  # further environment variables of the engine's process
 
     @classmethod
-    def of(cls, model_config) -> EngineOptions:
-        """The options a run's ``model`` config section gives."""
-        m = model_config
+    def of(cls, target_config) -> EngineOptions:
+        """The options a run's ``target`` config section gives."""
+        m = target_config
         return cls(m.vllm_python, m.vllm_tensor_parallel, m.vllm_expert_parallel, m.vllm_quantization,
                    m.vllm_gpu_memory_utilization, m.vllm_max_model_len, m.vllm_devices)
 
@@ -155,16 +155,16 @@ class EngineOptions:
 
 def engine_interpreter(options: EngineOptions, log_fn=log.info) -> str:
     """The interpreter the engine runs under (flashdraft.vllm_env.engine_python, the judge's too):
-    model.vllm_python or FLASHDRAFT_ENGINE_PYTHON where named, else flashdraft's cached CPU build
+    target.vllm_python or FLASHDRAFT_ENGINE_PYTHON where named, else flashdraft's cached CPU build
     (created the first time); an EngineError with the reason where neither can be had (a CUDA
     torch is never replaced by the CPU build)."""
     from flashdraft.vllm_env import EngineUnavailable, engine_python
 
     try:
-        return str(engine_python(options.python or None, named_by="model.vllm_python", log=log_fn))
+        return str(engine_python(options.python or None, named_by="target.vllm_python", log=log_fn))
     except EngineUnavailable as exc:
-        raise EngineError(f"model.target_backend=vllm cannot start its engine: {exc}; or use "
-                          "model.target_backend=transformers") from None
+        raise EngineError(f"target.backend=vllm cannot start its engine: {exc}; or use "
+                          "target.backend=transformers") from None
 
 
 def _storage_root() -> Path:
@@ -376,7 +376,7 @@ class EngineTarget:
     ``engine``: a FeatureEngine capturing at least every tap's aux layer (vllm_aux_layer_id)."""
 
     backend = "vllm"
-    sharded = False  # the engine's own parallelism is not flashdraft's (model.tensor_parallel)
+    sharded = False  # the engine's own parallelism is not flashdraft's (target.tensor_parallel)
 
     def __init__(self, heads: TargetModel, engine: FeatureEngine):
         self.heads, self.engine = heads, engine
@@ -462,7 +462,7 @@ class EngineTarget:
 
     def forward_with_cache(self, *args, **kwargs):
         raise EngineError("the vLLM target computes training features only; decoding (the tau eval, flashdraft eval) "
-                          "runs the target in-process: set train.eval_prompts=0 and judge the export with "
+                          "runs the target in-process: set eval.num_prompts=0 and judge the export with "
                           "`flashdraft eval --engine vllm`")
 
     new_cache = forward_with_cache

@@ -37,8 +37,8 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_target_layers:
         raise ValueError(
             f"the default spread of {num_taps} taps over a {num_target_layers}-layer target gives {ids}, "
-            f"which repeats or leaves the model; set model.target_layer_ids explicitly "
-            f"(distinct ids in [0, {num_target_layers - 1}]) or lower model.num_taps"
+            f"which repeats or leaves the model; set target.layer_ids explicitly "
+            f"(distinct ids in [0, {num_target_layers - 1}]) or lower target.num_taps"
         )
     return ids
 
@@ -78,7 +78,7 @@ def _model_dir(path: str | os.PathLike, trust_remote_code: bool = False) -> Path
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{path}: no config.json; model.target must be a local Hugging Face model directory "
+            f"{path}: no config.json; target.path must be a local Hugging Face model directory "
             "(download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
         )
     read_model_config(path, trust_remote_code)
@@ -104,7 +104,7 @@ def read_model_config(path: Path, trust_remote_code: bool = False) -> dict:
     check_model_sizes(values, str(file))
     if values.get("auto_map") and not trust_remote_code:
         raise ValueError(f"{file}: this target's architecture is Python code in its own directory (auto_map "
-                         f"{_abridged(values['auto_map'])}), which runs only with model.trust_remote_code=true: "
+                         f"{_abridged(values['auto_map'])}), which runs only with target.trust_remote_code=true: "
                          "read that code first, or use a model transformers implements")
     return values
 
@@ -141,7 +141,7 @@ def check_layer_ids(ids: list[int], num_layers: int) -> None:
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad or len(set(ids)) != len(ids):
         raise ValueError(
-            f"model.target_layer_ids={ids} is invalid for this {num_layers}-layer target: "
+            f"target.layer_ids={ids} is invalid for this {num_layers}-layer target: "
             f"use distinct ids in [0, {num_layers - 1}] (layer i is the output of decoder layer i)"
         )
 
@@ -193,7 +193,7 @@ def _load_sharded(path: Path, device: torch.device, dtype: torch.dtype, attn_imp
         from transformers.distributed import DistributedConfig
         from transformers.distributed.utils import TransformersDeviceMesh
     except ImportError:
-        raise ValueError("model.tensor_parallel > 1 needs transformers' distributed loading (DistributedConfig with "
+        raise ValueError("target.tensor_parallel > 1 needs transformers' distributed loading (DistributedConfig with "
                          "expert parallelism, 5.24 or newer): pip install -U transformers") from None
 
     from flashdraft import distributed
@@ -220,23 +220,23 @@ def _load_sharded(path: Path, device: torch.device, dtype: torch.dtype, attn_imp
 
 
 def check_tensor_parallel(path, config, tensor_parallel: int, expert_parallel: bool) -> type:
-    """Refuse a target that ``model.tensor_parallel`` cannot shard (no transformers class or
+    """Refuse a target that ``target.tensor_parallel`` cannot shard (no transformers class or
     plan, no expert plan, counts the group size does not divide), naming the fix; its causal LM
     class. Train's loading and the memory plan both ask this."""
     try:
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
-        raise ValueError(f"{path}: model.tensor_parallel needs a causal LM architecture transformers itself implements "
-                         f"(this one, {type(config).__name__}, is not among them: remote code?); use "
-                         "model.tensor_parallel=1") from None
+        raise ValueError(f"{path}: target.tensor_parallel needs a causal LM architecture transformers itself "
+                         f"implements (this one, {type(config).__name__}, is not among them: remote code?); use "
+                         "target.tensor_parallel=1") from None
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
         raise ValueError(f"{path}: transformers has no tensor-parallel plan for {model_class.__name__} "
-                         f"(config.base_model_tp_plan is empty), so model.tensor_parallel={tensor_parallel} cannot "
-                         "shard it; use model.tensor_parallel=1 on a device that holds the whole target")
+                         f"(config.base_model_tp_plan is empty), so target.tensor_parallel={tensor_parallel} cannot "
+                         "shard it; use target.tensor_parallel=1 on a device that holds the whole target")
     if expert_parallel and not getattr(config, "base_model_ep_plan", None):
         raise ValueError(f"{path}: {model_class.__name__} has no expert-parallel plan (not a mixture-of-experts "
-                         "model, or none in transformers); use model.expert_parallel=false")
+                         "model, or none in transformers); use target.expert_parallel=false")
     _check_divisible(path, config, tensor_parallel, expert_parallel)
     return model_class
 
@@ -256,9 +256,9 @@ def _check_divisible(path: Path, config, tensor_parallel: int, expert_parallel: 
     if bad:
         fits = [t for t in range(2, max(counts.values()) + 1) if all(v % t == 0 for v in counts.values())]
         raise ValueError(
-            f"{path}: model.tensor_parallel={tensor_parallel} must divide the target's "
+            f"{path}: target.tensor_parallel={tensor_parallel} must divide the target's "
             f"{', '.join(f'{k}={v}' for k, v in bad.items())} (its plan splits them evenly over the group); use "
-            f"{' or '.join(map(str, fits)) if fits else 'model.tensor_parallel=1'}, with more data-parallel groups "
+            f"{' or '.join(map(str, fits)) if fits else 'target.tensor_parallel=1'}, with more data-parallel groups "
             "for the other GPUs")
 
 

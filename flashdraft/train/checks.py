@@ -47,21 +47,21 @@ def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
         tokenizer = target_tokenizer(str(target_dir))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{target_dir}: no tokenizer to find the mask token in ({exc}); "
-                         "set model.mask_token_id") from None
+                         "set drafter.mask_token_id") from None
     vocab = tokenizer.get_vocab()
     if "<|MASK|>" in vocab:
         return vocab["<|MASK|>"]
     if tokenizer.mask_token_id is not None:
         return tokenizer.mask_token_id
     raise ValueError(
-        f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set model.mask_token_id to an unused id "
+        f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set drafter.mask_token_id to an unused id "
         "inside the target's embedding table (Qwen3: 151669, the id <|MASK|> gets when added)"
     )
 
 
 def check_paths(cfg: Config) -> None:
-    if not cfg.model.target:
-        raise ValueError("config model.target is empty: give the Hugging Face target directory (model.target=DIR)")
+    if not cfg.target.path:
+        raise ValueError("config target.path is empty: give the Hugging Face target directory (target.path=DIR)")
     if not cfg.data.path:
         raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
     _check_output_dir(cfg)
@@ -83,8 +83,8 @@ def _check_output_dir(cfg: Config) -> None:
     if own is not None:
         raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {own}, an output of the training "
                          f"run in {own.parent} (its {own.name}); give a directory outside it")
-    for field, given in (("model.target", cfg.model.target), ("data.path", cfg.data.path),
-                         ("data.eval_path", cfg.data.eval_path), ("data.eval_prompts", cfg.data.eval_prompts)):
+    for field, given in (("target.path", cfg.target.path), ("data.path", cfg.data.path),
+                         ("eval.data_path", cfg.eval.data_path), ("eval.prompts_path", cfg.eval.prompts_path)):
         if given and out.is_relative_to(Path(given).resolve()):
             raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {field} {given}, which the "
                              "run reads and its checkpoints and metrics would be written into; give another directory")
@@ -96,30 +96,30 @@ def check_drafter_sizes(cfg: Config, device=None) -> None:
     in the vocabulary, and the selector's training state (fp32 codebooks and projection, their
     gradients and AdamW's two moments: 16 bytes a parameter) fits in ``device``'s memory (a
     rank of 1e9 was an allocator traceback for terabytes)."""
-    if cfg.model.drafter != "dflash2":
+    if cfg.drafter.family != "dflash2":
         return
     from transformers import AutoConfig
 
     from flashdraft.target.model import _model_dir
 
-    target = AutoConfig.from_pretrained(_model_dir(cfg.model.target, cfg.model.trust_remote_code),
-                                        trust_remote_code=cfg.model.trust_remote_code)
+    target = AutoConfig.from_pretrained(_model_dir(cfg.target.path, cfg.target.trust_remote_code),
+                                        trust_remote_code=cfg.target.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target
     hidden, vocab = int(target.hidden_size), int(target.vocab_size)
-    if hidden % cfg.model.conv_group_size:
+    if hidden % cfg.drafter.conv_group_size:
         fits = [g for g in (16, 8, 32, 64, 4, 2) if hidden % g == 0]  # the released 16 first
-        raise ValueError(f"model.conv_group_size={cfg.model.conv_group_size} must divide the target's hidden size "
+        raise ValueError(f"drafter.conv_group_size={cfg.drafter.conv_group_size} must divide the target's hidden size "
                          f"{hidden}: use e.g. {fits[0] if fits else 1}")
-    if cfg.model.selector_top_k > vocab:
-        raise ValueError(f"model.selector_top_k={cfg.model.selector_top_k} exceeds the target's vocabulary ({vocab}): "
-                         "use e.g. 16")
-    rank = cfg.model.selector_rank
+    if cfg.drafter.selector_top_k > vocab:
+        raise ValueError(f"drafter.selector_top_k={cfg.drafter.selector_top_k} exceeds the target's vocabulary "
+                         f"({vocab}): use e.g. 16")
+    rank = cfg.drafter.selector_rank
     need, have = 16 * rank * (2 * vocab + hidden), device_memory_bytes(device)
     if have and need > have:
-        raise ValueError(f"model.selector_rank={rank}: the selector's codebooks and projection ({rank} x (2 x {vocab} "
-                         f"+ {hidden}) fp32 parameters) need {need / 1e9:,.1f} GB with their gradients and AdamW "
-                         f"state, more than the {have / 1e9:,.1f} GB of this device: use e.g. 256 (the released "
-                         "drafters')")
+        raise ValueError(f"drafter.selector_rank={rank}: the selector's codebooks and projection ({rank} x "
+                         f"(2 x {vocab} + {hidden}) fp32 parameters) need {need / 1e9:,.1f} GB with their gradients "
+                         f"and AdamW state, more than the {have / 1e9:,.1f} GB of this device: use e.g. 256 (the "
+                         "released drafters')")
 
 
 def device_memory_bytes(device) -> int:
@@ -136,7 +136,7 @@ def check_mask_token(dataset, mask_id: int, chunk: int = 1 << 26) -> int:
     """How often the drafter's mask id occurs in ``dataset``'s tokens (vectorised, ``chunk`` ids at
     a time over the memory map); warns naming the first sample when it does. A real token equal to
     the mask is indistinguishable from a masked slot to the drafter. A warning, not a refusal: a
-    literal mask string in a few samples costs little, a wrong model.mask_token_id costs much."""
+    literal mask string in a few samples costs little, a wrong drafter.mask_token_id costs much."""
     ids = dataset.ids
     hits, first = 0, -1
     for start in range(0, len(ids), chunk):
@@ -146,8 +146,8 @@ def check_mask_token(dataset, mask_id: int, chunk: int = 1 << 26) -> int:
         hits += int(found.size)
     if hits:
         sample = max(0, int(np.searchsorted(dataset.starts, first, side="right")) - 1)
-        log.warning("%s: model.mask_token_id=%d occurs %d times in the data (first in sample %d, source row %d): "
-                    "the drafter cannot tell those tokens from its masks; set model.mask_token_id to an id the data "
+        log.warning("%s: drafter.mask_token_id=%d occurs %d times in the data (first in sample %d, source row %d): "
+                    "the drafter cannot tell those tokens from its masks; set drafter.mask_token_id to an id the data "
                     "never holds (the tokenizer's <|MASK|>, or an unused id)", dataset.path, mask_id, hits, sample,
                     int(dataset.source_index[sample]) if len(dataset.source_index) else -1)
     return hits
@@ -175,7 +175,7 @@ def check_tokenizer(target_dir: str, *datasets) -> None:
             prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")
             raise ValueError(
                 f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs from "
-                f"model.target's ({target_dir}): its token ids mean other tokens. Re-run flashdraft prepare with "
+                f"target.path's ({target_dir}): its token ids mean other tokens. Re-run flashdraft prepare with "
                 f"--tokenizer {target_dir}"
             )
 
@@ -206,12 +206,12 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
 
 def load_eval_prompts(cfg: Config, eval_dataset, target_config) -> list[list[int]]:
     """Held-out prompts for tau, read and checked at start-up (not at the first eval)."""
-    if cfg.data.eval_prompts:
-        prompts = read_prompts(cfg.data.eval_prompts)[: cfg.train.eval_prompts]
+    if cfg.eval.prompts_path:
+        prompts = read_prompts(cfg.eval.prompts_path)[: cfg.eval.num_prompts]
     elif eval_dataset is not None:
-        prompts = prompts_from_dataset(eval_dataset, cfg.train.eval_prompts)
+        prompts = prompts_from_dataset(eval_dataset, cfg.eval.num_prompts)
     else:
         return []
-    check_prompts_fit(prompts, target_config, cfg.data.eval_prompts or cfg.data.eval_path,
-                      max_new_tokens=cfg.train.eval_max_new_tokens, block_size=cfg.model.block_size)
+    check_prompts_fit(prompts, target_config, cfg.eval.prompts_path or cfg.eval.data_path,
+                      max_new_tokens=cfg.eval.max_new_tokens, block_size=cfg.drafter.block_size)
     return prompts

@@ -15,7 +15,7 @@ def add_arguments(parser) -> None:
     parser.epilog = (describe_fields() + "\n\n`flashdraft config [--config FILE] [overrides]` prints the resolved "
                      "config as YAML (a starting file: flashdraft config > run.yaml).")
     parser.add_argument("--config", help="YAML config file (sections model, data, objective, optim, train, pipeline)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 model.target=DIR")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 target.path=DIR")
 
 
 def run(args) -> int:

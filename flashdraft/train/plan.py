@@ -4,7 +4,7 @@
 the run config, and estimates the per-device peak memory of training at the real sizes:
 
 - the target's weights come from the Hugging Face model class built on the meta device (its
-  own parameter shapes, no bytes), in the compute dtype, sharded over ``model.tensor_parallel``;
+  own parameter shapes, no bytes), in the compute dtype, sharded over ``target.tensor_parallel``;
 - the drafter's training state and step are MEASURED: the real drafter (drafter/model.py) is
   built and one real optimizer step (train/step.py ``forward_backward``, the objective, the
   trainer's AdamW) runs under ``FakeTensorMode`` on the planned device at the worst
@@ -120,7 +120,7 @@ class TargetShape:
 
 
 def target_config_path(target: str, trust_remote_code: bool = False) -> Path:
-    """model.target's config.json, read and checked as train reads it (target.model._model_dir:
+    """target.path's config.json, read and checked as train reads it (target.model._model_dir:
     one line naming the file and field for a config nothing can be built from)."""
     from flashdraft.target.model import _model_dir
 
@@ -177,7 +177,7 @@ def anchors_per_pass(cfg: Config, seq_len: int) -> int:
     sliced by objective.anchors_per_microbatch."""
     n = int(anchor_slots(seq_len, cfg.objective.num_anchors))
     if cfg.pipeline.placement == "colocated":
-        n = -(-n // cfg.model.tensor_parallel)
+        n = -(-n // cfg.target.tensor_parallel)
     apm = cfg.objective.anchors_per_microbatch
     return min(n, apm) if apm > 0 else n
 
@@ -249,13 +249,13 @@ def _drafter_config(cfg: Config, shape: TargetShape) -> dict:
     from flashdraft.drafter.serving import drafter_config_from_target
     from flashdraft.target import default_target_layer_ids
 
-    ids = (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
-           else default_target_layer_ids(shape.layers, cfg.model.num_taps))
-    mask_id = cfg.model.mask_token_id if cfg.model.mask_token_id is not None else shape.vocab - 1
+    ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
+           else default_target_layer_ids(shape.layers, cfg.target.num_taps))
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else shape.vocab - 1
     return drafter_config_from_target(
-        shape.config, num_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size, mask_token_id=mask_id,
-        target_layer_ids=ids, layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-        causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model), sinks=cfg.model.drafter_attention_sink)
+        shape.config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size, mask_token_id=mask_id,
+        target_layer_ids=ids, layer_types=cfg.drafter.per_layer_types, sliding_window=cfg.drafter.sliding_window,
+        causal=cfg.drafter.causal, dflash2=DFlash2Modules.of(cfg.drafter), sinks=cfg.drafter.attention_sink)
 
 
 def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_len: int, anchors: int) -> StepMeasure:
@@ -274,19 +274,19 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
     from flashdraft.train.strategy import freeze_untrained, strategy_for
 
     dev = torch.device(device)
-    dtype = resolve_dtype(cfg.model.dtype, dev)
-    impl = resolve_attention(cfg.model.drafter_attention, dev, True)
-    if cfg.model.drafter_attention_sink and impl == "flex":
+    dtype = resolve_dtype(cfg.target.dtype, dev)
+    impl = resolve_attention(cfg.drafter.attention, dev, True)
+    if cfg.drafter.attention_sink and impl == "flex":
         impl = "blockwise"
     config = _drafter_config(cfg, shape)
-    bs, k = cfg.model.block_size, feature_states(cfg, len(config["dflash_config"]["target_layer_ids"]))
+    bs, k = cfg.drafter.block_size, feature_states(cfg, len(config["dflash_config"]["target_layer_ids"]))
     # Fake tensors live on the CPU (a CPU-only torch cannot make CUDA ones): a CUDA run's bf16
     # autocast is CPU autocast here, the same casts of the drafter's matmuls.
     host = torch.device("cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=False):
         drafter = DFlashDrafter(config, attention=stand_in_name(impl),
-                                activation_checkpointing=cfg.model.activation_checkpointing)
+                                activation_checkpointing=cfg.drafter.activation_checkpointing)
         freeze_untrained(drafter, cfg.objective)
         heads = _HeadsStub(shape.vocab, shape.hidden, dtype, host)
         optimizer, _ = build_optimizer(drafter.parameters(), cfg.optim, 10, dev)
@@ -336,7 +336,7 @@ class _StepModel:
 
 
 def _fit_step_model(cfg: Config, shape: TargetShape, device: str) -> _StepModel:
-    bs, chunk = cfg.model.block_size, cfg.objective.loss_chunk_size
+    bs, chunk = cfg.drafter.block_size, cfg.objective.loss_chunk_size
     n0 = max(32, math.ceil(1.05 * chunk / (bs - 1))) if chunk else 32  # rows past one head chunk: linear
     s0 = 2 * n0
     m = functools.partial(measure_step, cfg, shape, device)
@@ -416,8 +416,8 @@ def target_forward_bytes(shape: TargetShape, cfg: Config, batch: int, seq_len: i
     they are packed, one layer's working set (residual, normed input, q / k / v, attention
     output, the MLP's gate / up / product, or a MoE layer's router logits and routed copies),
     and a padded batch's [B, 1, S, S] boolean mask. Column-sharded terms divide by the group."""
-    tokens, tp = batch * seq_len, cfg.model.tensor_parallel
-    k = len(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None else cfg.model.num_taps
+    tokens, tp = batch * seq_len, cfg.target.tensor_parallel
+    k = len(cfg.target.layer_ids) if cfg.target.layer_ids is not None else cfg.target.num_taps
     taps = feature_states(cfg, k) * tokens * shape.hidden
     attn = tokens * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * 2 // tp
     if shape.experts:
@@ -435,7 +435,7 @@ def target_weight_bytes(shape: TargetShape, cfg: Config, dtype_bytes: int, heads
     sharded); a drafter rank of a disaggregated job holds only those two."""
     if heads_only:
         return shape.head_params * dtype_bytes
-    tp = cfg.model.tensor_parallel
+    tp = cfg.target.tensor_parallel
     whole_heads = shape.head_params if tp > 1 else 0
     return (shape.params // tp + whole_heads) * dtype_bytes
 
@@ -459,13 +459,13 @@ class _Sizes:
     taps: int
     layers_run: int
     links: int = 1  # a disaggregated target rank's drafter links (the drafter ranks it feeds)
-    engine_share: int = 0  # a vLLM engine on this device (model.vllm_devices empty): its gpu_memory_utilization
+    engine_share: int = 0  # a vLLM engine on this device (target.vllm_devices empty): its gpu_memory_utilization
 
     @property
     def engine(self) -> bool:
-        """Whether a vLLM engine computes the features (model.target_backend=vllm): a rank that
+        """Whether a vLLM engine computes the features (target.backend=vllm): a rank that
         would run the target forward holds its embedding and LM head only, and no forward."""
-        return self.cfg.model.target_backend == "vllm"
+        return self.cfg.target.backend == "vllm"
 
     def steps_held(self, role: str) -> int:
         """Steps whose features exist at once on a ``role`` rank, besides the micro-batch a target
@@ -477,7 +477,7 @@ class _Sizes:
         its stages run on threads: an unsharded target)."""
         p = self.cfg.pipeline
         if role == "target":
-            threaded = p.enabled and self.cfg.model.tensor_parallel == 1
+            threaded = p.enabled and self.cfg.target.tensor_parallel == 1
             return p.capacity * self.links + 1 + (p.capacity if threaded else 0)
         if role == "drafter":
             return 1
@@ -488,13 +488,13 @@ class _Sizes:
         return steps * b * s * self.taps * self.shape.hidden * self.dtype_bytes
 
     def target_forward(self, b: int, s: int) -> int:
-        if self.engine:  # the engine's prefill runs in its own process, on model.vllm_devices
+        if self.engine:  # the engine's prefill runs in its own process, on target.vllm_devices
             return 0
         return target_forward_bytes(self.shape, self.cfg, b, s, self.dtype_bytes, self.layers_run)
 
     def target_weights(self) -> tuple[str, int]:
         """What the rank that computes features holds of the target's weights, named."""
-        cfg, tp = self.cfg, self.cfg.model.tensor_parallel
+        cfg, tp = self.cfg, self.cfg.target.tensor_parallel
         if self.engine:
             return ("target embedding + LM head (the vLLM engine holds the rest)",
                     target_weight_bytes(self.shape, cfg, self.dtype_bytes, heads_only=True))
@@ -522,14 +522,14 @@ def drafter_links(cfg: Config, world_size: int | None) -> int:
                          "rank it feeds")
     from flashdraft.distributed import role_layout
 
-    drafters, targets = role_layout(world_size, cfg.pipeline.target_ranks, cfg.model.tensor_parallel)
-    return len(drafters) // (len(targets) // cfg.model.tensor_parallel)
+    drafters, targets = role_layout(world_size, cfg.pipeline.target_ranks, cfg.target.tensor_parallel)
+    return len(drafters) // (len(targets) // cfg.target.tensor_parallel)
 
 
 def evaluates(cfg: Config) -> bool:
-    """Whether the run evaluates during training (data.eval_path or data.eval_prompts): its main
+    """Whether the run evaluates during training (eval.data_path or eval.prompts_path): its main
     rank then decodes with the whole target (a disaggregated drafter rank 0 loads all of it)."""
-    return bool(cfg.data.eval_path or cfg.data.eval_prompts)
+    return bool(cfg.eval.data_path or cfg.eval.prompts_path)
 
 
 def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | None = None,
@@ -540,20 +540,20 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     ``world_size`` the job's ranks (needed by a disaggregated plan: the drafter links a target
     rank feeds). The peak is the largest over the run's roles: a colocated rank; or a
     disaggregated job's drafter rank, its drafter rank 0 when it evaluates (the whole target),
-    and its target rank. Reads only model.target's config.json; loads no weights."""
+    and its target rank. Reads only target.path's config.json; loads no weights."""
     from flashdraft.target import default_target_layer_ids, resolve_dtype
 
     dev = _planned_device(cfg, device)
     links = drafter_links(cfg, world_size)
-    path = target_config_path(cfg.model.target, cfg.model.trust_remote_code)
-    shape = _target_shape(str(path), cfg.model.trust_remote_code)
-    ids = (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
-           else default_target_layer_ids(shape.layers, cfg.model.num_taps))
+    path = target_config_path(cfg.target.path, cfg.target.trust_remote_code)
+    shape = _target_shape(str(path), cfg.target.trust_remote_code)
+    ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
+           else default_target_layer_ids(shape.layers, cfg.target.num_taps))
     _refuse_as_train_would(cfg, shape, path.parent, ids, dev)
     top, why = planned_lengths(cfg, shape)
     if top < 2:
         raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); fix the target's config.json")
-    dtype_bytes = resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize
+    dtype_bytes = resolve_dtype(cfg.target.dtype, torch.device(dev)).itemsize
     sizes = _Sizes(cfg, shape, dtype_bytes, feature_states(cfg, len(ids)), max(ids) + 1, links,
                    _engine_share(cfg, dev, device_bytes))
     if seq_len is None:
@@ -565,14 +565,14 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     b, n = batch_size_at(cfg, s), anchors_per_pass(cfg, s)
     roles = {name: sorted(((what, int(v)) for what, v in parts if v > 0), key=lambda c: -c[1])
              for name, parts in _roles(sizes, measure_step(cfg, shape, dev, b, s, n), b, s,
-                                       b * n * cfg.model.block_size).items()}
+                                       b * n * cfg.drafter.block_size).items()}
     totals = {name: sum(v for _, v in parts) for name, parts in roles.items()}
     role = max(totals, key=totals.get)
     others = [f"{name}: peak {total / GiB:.2f} GiB" for name, total in totals.items() if name != role]
     peak = totals[role]
     fits = device_bytes is None or peak <= device_bytes * (1 - MemoryPlan.MARGIN)
     capped = [] if top == longest(cfg) else [f"lengths planned up to {top}: {why}"]
-    plan = MemoryPlan(peak, roles[role], device_bytes, fits, [], s, b, b * n * cfg.model.block_size, role, dev,
+    plan = MemoryPlan(peak, roles[role], device_bytes, fits, [], s, b, b * n * cfg.drafter.block_size, role, dev,
                       others + capped + _notes(cfg, dev), roles)
     if device_bytes is not None:
         plan.advice = _advice(cfg, plan, dict(roles[role]))
@@ -581,11 +581,11 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
 
 def _engine_share(cfg: Config, dev: str, device_bytes: int | None) -> int:
     """The device memory a vLLM engine takes beside the rank: none unless it computes the
-    features on the rank's own GPU (model.vllm_devices empty), then its gpu_memory_utilization
+    features on the rank's own GPU (target.vllm_devices empty), then its gpu_memory_utilization
     of the device (vLLM allocates that share at start-up, whatever the model needs)."""
-    if cfg.model.target_backend != "vllm" or cfg.model.vllm_devices or dev != "cuda" or not device_bytes:
+    if cfg.target.backend != "vllm" or cfg.target.vllm_devices or dev != "cuda" or not device_bytes:
         return 0
-    return int(cfg.model.vllm_gpu_memory_utilization * device_bytes)
+    return int(cfg.target.vllm_gpu_memory_utilization * device_bytes)
 
 
 def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, ids: list[int], device: str) -> None:
@@ -596,8 +596,8 @@ def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, id
     from flashdraft.train.checks import check_drafter_sizes
 
     check_layer_ids(ids, shape.layers)
-    if cfg.model.tensor_parallel > 1:
-        check_tensor_parallel(target_dir, shape.model_config, cfg.model.tensor_parallel, cfg.model.expert_parallel)
+    if cfg.target.tensor_parallel > 1:
+        check_tensor_parallel(target_dir, shape.model_config, cfg.target.tensor_parallel, cfg.target.expert_parallel)
     check_drafter_sizes(cfg, device)
     check_row_budget(2, DrafterRows.of(cfg), "every sample (the shortest, 2 tokens, included)")
 
@@ -631,7 +631,7 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
                (f"LM head + CE chunk ({chunk_rows} x {shape.vocab})", head)]
     weights = sizes.target_weights()
     forward = sizes.target_forward(b, s)
-    engine = ("vLLM engine on this device (model.vllm_gpu_memory_utilization of it)", sizes.engine_share)
+    engine = ("vLLM engine on this device (target.vllm_gpu_memory_utilization of it)", sizes.engine_share)
     if cfg.pipeline.placement == "disaggregated":
         received = ("features in flight (the step it trains)", sizes.features(b, s, "drafter"))
         roles = {"drafter rank": [("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes,
@@ -657,16 +657,16 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
 def _notes(cfg: Config, dev: str) -> list[str]:
     notes = ["attention kernels modelled (saved tensors of the real kernel); the rest of the drafter's step "
              "measured on fake tensors"]
-    if dev == "cuda" and cfg.model.drafter_attention in ("auto", "flex") and not cfg.model.drafter_attention_sink:
+    if dev == "cuda" and cfg.drafter.attention in ("auto", "flex") and not cfg.drafter.attention_sink:
         notes.append("flex attention's block mask (sparse tables built from the anchors, a few MiB) is not counted")
-    if cfg.model.target_backend == "vllm":
-        notes.append("model.target_backend=vllm: the engine's weights, KV cache and activations are vLLM's own plan "
-                     "(model.vllm_gpu_memory_utilization of each of model.vllm_devices" +
+    if cfg.target.backend == "vllm":
+        notes.append("target.backend=vllm: the engine's weights, KV cache and activations are vLLM's own plan "
+                     "(target.vllm_gpu_memory_utilization of each of target.vllm_devices" +
                      (": GPUs of its own, not counted here; naming this rank's own GPU, lower the utilization "
-                      "to leave it the rest)" if cfg.model.vllm_devices else
+                      "to leave it the rest)" if cfg.target.vllm_devices else
                       "; none set: it runs on this rank's GPU, counted above)")
                      + ("; the start-up feature check briefly loads the whole target in-process on this device "
-                        "(model.vllm_check_samples=0 skips it)" if cfg.model.vllm_check_samples else ""))
+                        "(target.vllm_check_samples=0 skips it)" if cfg.target.vllm_check_samples else ""))
     return notes
 
 
@@ -679,10 +679,10 @@ def _advice(cfg: Config, plan: MemoryPlan, parts: dict[str, int]) -> list[str]:
     advice = []
     weights = next((v for name, v in parts.items() if name.startswith("target weights")), 0)
     if plan.role == "drafter rank 0 (evals)" and weights > 0.3 * usable:  # the largest lever: first
-        advice.append("leave data.eval_path and data.eval_prompts empty: drafter rank 0 then holds the target's "
+        advice.append("leave eval.data_path and eval.prompts_path empty: drafter rank 0 then holds the target's "
                       "embedding and LM head only; evaluate the export with `flashdraft eval` on its own GPUs")
     dynamic = sum(v for name, v in parts.items() if "activations" in name or "chunk" in name)
-    bs = cfg.model.block_size
+    bs = cfg.drafter.block_size
     if dynamic > 0.05 * usable and plan.rows > bs:
         keep = 1 - over / dynamic if dynamic > over else 0.25
         rows = max(bs, int(plan.rows * keep) // bs * bs)
@@ -692,14 +692,14 @@ def _advice(cfg: Config, plan: MemoryPlan, parts: dict[str, int]) -> list[str]:
         per = max(1, int(anchors_per_pass(cfg, plan.seq_len) * keep))
         advice.append(f"or set objective.anchors_per_microbatch={per}: the same loss in slices (recomputes the "
                       "context K/V per slice)")
-        if not cfg.model.activation_checkpointing:
-            advice.append("or set model.activation_checkpointing=true: recompute each drafter layer in backward "
+        if not cfg.drafter.activation_checkpointing:
+            advice.append("or set drafter.activation_checkpointing=true: recompute each drafter layer in backward "
                           "(~30% slower)")
     if weights > 0.3 * usable and plan.role in ("colocated rank", "target rank"):
         elsewhere = ", or pipeline.placement=disaggregated (the target on its own ranks)" \
             if plan.role == "colocated rank" else ""
-        advice.append(f"shard the target: model.tensor_parallel={2 * cfg.model.tensor_parallel} (now "
-                      f"{cfg.model.tensor_parallel}){elsewhere}")
+        advice.append(f"shard the target: target.tensor_parallel={2 * cfg.target.tensor_parallel} (now "
+                      f"{cfg.target.tensor_parallel}){elsewhere}")
     in_flight = sum(v for name, v in parts.items() if name.startswith("features in flight"))
     if in_flight > 0.1 * usable:
         advice.append(f"lower data.token_budget (now {cfg.data.token_budget}) or pipeline.capacity (now "
@@ -752,7 +752,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="the job's ranks, torchrun's nnodes x nproc-per-node (default: $WORLD_SIZE); a "
                              "disaggregated plan needs it: a target rank holds features for each drafter rank it feeds")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.row_budget=8192 model.target=DIR")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.row_budget=8192 target.path=DIR")
 
 
 def run(args) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft import distributed
-from flashdraft.config import Config, ModelConfig
+from flashdraft.config import Config
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist
 from flashdraft.target import TargetModel
@@ -34,7 +34,7 @@ def start_process(config: Config) -> Dist:
     disaggregated = cfg.pipeline.placement == "disaggregated"
     dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
                                         num_target_ranks=cfg.pipeline.target_ranks if disaggregated else 0,
-                                        tensor_parallel=cfg.model.tensor_parallel,
+                                        tensor_parallel=cfg.target.tensor_parallel,
                                         startup_timeout_s=cfg.train.startup_timeout_s,
                                         pause_timeout_s=cfg.train.pause_timeout_s)
     if dist.device.type == "cpu" and cfg.train.keep_freed_host_memory and keep_freed_host_memory():
@@ -44,11 +44,11 @@ def start_process(config: Config) -> Dist:
 
 def with_init_from(config: Config) -> Config:
     """``config`` with its drafter's shape taken from the released drafter it starts from
-    (model.init_from; unchanged without one): its taps, layers, block, MASK id, attention and
-    family (drafter.serving.model_fields). A model.* key set to another value than the export's is
+    (drafter.init_from; unchanged without one): its taps, layers, block, MASK id, attention and
+    family (drafter.serving.config_fields). A target.* or drafter.* key set to another value than the export's is
     refused by name, and so is an export made for another target (hidden size, vocabulary, depth),
     before any weights load."""
-    init_from = config.model.init_from
+    init_from = config.drafter.init_from
     if not init_from:
         return config
     from transformers import AutoConfig
@@ -58,26 +58,28 @@ def with_init_from(config: Config) -> Config:
 
     export = serving.read_config(init_from)
     try:
-        fields = serving.model_fields(export)
+        fields = serving.config_fields(export)
     except ValueError as exc:
-        raise ValueError(f"model.init_from={init_from}: {exc}") from None
-    defaults = ModelConfig()
-    for key, value in fields.items():
-        mine = getattr(config.model, key)
-        if mine != getattr(defaults, key) and mine != value:
-            raise ValueError(f"model.{key}={_shown(mine)} disagrees with the drafter in model.init_from={init_from} "
-                             f"({_shown(value)}): drop model.{key}, the drafter's shape comes from model.init_from")
-    target = AutoConfig.from_pretrained(_model_dir(config.model.target),
-                                        trust_remote_code=config.model.trust_remote_code)
+        raise ValueError(f"drafter.init_from={init_from}: {exc}") from None
+    for section, values in fields.items():
+        mine, defaults = getattr(config, section), type(getattr(config, section))()
+        for key, value in values.items():
+            if getattr(mine, key) != getattr(defaults, key) and getattr(mine, key) != value:
+                raise ValueError(f"{section}.{key}={_shown(getattr(mine, key))} disagrees with the drafter in "
+                                 f"drafter.init_from={init_from} ({_shown(value)}): drop {section}.{key}, the "
+                                 "drafter's shape comes from drafter.init_from")
+    target = AutoConfig.from_pretrained(_model_dir(config.target.path),
+                                        trust_remote_code=config.target.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target
     wanted = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
               "num_target_layers": target.num_hidden_layers}
     diffs = [f"{k} {export.get(k)} vs {v}" for k, v in wanted.items() if export.get(k) not in (None, v)]
     if diffs:
-        raise ValueError(f"model.init_from={init_from} was trained for another target than model.target="
-                         f"{config.model.target} ({', '.join(diffs)}: drafter vs target); start from a drafter of "
-                         "this target, or from scratch (model.init_from='')")
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, **fields))
+        raise ValueError(f"drafter.init_from={init_from} was trained for another target than target.path="
+                         f"{config.target.path} ({', '.join(diffs)}: drafter vs target); start from a drafter of "
+                         "this target, or from scratch (drafter.init_from='')")
+    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)
+                                          for section, values in fields.items()})
 
 
 def _shown(value) -> str:
@@ -98,21 +100,21 @@ def load_target(config: Config, dist: Dist) -> TargetModel:
     tensor- / expert-parallel plan), or on a disaggregated drafter rank the embedding and LM head
     only (the loss's share of it; the rank that runs evals loads it all).
 
-    The one place that picks the target backend (model.target_backend): with ``vllm`` a rank that
+    The one place that picks the target backend (target.backend): with ``vllm`` a rank that
     computes features (colocated, or a disaggregated target rank) gets an EngineTarget, whose
     features a vLLM engine computes; a drafter rank's heads are in-process either way. The feed
     and the loop see only the target's face (``features``, ``lock``, ``close``)."""
     cfg = config
-    if cfg.model.target_backend == "vllm" and dist.role != "drafter":
+    if cfg.target.backend == "vllm" and dist.role != "drafter":
         return _engine_target(cfg, dist)
     evaluates = dist.is_main and plan.evaluates(cfg)  # the memory plan counts the same rule
     target = TargetModel.from_pretrained(
-        cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
-        device=dist.device, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-        trust_remote_code=cfg.model.trust_remote_code, heads_only=dist.role == "drafter" and not evaluates,
+        cfg.target.path, target_layer_ids=cfg.target.layer_ids, num_taps=cfg.target.num_taps,
+        device=dist.device, dtype=cfg.target.dtype, attn_implementation=cfg.target.attn_implementation,
+        trust_remote_code=cfg.target.trust_remote_code, heads_only=dist.role == "drafter" and not evaluates,
         final_state=cfg.objective.kd_weight > 0,  # soft labels: the target's final states follow its taps
         **({} if dist.role == "drafter" else  # a disaggregated drafter rank: the (whole) heads only
-           {"tensor_parallel": cfg.model.tensor_parallel, "expert_parallel": cfg.model.expert_parallel}),
+           {"tensor_parallel": cfg.target.tensor_parallel, "expert_parallel": cfg.target.expert_parallel}),
     )
     if dist.is_main:  # a last-layer tap: the engines would serve other features than these
         last_layer_tap = last_layer_warning(target.layer_ids, target.num_layers)
@@ -122,7 +124,7 @@ def load_target(config: Config, dist: Dist) -> TargetModel:
         local, whole = target.weight_bytes()
         log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "
                     "(%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
-                    cfg.model.tensor_parallel, "expert" if cfg.model.expert_parallel else "tensor",
+                    cfg.target.tensor_parallel, "expert" if cfg.target.expert_parallel else "tensor",
                     local / 2**30, whole / 2**30)
     return target
 
@@ -133,25 +135,25 @@ def _engine_target(cfg: Config, dist: Dist):
     from flashdraft.target.engine import EngineOptions, EngineTarget
 
     return EngineTarget.from_pretrained(
-        cfg.model.target, target_layer_ids=cfg.model.target_layer_ids, num_taps=cfg.model.num_taps,
-        device=dist.device, dtype=cfg.model.dtype, max_model_len=cfg.data.max_length + 1,
-        options=EngineOptions.of(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
+        cfg.target.path, target_layer_ids=cfg.target.layer_ids, num_taps=cfg.target.num_taps,
+        device=dist.device, dtype=cfg.target.dtype, max_model_len=cfg.data.max_length + 1,
+        options=EngineOptions.of(cfg.target), trust_remote_code=cfg.target.trust_remote_code)
 
 
 def check_engine(cfg: Config, target, dataset: TokenDataset) -> None:
     """An engine target's features against the in-process forward on the first
-    ``model.vllm_check_samples`` samples of the run's data, before the run trusts them
+    ``target.vllm_check_samples`` samples of the run's data, before the run trusts them
     (flashdraft.target.feature_check; a mismatch stops the run naming the tap, sample and error).
     The transformers target is loaded for the check alone, on this rank's device, and freed."""
     from flashdraft.target.feature_check import check_engine_features
 
-    count = min(cfg.model.vllm_check_samples, len(dataset))
+    count = min(cfg.target.vllm_check_samples, len(dataset))
     if count == 0:
-        log.warning("warning: the vLLM engine's features are not checked (model.vllm_check_samples=0)")
+        log.warning("warning: the vLLM engine's features are not checked (target.vllm_check_samples=0)")
         return
     reference = TargetModel.from_pretrained(
-        cfg.model.target, target_layer_ids=target.layer_ids, device=target.device, dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+        cfg.target.path, target_layer_ids=target.layer_ids, device=target.device, dtype=cfg.target.dtype,
+        attn_implementation=cfg.target.attn_implementation, trust_remote_code=cfg.target.trust_remote_code)
     try:
         report = check_engine_features(target, reference, [dataset[i][0].tolist() for i in range(count)])
     finally:
@@ -184,12 +186,12 @@ class RunData:
 def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: int) -> RunData:
     """The training and held-out data and prompts, checked now rather than hours into the run."""
     cfg = config
-    min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * cfg.model.block_size
+    min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * cfg.drafter.block_size
     open_kw = dict(vocab_size=target.config.vocab_size, max_length=cfg.data.max_length,
                    min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=dist.is_main)
     dataset = open_dataset(cfg.data.path, **open_kw)
-    eval_dataset = open_dataset(cfg.data.eval_path, **open_kw) if cfg.data.eval_path else None
-    checks.check_tokenizer(cfg.model.target, dataset, eval_dataset)
+    eval_dataset = open_dataset(cfg.eval.data_path, **open_kw) if cfg.eval.data_path else None
+    checks.check_tokenizer(cfg.target.path, dataset, eval_dataset)
     checks.check_mask_token(dataset, mask_token_id)
     for found in (dataset, eval_dataset):
         if found is not None:

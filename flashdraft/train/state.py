@@ -84,7 +84,7 @@ class RunCheckpoints:
     def __init__(self, config: Config, components: Mapping[str, Any], per_rank: Mapping[str, Any],
                  export_fn: Callable[[Path], None]):
         self.config = config
-        self.manager = CheckpointManager(Path(config.train.output_dir) / "checkpoints", config.train.keep_last)
+        self.manager = CheckpointManager(Path(config.train.output_dir) / "checkpoints", config.checkpoint.keep_last)
         self.components, self.per_rank, self.export_fn = dict(components), dict(per_rank), export_fn
         self.last_saved: int | None = None
         self._verified: Path | None = None  # verify_ahead's choice (rank 0, resume=auto)
@@ -93,18 +93,18 @@ class RunCheckpoints:
     def verify_ahead(self) -> None:
         """Rank 0, before the ranks meet at start-up: find (and verify, hashing every file) the
         checkpoint ``resume`` will load, so that the others wait for it under the start-up
-        timeout, not in the collective that shares the choice (train.resume=auto or DIR)."""
-        mode = self.config.train.resume
+        timeout, not in the collective that shares the choice (checkpoint.resume=auto or DIR)."""
+        mode = self.config.checkpoint.resume
         if mode == "auto":
             self._verified = self.manager.latest_complete()
         elif mode != "never":
             self._verdict = self.manager.verdict(mode)
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
-        """Whether to save right after ``step``: on a stop request, every ``train.save_every``
+        """Whether to save right after ``step``: on a stop request, every ``checkpoint.save_every``
         steps and after the last one (``done``), once per step (a run resumed at its end, or
         stopped at its last step, is saved already)."""
-        every = self.config.train.save_every
+        every = self.config.checkpoint.save_every
         return step != self.last_saved and (bool(stopping) or done or (bool(every) and step % every == 0))
 
     def save(self, step: int) -> Path:
@@ -118,16 +118,16 @@ class RunCheckpoints:
         return path
 
     def resume(self, identity: dict, world_size: int, is_main: bool) -> bool:
-        """Load the checkpoint ``train.resume`` names (auto: the newest complete one) into every
+        """Load the checkpoint ``checkpoint.resume`` names (auto: the newest complete one) into every
         component; False when there is none to resume from. Refuses, naming the difference and
         the fix, a checkpoint of another config, target or dataset."""
-        mode = self.config.train.resume
+        mode = self.config.checkpoint.resume
         if mode == "never":
             if existing := self.manager.checkpoints():
                 # Starting over here would overwrite the earlier run's export and prune its
                 # checkpoints (they are newer than the fresh run's first one): refuse instead.
                 raise ValueError(
-                    f"train.resume=never, but {self.manager.root} holds checkpoints of an earlier run (newest "
+                    f"checkpoint.resume=never, but {self.manager.root} holds checkpoints of an earlier run (newest "
                     f"{existing[0].name}), which a fresh run there would overwrite and prune; use another "
                     f"train.output_dir, or delete {self.config.train.output_dir} yourself to start over"
                 )
@@ -146,7 +146,7 @@ class RunCheckpoints:
         if missing := sorted(set(self.components) - set(parts)):
             raise CheckpointError(f"{self.manager.root}: the step {loaded.step} checkpoint holds no "
                                   f"{', '.join(missing)} state, which a training checkpoint must (an edited "
-                                  "manifest?); resume from another one with train.resume=DIR")
+                                  "manifest?); resume from another one with checkpoint.resume=DIR")
         saved = parts["trainer"]["identity"]
         if saved is None:
             log.warning("%s (format version %d) does not record the target and data it was trained on: resuming "
@@ -155,7 +155,7 @@ class RunCheckpoints:
             diffs = [f"{k}: checkpoint {saved.get(k)} vs now {identity[k]}" for k in identity
                      if saved.get(k) != identity[k]]
             raise ValueError(f"cannot resume from {self.manager.root}: the target or the data behind the config's "
-                             f"paths changed ({'; '.join(diffs)}); point model.target / data.path at what the run was "
+                             f"paths changed ({'; '.join(diffs)}); point target.path / data.path at what the run was "
                              "trained with, or start a fresh run with another train.output_dir")
         for name, component in self.components.items():
             try:
@@ -189,7 +189,7 @@ class RunCheckpoints:
     def _load(self, name: str, component, state) -> None:
         try:
             component.load_state_dict(state)
-        except RuntimeError as exc:  # e.g. another target (hidden size) behind the same model.target path
+        except RuntimeError as exc:  # e.g. another target (hidden size) behind the same target.path path
             if name != "drafter":
                 raise
             raise ValueError(f"cannot resume from {self.manager.root}: its drafter does not fit "

@@ -30,7 +30,7 @@ class TargetRank:
         startup.check_run(cfg, dist)
         self.target = startup.load_target(cfg, dist)
         try:
-            mask_token_id = checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target)
+            mask_token_id = checks.resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.path)
             self.dataset = startup.open_data(cfg, dist, self.target, mask_token_id).dataset
             startup.meet()  # where the drafter ranks meet it, once they have built their parts
         except BaseException:

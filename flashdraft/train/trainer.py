@@ -67,22 +67,22 @@ def autocast_for(device: torch.device, target_dtype: torch.dtype):
 def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
     """The run's drafter before its first step, on the host: built for ``target`` as the config
     says and drawn from the seeded init (``train.seed``), or holding the weights of the released
-    drafter it starts from (model.init_from, whose shape the config already took:
+    drafter it starts from (drafter.init_from, whose shape the config already took:
     startup.with_init_from). The trainer starts from it, and anyone can rebuild a run's starting
     weights without a Trainer (the quickstart's untrained baseline)."""
     drafter = DFlashDrafter.for_target(
-        target, num_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size,
-        mask_token_id=checks.resolve_mask_token_id(cfg.model.mask_token_id, cfg.model.target),
-        layer_types=cfg.model.layer_types, sliding_window=cfg.model.drafter_sliding_window,
-        causal=cfg.model.drafter_causal, dflash2=DFlash2Modules.of(cfg.model), sinks=cfg.model.drafter_attention_sink,
-        attention=cfg.model.drafter_attention, activation_checkpointing=cfg.model.activation_checkpointing,
+        target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+        mask_token_id=checks.resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.path),
+        layer_types=cfg.drafter.per_layer_types, sliding_window=cfg.drafter.sliding_window,
+        causal=cfg.drafter.causal, dflash2=DFlash2Modules.of(cfg.drafter), sinks=cfg.drafter.attention_sink,
+        attention=cfg.drafter.attention, activation_checkpointing=cfg.drafter.activation_checkpointing,
     )
-    if cfg.model.init_from:
-        released = serving.read_weights(cfg.model.init_from)
+    if cfg.drafter.init_from:
+        released = serving.read_weights(cfg.drafter.init_from)
         try:
             drafter.load_state_dict({k: v.float() for k, v in released.items()})
         except RuntimeError as exc:  # names or shapes its config.json does not describe
-            raise ValueError(f"model.init_from={cfg.model.init_from}: its model.safetensors does not fit its "
+            raise ValueError(f"drafter.init_from={cfg.drafter.init_from}: its model.safetensors does not fit its "
                              f"config.json ({str(exc).splitlines()[0]}); give an export as written by flashdraft "
                              "export, z-lab or SpecForge") from None
     else:
@@ -200,7 +200,7 @@ class Trainer:
             save_config(cfg, self.output / "config.yaml")
         self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.strategy, self.total_steps,
                             state.step)
-        if cfg.model.init_from and state.step == 0 and (cfg.data.eval_path or cfg.data.eval_prompts):
+        if cfg.drafter.init_from and state.step == 0 and (cfg.eval.data_path or cfg.eval.prompts_path):
             self._validate()  # step 0 (every rank): the released drafter's own tau, the fine-tuning's baseline
         stopping = 0
         self.drafter.train()
@@ -327,7 +327,7 @@ class Trainer:
         if state.skipped_steps > limit:
             raise FloatingPointError(
                 msg + f". More than train.max_nonfinite_steps={limit} skipped: stopping. Check those samples, "
-                "lower optim.lr, or use model.dtype=float32 to rule out overflow."
+                "lower optim.lr, or use target.dtype=float32 to rule out overflow."
             )
         log.warning(msg)
 

@@ -32,9 +32,9 @@ class Validator:
         self.runs_eval = is_main if runs_eval is None else runs_eval
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
-        """Every ``train.eval_every`` steps and after the last one (``done``: the final eval), but
+        """Every ``eval.every`` steps and after the last one (``done``: the final eval), but
         never while stopping (a stop request must not wait for an eval)."""
-        every = self.config.train.eval_every
+        every = self.config.eval.every
         return not stopping and (done or (bool(every) and step % every == 0))
 
     @torch.no_grad()
@@ -49,11 +49,11 @@ class Validator:
                     result.update(self.eval_loss())
                 if self.prompts:
                     with self.autocast:
-                        train = self.config.train
-                        sampling = Sampling(train.eval_temperature, train.eval_top_p, train.eval_top_k, train.seed)
+                        evals = self.config.eval
+                        sampling = Sampling(evals.temperature, evals.top_p, evals.top_k, self.config.train.seed)
                         report = evaluate_tau(self.target, self.shipped_drafter(), self.prompts,
-                                              max_new_tokens=train.eval_max_new_tokens,
-                                              eos_ids=eos_ids_of(self.config.model.target, self.target.config),
+                                              max_new_tokens=evals.max_new_tokens,
+                                              eos_ids=eos_ids_of(self.config.target.path, self.target.config),
                                               check_lossless=False, sampling=sampling)
                     result.update(eval_tau=report["tau"], eval_tau_pooled=report["tau_pooled"],
                                   eval_acceptance=report["per_position_acceptance"])
