@@ -665,7 +665,8 @@ def _monitored_barrier(group: Any, what: str, wait: Wait) -> None:
         if waited < 0.9 * limit:  # failed long before the timeout: a peer's connection closed
             raise error(
                 f"{what}: rank {tdist.get_rank()} of {tdist.get_world_size()} lost a peer after {waited:.1f} s, "
-                f"long before {_CLOCKS.describe(wait)} ({exc}): a rank died; its log has the first error") from exc
+                f"long before {_CLOCKS.knob(wait)}={limit:g} s ({exc}): a rank died"
+                f"{' during start-up' if wait == 'startup' else ''}; its log has the first error") from exc
         raise error(
             f"{what}: rank {tdist.get_rank()} of {tdist.get_world_size()} waited {_CLOCKS.describe(wait)} and the "
             f"others did not all arrive ({exc}). A rank is slower than that (a slow shared filesystem: raise "
