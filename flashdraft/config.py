@@ -436,10 +436,14 @@ class Config:
                    f"data.max_length >= {need}, or set data.min_supervised explicitly")
 
     def _check_vllm_backend(self) -> None:
-        """What the vLLM target backend cannot do (yet): decode (the in-training tau), or be sharded
-        by flashdraft (the engine shards the target itself)."""
+        """What the vLLM target backend cannot do (yet): decode (the in-training tau), be sharded
+        by flashdraft (the engine shards the target itself), or give soft labels (no final state)."""
         _check(self.model.tensor_parallel == 1, "model.tensor_parallel", f"{self.model.tensor_parallel}",
                "with model.target_backend=vllm the engine shards the target: use model.vllm_tensor_parallel")
+        _check(self.objective.kd_weight == 0, "objective.kd_weight", f"{self.objective.kd_weight}",
+               "soft labels need the target's final normed hidden state, which the vLLM target backend does not "
+               "capture (the engine returns the tapped layers only): set objective.kd_weight=0 (hard labels) or "
+               "model.target_backend=transformers")
         tau = bool(self.data.eval_prompts or self.data.eval_path) and self.train.eval_prompts > 0
         _check(not tau, "train.eval_prompts", f"{self.train.eval_prompts}",
                "the in-training tau decodes with the target in-process, which model.target_backend=vllm does not "

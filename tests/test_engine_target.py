@@ -169,6 +169,8 @@ def test_the_config_refuses_what_the_vllm_backend_cannot_do_and_knobs_it_would_i
     with pytest.raises(ValueError, match="train.eval_prompts=0"):
         load_config(overrides=["model.target_backend=vllm", "data.eval_path=heldout"])
     load_config(overrides=["model.target_backend=vllm", "data.eval_path=heldout", "train.eval_prompts=0"])
+    with pytest.raises(ValueError, match=r"objective.kd_weight.*final normed hidden state.*kd_weight=0"):
+        load_config(overrides=["model.target_backend=vllm", "objective.kd_weight=0.5"])
 
 
 @pytest.mark.slow
