@@ -349,7 +349,7 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
     if cfg.model.drafter_attention_sink and impl == "flex":
         impl = "blockwise"
     config = _drafter_config(cfg, shape)
-    bs, k = cfg.model.block_size, len(config["dflash_config"]["target_layer_ids"])
+    bs, k = cfg.model.block_size, feature_columns(cfg, len(config["dflash_config"]["target_layer_ids"]))
     # Fake tensors live on the CPU (a CPU-only torch cannot make CUDA ones): a CUDA run's bf16
     # autocast is CPU autocast here, the same casts of the drafter's matmuls.
     host = torch.device("cpu")
@@ -480,6 +480,12 @@ def _first_at_least(fn, value, lo: int, hi: int) -> int:
 # ---- the target's side: formulas of its config ----------------------------------------------
 
 
+def feature_columns(cfg: Config, taps: int) -> int:
+    """Hidden-size columns of a micro-batch's features: the taps, and with soft labels
+    (objective.kd_weight > 0) the target's final normed state after them."""
+    return taps + (cfg.objective.kd_weight > 0)
+
+
 def target_forward_bytes(shape: TargetShape, cfg: Config, batch: int, seq_len: int, dtype_bytes: int,
                          layers_run: int) -> int:
     """The no-grad forward's transient peak up to the last tapped layer: the taps held until
@@ -488,7 +494,7 @@ def target_forward_bytes(shape: TargetShape, cfg: Config, batch: int, seq_len: i
     and a padded batch's [B, 1, S, S] boolean mask. Column-sharded terms divide by the group."""
     tokens, tp = batch * seq_len, cfg.model.tensor_parallel
     k = len(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None else cfg.model.num_taps
-    taps = k * tokens * shape.hidden
+    taps = feature_columns(cfg, k) * tokens * shape.hidden
     attn = tokens * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * 2 // tp
     if shape.experts:
         mlp = tokens * shape.experts_per_token * (shape.hidden + 3 * shape.expert_intermediate // tp)
@@ -605,8 +611,8 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     top, why = planned_lengths(cfg, shape)
     if top < 2:
         raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); fix the target's config.json")
-    sizes = _Sizes(cfg, shape, resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize, len(ids), max(ids) + 1,
-                   links)
+    sizes = _Sizes(cfg, shape, resolve_dtype(cfg.model.dtype, torch.device(dev)).itemsize,
+                   feature_columns(cfg, len(ids)), max(ids) + 1, links)
     if seq_len is None:
         s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap, top)
     elif not 2 <= seq_len <= top:
