@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from flashdraft import distributed, plan
 from flashdraft.config import Config, ModelConfig
 from flashdraft.data.dataset import TokenDataset, open_dataset
