@@ -124,3 +124,38 @@ def test_a_benchmark_report_is_never_written_through_a_link_into_a_model(tmp_pat
                                          r"written beside it and renamed into place"):
         main(["bench", "step", "--json", str(tmp_path / "report.json")])
     assert (tmp_path / "model" / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("variants", ["fast,reference", "fast,kd"])
+def test_bench_step_with_soft_labels_agrees_with_the_reference_and_reads_against_ce(tmp_path, capsys, variants):
+    """--kd-weight puts soft labels in every variant (the chunked head's KD equals the dense
+    reference's); the kd variant is the fast step with them, reported against the CE step."""
+    out = tmp_path / "step.json"
+    kd = ["--kd-weight", "0.5"] if variants == "fast,reference" else []
+    assert main(["bench", "step", *POINT, "--precision", "fp32", "--variants", variants, *kd, "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    if variants == "fast,reference":
+        assert rows["fast"]["kd_weight"] == rows["reference"]["kd_weight"] == 0.5
+        assert rows["fast"]["loss"] == pytest.approx(rows["reference"]["loss"], rel=1e-5)
+    else:
+        assert rows["fast"]["kd_weight"] == 0.0 and rows["kd"]["kd_weight"] == 0.5
+        assert rows["kd"]["loss"] != rows["fast"]["loss"]
+        assert "kd / fast: time" in capsys.readouterr().out
+
+
+def test_soft_labels_keep_the_step_peak_memory_within_15_percent_of_ce():
+    """Issue 40: the KD step's peak memory <= 1.15x the CE step's at the same point. At a point
+    where the LM head's [chunk, V] logits are most of the step (a 64K vocabulary), the KD head's
+    three buffers (the drafter's logits, the teacher's, p_T) take a third of the chunk's rows
+    each, so its peak is the CE head's one buffer (before: four buffers of the whole chunk)."""
+    from flashdraft.bench import step as bench
+
+    args = bench_args()
+    args.vocab, args.chunk, args.threads = 65536, 96, 1
+    peaks = {}
+    for variant in ("fast", "kd"):
+        row = bench.run_point({**bench._point(args, 64, 16, 64, variant), "block": 8, "repeat": 0})
+        assert "error" not in row, row
+        peaks[variant] = row["peak_mib"]
+    assert peaks["fast"] > 20  # the head's 96 x 65536 fp32 logits (24 MiB) are there
+    assert peaks["kd"] <= 1.15 * peaks["fast"], peaks

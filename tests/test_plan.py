@@ -128,6 +128,20 @@ def test_the_estimate_follows_the_code(tmp_path):
     assert activations("objective.anchors_per_microbatch=128") < 0.5 * full
 
 
+def test_soft_labels_are_planned_with_the_final_state_in_the_features(tmp_path):
+    """With objective.kd_weight > 0 the features carry the target's final state after the taps:
+    the plan measures the step with it (it used to fail: no final state for the soft labels) and
+    counts it in the features in flight, (taps + 1) / taps of the hard-label plan's."""
+    target = _small_target(tmp_path / "t", 256)
+
+    def consumers(*extra):
+        return dict(plan_memory(load_config(None, [f"target.path={target}", *SMALL, *extra]), seq_len=512).consumers)
+
+    ce, kd = consumers(), consumers("objective.kd_weight=0.5")
+    assert kd["features in flight"] == pytest.approx(ce["features in flight"] * 4 / 3)  # num_taps 3
+    assert kd["drafter saved activations + temporaries (measured)"] > 0
+
+
 # (fixture, tensor_parallel, expert_parallel, parameters in billions from the model card)
 TARGETS = [("Qwen3-8B", 1, False, 8.19), ("Qwen3-30B-A3B", 2, True, 30.5), ("Qwen3-235B-A22B", 4, True, 235.1),
            ("Llama-3.1-8B-Instruct", 1, False, 8.03), ("gpt-oss-120b", 4, False, 116.8)]
@@ -321,7 +335,9 @@ def test_soft_labels_add_the_final_state_to_every_feature_the_plan_counts():
     assert flight[0.5] * 5 == flight[0.0] * 6
     step = {kd: next(v for name, v in p.consumers if name.startswith("drafter saved activations"))
             for kd, p in plans.items()}
-    assert step[0.5] > step[0.0]  # the teacher's rows in the head's chunks, the final states' slice
+    # the teacher's distribution is computed in the head's chunks, in the CE's buffers: the step's peak
+    # stays within issue 40's 1.15x of CE's (it was 3.7x at this vocabulary before the head kept its buffers)
+    assert step[0.0] <= step[0.5] <= 1.15 * step[0.0]
 
 
 def test_a_rank_whose_features_a_vllm_engine_computes_holds_the_heads_and_the_features_only():

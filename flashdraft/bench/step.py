@@ -15,11 +15,20 @@ identical weights and inputs:
   convolution around every sublayer (every row computed: it mixes each slot with the ones
   before it) and the selector term over the head's top-k candidates (``--selector-top-k``),
   so that its cost reads next to the v1 ``fast`` step.
+- ``kd``: the fast step with soft labels (``--kd-weight``, 0.5 when that is 0): the features end in
+  the target's final states [B, S, H] and the chunked head computes the target's distribution
+  next to the drafter's, so that KD's time and peak memory read against the CE step's.
 - ``reference``: the straightforward step, the tests' oracle: one SDPA over keys
   [context | all N*bs slots] with the dense [N*bs, S + N*bs] mask, every slot of every block
   computed (slot 0 too), the unchunked LM head + autograd CE, and transformers' stock
   RMSNorm / RoPE / MLP under autograd (``DFlashDrafter(lean=False)``); the step's oracle
   switches (``Strategy.drafter_forward``'s ``scored_only=False, distinct_rows=False``).
+
+The objective: decay weights and CE by default; ``--weighting dpace``, ``--auf`` (accept-until-fail)
+and ``--kd-weight`` (soft labels: the features then end in the target's final states [B, S, H], and
+the chunked head computes the target's distribution next to the drafter's) set what the trainer's
+objective keys set, so that a KD step's time and peak memory read against the CE step's at the same
+point (docs/benchmarks.md).
 
 Precision (``--precision``): ``trainer`` (the default) is how the trainer runs on CUDA: fp32
 master weights under bf16 autocast, the target's features, embeddings and LM head in bf16;
@@ -107,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors-per-microbatch", type=int, default=0, help="fast path: anchor slice (0: all)")
     parser.add_argument("--checkpointing", action="store_true", help="fast path: activation checkpointing")
     parser.add_argument("--attention", default="auto", help="fast path attention: auto, split, flex")
-    parser.add_argument("--variants", default="fast,reference", help="comma list of fast, reference, dflash2")
+    parser.add_argument("--variants", default="fast,reference", help="comma list of fast, reference, dflash2, kd")
     parser.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2 variant: the conv's taps")
     parser.add_argument("--conv-group-size", type=int, default=16, help="dflash2 variant: channels per kernel")
     parser.add_argument("--selector-rank", type=int, default=256, help="dflash2 variant: the selector's rank")
@@ -129,6 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sliding-window", type=int, default=0,
                         help="> 0: every drafter layer sliding-window (causal in-block) with this window")
     parser.add_argument("--weighting", default="decay", help="slot weights: decay or dpace (objective.weighting)")
+    parser.add_argument("--kd-weight", type=float, default=0.0,
+                        help="soft labels (objective.kd_weight) in every variant: > 0 adds the target's final states "
+                             "[B, S, H] to the features and mixes the KL from its distribution into each slot's loss "
+                             "(0: CE only; the kd variant: 0.5)")
+    parser.add_argument("--kd-temperature", type=float, default=1.0, help="soft labels: objective.kd_temperature")
+    parser.add_argument("--auf", action="store_true",
+                        help="accept-until-fail weights (objective.accept_until_fail, auf_factor 0)")
     parser.add_argument("--json", default="", help="also write all results to this JSON file")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # internal: one point, JSON in
 
@@ -181,7 +197,9 @@ def build(point: dict):
     drafter.to(dtype=torch.float32 if point.get("autocast") else dtype)
     head = (torch.randn(vocab, hidden, generator=gen, device=device) * 0.02).to(dtype)
     embed = (torch.randn(vocab, hidden, generator=gen, device=device) * 0.02).to(dtype)
-    features = torch.randn(b, seq, point["taps"] * hidden, generator=gen, device=device).to(dtype)
+    # with soft labels the target's final normed states [B, S, H] follow the taps, as the trainer feeds them
+    final = hidden if point.get("kd_weight", 0.0) > 0 else 0
+    features = torch.randn(b, seq, point["taps"] * hidden + final, generator=gen, device=device).to(dtype)
     input_ids = torch.randint(0, vocab - 1, (b, seq), generator=host_gen).to(device)
     loss_mask = torch.ones(b, seq, dtype=torch.long, device=device)
     lengths = torch.full((b,), seq, device=device)
@@ -193,8 +211,9 @@ def build(point: dict):
                                                None if dpace else default_gamma(bs))
     block_ids = torch.full((b, n, bs), vocab - 1, device=device)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    auf = 0.0 if point.get("auf") else None
     return drafter, Heads(embed, head), (features, Blocks(anchors, valid, block_ids, labels, weights,
-                                                          SlotLoss(dpace_alpha=dpace),
+                                                          SlotLoss(dpace_alpha=dpace, auf_factor=auf),
                                                           SelectorLoss(1.0) if dflash2 else None))
 
 
@@ -209,7 +228,8 @@ def step_fn(point: dict, drafter, heads, inputs):
                               enabled=bool(point.get("autocast")))
     options = {} if fast else {"scored_only": False, "distinct_rows": False}  # the reference: every slot, in full
     objective = ObjectiveConfig(loss_chunk_size=point["chunk"] if fast else 0,
-                                anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0)
+                                anchors_per_microbatch=point["anchors_per_microbatch"] if fast else 0,
+                                kd_weight=point.get("kd_weight", 0.0), kd_temperature=point.get("kd_temperature", 1.0))
     strategy, backend = strategy_for(drafter, heads, objective), Backend(drafter)
 
     def step():
@@ -417,6 +437,7 @@ def _in_fresh_interpreter(point: dict) -> dict:
 
 def _point(args, seq, anchors, hidden, variant) -> dict:
     precision = resolve_precision(args)
+    kd_weight = args.kd_weight or 0.5 if variant == "kd" else args.kd_weight
     dtype, autocast = PRECISIONS[precision]
     return dict(
         seq=seq, anchors=anchors, hidden=hidden, layers=args.layers, block=args.block, vocab=args.vocab,
@@ -425,6 +446,7 @@ def _point(args, seq, anchors, hidden, variant) -> dict:
         threads=args.threads, device=args.device, precision=precision, dtype=dtype, autocast=autocast,
         head_dim=args.head_dim,
         intermediate=args.intermediate or 3 * hidden, sliding_window=args.sliding_window, weighting=args.weighting,
+        kd_weight=kd_weight, kd_temperature=args.kd_temperature, auf=args.auf,
         conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
         selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
     )
@@ -482,14 +504,48 @@ def _slope(xs, ys) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
+def _spread(base: dict, other: dict) -> str:
+    """The per-round ratios of ``other`` to ``base``: their median and range (timings interleaved)."""
+    per_round = sorted(o / b for b, o in zip(base.get("ms_rounds", []), other.get("ms_rounds", [])))
+    if len(per_round) < 2:
+        return ""
+    return (f" (per round: median {per_round[len(per_round) // 2]:.2f}x, range {per_round[0]:.2f}-"
+            f"{per_round[-1]:.2f}x over {len(per_round)} rounds)")
+
+
+def _print_ratios(args, row: dict) -> None:
+    """The fast step's achieved FLOP rate, and each other variant's time and memory against it."""
+    f = row.get("fast")
+    if not f or "error" in f:
+        return
+    tflops = useful_flops(f) / (f["ms_per_step"] * 1e-3) / 1e12
+    share = f" = {100 * tflops / args.peak_tflops:.1f}% of peak" if args.peak_tflops else ""
+    print(f"  fast achieved {tflops:.3f} TFLOP/s of needed work{share}", flush=True)
+
+    def ratios(other: dict) -> tuple[float, float]:
+        return other["ms_per_step"] / f["ms_per_step"], other["peak_mib"] / max(f["peak_mib"], 1e-9)
+
+    v2, kd, ref = row.get("dflash2"), row.get("kd"), row.get("reference")
+    if v2 and "error" not in v2:
+        print("  dflash2 / fast: time {:.2f}x memory {:.2f}x (conv + selector at these shapes)".format(*ratios(v2)),
+              flush=True)
+    if kd and "error" not in kd:
+        time_x, memory_x = ratios(kd)
+        print(f"  kd / fast: time {time_x:.2f}x memory {memory_x:.2f}x (soft labels, kd_weight {kd['kd_weight']})"
+              f"{_spread(f, kd)}", flush=True)
+    if ref and "error" not in ref:
+        time_x, memory_x = ratios(ref)
+        print(f"  speedup={time_x:.2f}x memory_ratio={memory_x:.2f}x{_spread(f, ref)}", flush=True)
+
+
 def run(args) -> int:
     if args.worker:
         print(json.dumps(measure(json.loads(args.worker))))
         return 0
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - {"fast", "reference", "dflash2"})
+    unknown = sorted(set(variants) - {"fast", "reference", "dflash2", "kd"})
     if unknown or not variants:
-        raise ValueError(f"--variants {args.variants!r}: use a comma list of fast, reference, dflash2")
+        raise ValueError(f"--variants {args.variants!r}: use a comma list of fast, reference, dflash2, kd")
     single = any(x is not None for x in (args.seq, args.anchors, args.hidden))
     if single:
         grid = {"point": [(args.seq or 1024, args.anchors or 128, args.hidden or 256)]}
@@ -498,7 +554,8 @@ def run(args) -> int:
     print(f"drafter step (forward + backward): layers={args.layers} block={args.block} vocab={args.vocab} "
           f"batch={args.batch} device={args.device} precision={resolve_precision(args)} "
           f"threads={args.threads or torch.get_num_threads()} "
-          f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing}")
+          f"chunk={args.chunk} anchors_per_microbatch={args.anchors_per_microbatch} checkpointing={args.checkpointing} "
+          f"weighting={args.weighting} kd_weight={args.kd_weight} kd_temperature={args.kd_temperature} auf={args.auf}")
     # peak memory first, each (point, variant) in a process of its own (run_point: on CPU a fork
     # of this process, forked before its timing has grown it)
     seen = {}
@@ -526,22 +583,7 @@ def run(args) -> int:
             for variant in variants:
                 results.append(row[variant])
                 print("  " + _fmt(row[variant]), flush=True)
-            f, ref = row.get("fast"), row.get("reference")
-            if f and "error" not in f:
-                tflops = useful_flops(f) / (f["ms_per_step"] * 1e-3) / 1e12
-                share = f" = {100 * tflops / args.peak_tflops:.1f}% of peak" if args.peak_tflops else ""
-                print(f"  fast achieved {tflops:.3f} TFLOP/s of needed work{share}", flush=True)
-            v2 = row.get("dflash2")
-            if f and v2 and "error" not in f and "error" not in v2:
-                print(f"  dflash2 / fast: time {v2['ms_per_step'] / f['ms_per_step']:.2f}x "
-                      f"memory {v2['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x (conv + selector at these shapes)",
-                      flush=True)
-            if f and ref and "error" not in f and "error" not in ref:
-                per_round = sorted(r / q for q, r in zip(f.get("ms_rounds", []), ref.get("ms_rounds", [])))
-                spread = (f" (per round: median {per_round[len(per_round) // 2]:.2f}x, range {per_round[0]:.2f}-"
-                          f"{per_round[-1]:.2f}x over {len(per_round)} rounds)" if len(per_round) > 1 else "")
-                print(f"  speedup={ref['ms_per_step'] / f['ms_per_step']:.2f}x "
-                      f"memory_ratio={ref['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x{spread}", flush=True)
+            _print_ratios(args, row)
         if sweep in ("seq", "anchors"):
             field = "seq" if sweep == "seq" else "anchors"
             for variant in variants:

@@ -67,9 +67,11 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
     Each chunk's [chunk, V] fp32 logits live only inside the loop and are turned in place into
     d(sum)/d(logits) = w * (softmax - onehot) (+ the KL's w * T * (q_T - p_T)), then into the chunk's
-    grad_h (and grad_W when the head trains) right away: one [chunk, V] buffer (three with a
-    teacher: its logits, then p_T, and q_T), one exp per logit. So nothing is recomputed in
-    backward (unlike checkpointing, which runs the head twice) and peak memory is one chunk's logits.
+    grad_h (and grad_W when the head trains) right away: one [chunk, V] buffer, one exp per logit.
+    So nothing is recomputed in backward (unlike checkpointing, which runs the head twice) and peak
+    memory is one chunk's logits. A teacher takes two more buffers (its logits, then q_T - p_T;
+    and p_T), so its rows go a third of a chunk at a time: three buffers of chunk / 3 rows, the
+    same peak as CE's one of chunk rows (``bench step --variants fast,kd``, docs/benchmarks.md).
     """
 
     @staticmethod
@@ -88,10 +90,13 @@ class _ChunkedHeadCE(torch.autograd.Function):
         # and scales them once it is known.
         ces, bases, correct, tops = [], [], [], []
         ce_share = 1.0 - kd_weight if teacher_h is not None else 1.0
+        if teacher_h is not None:  # three [rows, V] buffers instead of one: a third of the rows each
+            chunk_size = max(1, chunk_size // 3)
         # One [chunk, V] logits buffer for every chunk (a fresh multi-MB tensor per chunk costs
         # page faults on CPU); the head's matmul writes straight into it.
         buffer = torch.empty(min(chunk_size, h.shape[0]), head_weight.shape[0], dtype=h.dtype, device=h.device)
         soft = torch.empty_like(buffer, dtype=torch.float32) if teacher_h is not None else None
+        teacher_p = torch.empty_like(buffer, dtype=torch.float32) if teacher_h is not None else None
         for start in range(0, h.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
             rows = min(chunk_size, h.shape[0] - start)
@@ -106,7 +111,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 tops.append(logits.topk(top_k, dim=-1))  # DFlash2's candidates, before the in-place softmax
             kl = None
             if teacher_h is not None:  # before the in-place softmax below: it reads the logits
-                kl = _soft_label_rows(logits, top, teacher_h[part], head_weight, temperature, soft[:rows])
+                kl = _soft_label_rows(logits, top, teacher_h[part], head_weight, temperature, soft[:rows],
+                                      teacher_p[:rows])
             p = logits.sub_(top).exp_()  # in place from here: unnormalised softmax
             z = p.sum(-1, keepdim=True)
             ces.append((top + z.log() - picked).squeeze(1))
@@ -146,21 +152,27 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
 
 def _soft_label_rows(logits: torch.Tensor, top: torch.Tensor, teacher_h: torch.Tensor, head_weight: torch.Tensor,
-                     temperature: float, soft: torch.Tensor) -> torch.Tensor:
+                     temperature: float, soft: torch.Tensor, teacher_p: torch.Tensor) -> torch.Tensor:
     """Each row's KL(p_T || q_T) [rows] of the drafter's fp32 ``logits`` [rows, V] (row max ``top``)
     against the teacher's distribution from ``teacher_h`` [rows, H]; leaves q_T - p_T in ``soft``
     (the KL's gradient with respect to the logits, divided by T). ``logits`` are only read.
 
     KL = sum p log p - sum p log q, with log p = t - log Z_t (t the teacher's logits / T, shifted by
     their max) and log q = (z - max z) / T - log Z_q: both sums are row dot products, so the only
-    [rows, V] tensors are ``soft`` and one for p_T."""
-    t = torch.mm(teacher_h.to(head_weight.dtype), head_weight.t()).float().div_(temperature)
+    [rows, V] tensors are the two fp32 buffers the caller owns: ``soft`` (t first, then q_T - p_T)
+    and ``teacher_p`` (p_T)."""
+    teacher_h = teacher_h.to(head_weight.dtype)
+    if head_weight.dtype == torch.float32:  # the teacher's logits straight into soft
+        t = torch.mm(teacher_h, head_weight.t(), out=soft)
+    else:
+        t = soft.copy_(torch.mm(teacher_h, head_weight.t()))
+    t.div_(temperature)
     t.sub_(t.amax(-1, keepdim=True))  # log-space, shifted: t = log p_T + log Z_t
-    p = t.exp()
+    p = torch.exp(t, out=teacher_p)
     z_t = p.sum(-1, keepdim=True)
     p.div_(z_t)  # p_T
     p_log_p = torch.einsum("rv,rv->r", p, t) - z_t.squeeze(1).log()
-    q = torch.sub(logits, top, out=soft).div_(temperature).exp_()
+    q = torch.sub(logits, top, out=soft).div_(temperature).exp_()  # t is spent: q_T takes its buffer
     z_q = q.sum(-1, keepdim=True)
     q.div_(z_q)  # q_T
     p_log_q = (torch.einsum("rv,rv->r", p, logits) - top.squeeze(1)) / temperature - z_q.squeeze(1).log()
@@ -215,7 +227,7 @@ def head_ce(h, head_weight, y, w, chunk_size: int, rows_fn, top_k: int, detached
     (_ChunkedHeadCE) or at once. Each row's base loss is its CE, or with ``teacher`` the soft-label
     mix (``Teacher``). The total is sum(w * base), or with ``rows_fn`` ((base [R], CE [R] detached,
     correct [R]) -> each row's loss and d loss / d base) the sum of its rows' losses."""
-    if chunk_size <= 0 or chunk_size >= h.shape[0]:
+    if chunk_size <= 0 or (chunk_size >= h.shape[0] and teacher is None):  # soft labels: chunked whenever asked
         return _unchunked_head_ce(h, head_weight, y, w, rows_fn, top_k, teacher)
     head = head_weight
     with autocast_suspended(h.device.type) as dtype:  # its matmuls write into buffers (out=)
