@@ -71,7 +71,7 @@ def _dense(strategy, target, drafter, features, blocks, kd_weight, temperature, 
 @pytest.mark.parametrize("kd_weight,temperature", [(1.0, 1.0), (0.5, 2.0)])
 def test_soft_label_loss_and_gradients_equal_the_dense_reference(chunk, kd_weight, temperature):
     objective = ObjectiveConfig(num_anchors=6, kd_weight=kd_weight, kd_temperature=temperature,
-                                loss_chunk_size=chunk)
+                                loss_chunk_size=chunk, accept_until_fail=False)
     target, drafter, strategy, batch, features, blocks = _setup(objective)
     assert (blocks.weights.sum(-1) > 0).any() and (blocks.anchors + BS > batch.lengths.view(2, 1)).any()
     out = strategy.forward_loss(drafter, features, blocks)
@@ -91,7 +91,7 @@ def test_accept_until_fail_composes_with_soft_labels_through_the_head():
     reference = _dense(strategy, target, drafter, features, blocks, 0.5, 1.5, auf_factor=0.25)
     torch.testing.assert_close(out.loss, reference, rtol=1e-5, atol=1e-5)
     plain = strategy_for(drafter, target, ObjectiveConfig(num_anchors=6, kd_weight=0.5, kd_temperature=1.5,
-                                                          loss_chunk_size=5), seed=5)
+                                                          loss_chunk_size=5, accept_until_fail=False), seed=5)
     plain_blocks = plain.eval_blocks(batch, torch.arange(2))
     assert torch.equal(plain_blocks.anchors, blocks.anchors)
     assert float(plain.forward_loss(drafter, features, plain_blocks).loss) > float(out.loss)  # slots were dropped
@@ -114,4 +114,4 @@ def test_soft_labels_are_refused_with_a_hard_label_loss_form():
     with pytest.raises(ValueError, match="objective.kd_temperature"):
         ObjectiveConfig(kd_temperature=2.0)
     with pytest.raises(ValueError, match="objective.auf_factor"):
-        ObjectiveConfig(auf_factor=0.5)
+        ObjectiveConfig(auf_factor=0.5, accept_until_fail=False)
