@@ -203,6 +203,7 @@ _MESH_WAIT: Wait = "collective"
 _CONTROL: Any = None
 # The start-up group: gloo over the whole job with the start-up timeout (startup_barrier).
 _STARTUP: Any = None
+_STARTUP_SINCE = 0.0  # when this rank's start-up group was made: no rank waits in it from earlier
 # This rank's role group on gloo with the start-up timeout (host_barrier, host_broadcast_*): the
 # start-up group itself when colocated.
 _HOST: Any = None
@@ -350,7 +351,7 @@ def _join(device: torch.device, rank: int, world_size: int, clocks: Clocks, defa
     """Join the job's process group (NCCL on CUDA, else gloo) with the clock of ``default_wait``,
     then create the gloo start-up group (first, in the same order on every rank: new_group is
     collective over the world). Returns the backend."""
-    global _STARTUP, _HOST
+    global _STARTUP, _STARTUP_SINCE, _HOST
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise ValueError(f"WORLD_SIZE={world_size} but {', '.join(missing)} unset; launch with torchrun "
@@ -379,6 +380,7 @@ def _join(device: torch.device, rank: int, world_size: int, clocks: Clocks, defa
     tdist.init_process_group(backend=backend, store=tdist.PrefixStore("default_pg", store), rank=rank,
                              world_size=world_size, timeout=timeout, **kwargs)
     _STARTUP = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=clocks.startup_s))
+    _STARTUP_SINCE = time.monotonic()
     _HOST = _STARTUP
     return backend
 
@@ -661,8 +663,12 @@ def _monitored_barrier(group: Any, what: str, wait: Wait) -> None:
                                 wait_all_ranks=True)
     except RuntimeError as exc:
         error = StartupError if wait == "startup" else CollectiveError
-        waited, limit = time.monotonic() - begin, _CLOCKS.seconds(wait)
-        if waited < 0.9 * limit:  # failed long before the timeout: a peer's connection closed
+        now = time.monotonic()
+        waited, limit = now - begin, _CLOCKS.seconds(wait)
+        # This rank may itself be the late one: at start-up the others have waited since the group
+        # was made at the latest, and may have given up on it (their connection closes at once).
+        late = wait == "startup" and now - _STARTUP_SINCE >= 0.9 * limit
+        if waited < 0.9 * limit and not late:  # failed long before the timeout: a peer's connection closed
             raise error(
                 f"{what}: rank {tdist.get_rank()} of {tdist.get_world_size()} lost a peer after {waited:.1f} s, "
                 f"long before {_CLOCKS.knob(wait)}={limit:g} s ({exc}): a rank died"
