@@ -232,7 +232,7 @@ def test_eval_engine_beside_a_cuda_torch_is_refused_with_the_reason_before_any_m
 
 
 @pytest.mark.parametrize("named", ["missing", "not_executable", "without_vllm", "env_var"])
-def test_an_engine_interpreter_that_is_not_one_with_vllm_is_refused_naming_the_fix(untrained_eval, tmp_path,
+def test_an_engine_interpreter_that_is_not_one_with_vllm_is_refused_naming_the_fix(eval_dir, tmp_path,
                                                                                   monkeypatch, named):
     """--engine-python (or FLASHDRAFT_ENGINE_PYTHON) names the user's vLLM; a path that is no such
     interpreter is refused before any model loads, naming where it was named and what to name."""
@@ -255,9 +255,9 @@ def test_an_engine_interpreter_that_is_not_one_with_vllm_is_refused_naming_the_f
     wanted = (rf"--engine vllm: cannot run here: the engine interpreter {re.escape(str(path))} \({by}\) {state}: "
               "name the python of an environment where vLLM is installed")
     with pytest.raises(ValueError, match=wanted):
-        main(_eval_engine(untrained_eval, *extra))
+        main(_eval_engine(eval_dir, *extra))
     with pytest.raises(ValueError, match="--engine-python names the interpreter --engine runs vLLM with"):
-        main([*_eval_engine(untrained_eval)[:-2], "--engine-python", str(path)])  # without --engine vllm
+        main([*_eval_engine(eval_dir)[:-2], "--engine-python", str(path)])  # without --engine vllm
 
 
 @pytest.mark.slow
@@ -323,22 +323,6 @@ def test_a_directory_flashdraft_did_not_make_is_never_deleted_for_the_engine(tmp
     assert (empty / ".flashdraft-engine").is_file()  # flashdraft's now: the next run may rebuild it
 
 
-@pytest.fixture(scope="module")
-def untrained_eval(tmp_path_factory):
-    """A tiny target, an untrained block-4 drafter of it and two prompts: what `eval --engine` needs
-    to reach the engine (it decodes with flashdraft first)."""
-    from conftest import make_drafter, tiny_qwen3
-    from flashdraft.evaluate import write_prompts
-    from flashdraft.target import TargetModel
-
-    d = tmp_path_factory.mktemp("engine-eval")
-    model = tiny_qwen3(num_layers=4, seed=1)
-    model.save_pretrained(d / "target")
-    make_drafter(TargetModel(model, [1, 2]), num_layers=1, block_size=4).save_pretrained(d / "drafter")
-    write_prompts(d / "prompts.jsonl", [[1, 2, 3, 4], [5, 6, 7]])
-    return d
-
-
 def _eval_engine(d: Path, *extra: str) -> list[str]:
     return ["eval", "--target", str(d / "target"), "--drafter", str(d / "drafter"), "--prompts",
             str(d / "prompts.jsonl"), "--device", "cpu", "--max-new-tokens", "4", "--engine", "vllm", *extra]
@@ -346,7 +330,7 @@ def _eval_engine(d: Path, *extra: str) -> list[str]:
 
 @needs_engine_platform
 @pytest.mark.parametrize("broken", ["no_interpreter", "not_executable", "relative_dir"])
-def test_a_broken_or_relative_engine_environment_is_named_and_keeps_flashdrafts_decode(untrained_eval, tmp_path,
+def test_a_broken_or_relative_engine_environment_is_named_and_keeps_flashdrafts_decode(eval_dir, tmp_path,
                                                                                        monkeypatch, capsys, broken):
     """A ready marker without an interpreter, or with one that cannot run, is named with the fix;
     a relative FLASHDRAFT_ENGINE_DIR is taken from where the command runs. Either way the report keeps
@@ -365,7 +349,7 @@ def test_a_broken_or_relative_engine_environment_is_named_and_keeps_flashdrafts_
         (env / "bin" / "python").symlink_to(Path(sys.executable).resolve())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLASHDRAFT_ENGINE_DIR", "env" if broken == "relative_dir" else str(env))
-    assert main(_eval_engine(untrained_eval)) == 1
+    assert main(_eval_engine(eval_dir)) == 1
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert report["num_prompts"] == 2 and report["tau"] >= 1  # flashdraft's own decode, kept
@@ -377,22 +361,22 @@ def test_a_broken_or_relative_engine_environment_is_named_and_keeps_flashdrafts_
 
 
 @needs_engine_platform
-def test_a_sampled_engine_check_is_refused_before_anything_loads(untrained_eval, tmp_path):
+def test_a_sampled_engine_check_is_refused_before_anything_loads(eval_dir, tmp_path):
     """vLLM's CPU build gave false verdicts on sampled checks (docs/evaluation.md): refused, saying
     why, until sampled checks are verified; engine_checks itself refuses them too."""
     from flashdraft.speculative import Sampling
 
     with pytest.raises(ValueError, match=r"--engine vllm with --temperature 0.8: the engine check is greedy only.*"
                                          r"drop --temperature"):
-        main(_eval_engine(untrained_eval, "--temperature", "0.8", "--output", str(tmp_path / "r.json")))
+        main(_eval_engine(eval_dir, "--temperature", "0.8", "--output", str(tmp_path / "r.json")))
     assert not (tmp_path / "r.json").exists()
     with pytest.raises(ValueError, match=r"sampled engine checks are not verified"):
-        engine_checks(untrained_eval / "target", [untrained_eval / "drafter"], [[1, 2, 3]], max_new_tokens=4,
+        engine_checks(eval_dir / "target", [eval_dir / "drafter"], [[1, 2, 3]], max_new_tokens=4,
                       sampling=Sampling(0.8, 0.95, 20, 0))
 
 
 @pytest.mark.slow
-def test_sigterm_to_eval_engine_ends_the_vllm_worker_and_leaves_no_file(vllm_python, untrained_eval, tmp_path):
+def test_sigterm_to_eval_engine_ends_the_vllm_worker_and_leaves_no_file(vllm_python, eval_dir, tmp_path):
     """SIGTERM while vLLM's worker runs: the worker (and what it started) ends with the command,
     which exits 143; its temporary directory and the report are gone (before: the worker was
     re-parented to init and kept its 0.5 GB, and its directory stayed)."""
@@ -409,7 +393,7 @@ def test_sigterm_to_eval_engine_ends_the_vllm_worker_and_leaves_no_file(vllm_pyt
     scratch, report = tmp_path / "tmp", tmp_path / "report.json"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", *_eval_engine(untrained_eval, "--output",
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", *_eval_engine(eval_dir, "--output",
                                                                                   str(report))],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     worker = None
