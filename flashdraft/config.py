@@ -232,8 +232,8 @@ class ObjectiveConfig:
     kd_weight: float = 0.0  # (1 - kd_weight) * CE + kd_weight * T^2 * KL(target || drafter); 0: hard labels only
     kd_temperature: float = 1.0  # soft labels: the temperature T of both distributions in the KL
     # a block's slots after its first missed slot weigh auf_factor (Spec-AUF; docs/recipes.md: the default)
-    accept_until_fail: bool = True
-    auf_factor: float = 0.0  # accept_until_fail: the weight of those slots (0: dropped; 1: off)
+    accept_until_fail: bool = _marked(True, RESUME)
+    auf_factor: float = _marked(0.0, RESUME)  # accept_until_fail: the weight of those slots (0: dropped; 1: off)
     # dflash2: weight of the selector's CE over its candidates (0: selector frozen)
     selector_alpha: float = _marked(1.0, DFLASH2)
     # dflash2: the selector term is off for this share of the steps ...

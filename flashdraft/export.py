@@ -312,8 +312,8 @@ def _run_eval_prompts(checkpoint: Path) -> str | None:
     """The run's eval.prompts_path (absolute: a relative one is the run's), from the run config
     the checkpoint holds (None if none)."""
     try:
-        config = json.loads((checkpoint / "config.json").read_text())
-        prompts = config.get("data", {}).get("eval_prompts")
+        config = upgrade_saved(json.loads((checkpoint / "config.json").read_text()))
+        prompts = config.get("eval", {}).get("prompts_path")
     except (OSError, ValueError, AttributeError):
         return None
     return _run_path(prompts, config, checkpoint) if prompts else None

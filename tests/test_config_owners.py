@@ -128,3 +128,17 @@ def test_flashdraft_config_lists_every_field_of_every_section_with_its_comment(c
     text = "\n".join(lines)
     assert "drafter:\n  family: dflash  # drafter family: dflash | dflash2" in text
     assert "eval:\n  every: 0  # steps between evaluations" in text
+
+
+def test_a_run_trained_without_accept_until_fail_is_not_resumed_with_it(tiny_job, tmp_path):
+    """accept_until_fail became the default: re-running the command of a run trained without it
+    (the key never named) would switch its objective mid-run; the resume is refused, naming it."""
+    from flashdraft.train.trainer import Trainer, train
+
+    out = tmp_path / "run"
+    train(load_config(overrides=overrides(tiny_job, out, train__max_steps=2, checkpoint__save_every=1,
+                                          objective__accept_until_fail="false")))
+    with pytest.raises(ValueError, match=r"objective.accept_until_fail: checkpoint False vs now True"):
+        with Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=2,
+                                                     checkpoint__save_every=1))) as trainer:
+            trainer.fit()

@@ -341,3 +341,15 @@ def test_an_export_whose_mask_id_or_shapes_do_not_fit_is_named(eval_dir, tmp_pat
     (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
     with pytest.raises(ValueError, match=r"model.safetensors does not fit its config.json \(size mismatch"):
         DFlashDrafter.from_pretrained(bad)
+
+
+@pytest.mark.parametrize("saved", [{"eval": {"prompts_path": "/data/p.jsonl"}},  # today's sections
+                                   {"data": {"eval_prompts": "/data/p.jsonl"}}],  # a checkpoint from before
+                         ids=["eval_section", "old_data_section"])
+def test_verify_engine_defaults_to_the_runs_eval_prompts_in_either_config_layout(tmp_path, saved):
+    """--verify-engine without --prompts takes the run's eval.prompts_path from the checkpoint's
+    config; it read the old key only, so a run saved after the config's cut had none."""
+    from flashdraft.export import _run_eval_prompts
+
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "train": {"output_dir": "run"}}))
+    assert _run_eval_prompts(tmp_path) == "/data/p.jsonl"

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # (data.row_budget and objective.num_anchors among them) are also checked by the data cursor itself
 # (BatchSampler.PLAN_KEYS), which knows a cursor saved before the row budget.
 RESUME_KEYS = marked_fields(RESUME)
+# What a run whose saved config predates a key trained with, where today's default differs:
+# accept-until-fail became the default objective after it existed as an option (docs/recipes.md).
+DEFAULT_BEFORE = {("objective", "accept_until_fail"): False}
 
 
 def run_identity(target, mask_token_id: int, dataset) -> dict:
@@ -199,8 +202,9 @@ class RunCheckpoints:
     def _check_compatible(self, saved: dict) -> None:
         """A resume must not silently change what is being trained."""
         mine, defaults = self.config.to_dict(), type(self.config)().to_dict()
-        # A key the checkpoint's config predates had its default then (the drafter's attention layout).
-        then = {(s, k): saved.get(s, {}).get(k, defaults[s][k]) for s, k in RESUME_KEYS}
+        # A key the checkpoint's config predates had its default then (the drafter's attention layout),
+        # or the value it had before it existed (DEFAULT_BEFORE: a default changed since).
+        then = {(s, k): saved.get(s, {}).get(k, DEFAULT_BEFORE.get((s, k), defaults[s][k])) for s, k in RESUME_KEYS}
         diffs = [f"{s}.{k}: checkpoint {then[s, k]!r} vs now {mine[s][k]!r}"
                  for s, k in RESUME_KEYS if then[s, k] != mine[s][k]]
         if diffs:
