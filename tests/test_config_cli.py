@@ -88,14 +88,16 @@ def test_a_missing_or_malformed_config_file_is_named_with_the_fix(tmp_path):
 def test_the_marked_field_lists_are_the_hand_kept_lists_they_replace():
     """The resume-invariant fields and DFlash2's knobs are derived from marks on the fields; here
     they are written out as they were kept by hand (train/state.py, Config.__post_init__), with the
-    fields added since (drafter.init_from: a resume must start from the same released drafter)."""
+    fields added since (drafter.init_from: a resume must start from the same released drafter;
+    accept-until-fail: the objective became its default)."""
     from flashdraft.train.state import RESUME_KEYS
 
     resume = ([("target", k) for k in ("layer_ids", "num_taps")]
               + [("drafter", k) for k in ("num_layers", "block_size", "mask_token_id", "layer_types", "sliding_window",
                                           "causal", "attention_sink", "family", "conv_kernel_size", "conv_group_size",
                                           "selector_rank", "selector_top_k", "init_from")]
-              + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")])
+              + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")]
+              + [("objective", k) for k in ("accept_until_fail", "auf_factor")])
     assert sorted(RESUME_KEYS) == sorted(resume)  # the same fields, listed in their declaration order now
     assert marked_fields(DFLASH2) == [("drafter", k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                              "selector_top_k")] \
