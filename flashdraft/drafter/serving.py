@@ -63,6 +63,18 @@ def dflash2_modules(config: dict) -> DFlash2Modules | None:
     return DFlash2Modules(**values)
 
 
+def drafter_config_of(section, target_config, target_layer_ids, mask_token_id: int) -> dict:
+    """The drafter's config.json for a run's ``drafter`` config section (config.DrafterConfig),
+    tapping ``target_layer_ids`` of the target whose config is ``target_config``: the one path from
+    a run's config to its drafter, which the trainer's drafter, the memory plan's and the
+    quickstart's all take (drafter_config_from_target for the fields)."""
+    return drafter_config_from_target(
+        target_config, num_layers=section.num_layers, block_size=section.block_size, mask_token_id=mask_token_id,
+        target_layer_ids=list(target_layer_ids), layer_types=section.per_layer_types,
+        sliding_window=section.sliding_window, causal=section.causal, dflash2=DFlash2Modules.of(section),
+        sinks=section.attention_sink)
+
+
 def drafter_config_from_target(
     target_config, *, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int],
     layer_types: list[str] | tuple[str, ...] | None = None, sliding_window: int | None = None,

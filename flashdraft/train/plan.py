@@ -245,17 +245,15 @@ def feature_states(cfg: Config, taps: int) -> int:
 
 
 def _drafter_config(cfg: Config, shape: TargetShape) -> dict:
-    from flashdraft.drafter.dflash2 import DFlash2Modules
-    from flashdraft.drafter.serving import drafter_config_from_target
+    """The run's drafter config, as the trainer builds it (serving.drafter_config_of), from the
+    target's config.json alone."""
+    from flashdraft.drafter.serving import drafter_config_of
     from flashdraft.target import default_target_layer_ids
 
     ids = (list(cfg.target.layer_ids) if cfg.target.layer_ids is not None
            else default_target_layer_ids(shape.layers, cfg.target.num_taps))
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else shape.vocab - 1
-    return drafter_config_from_target(
-        shape.config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size, mask_token_id=mask_id,
-        target_layer_ids=ids, layer_types=cfg.drafter.per_layer_types, sliding_window=cfg.drafter.sliding_window,
-        causal=cfg.drafter.causal, dflash2=DFlash2Modules.of(cfg.drafter), sinks=cfg.drafter.attention_sink)
+    return drafter_config_of(cfg.drafter, shape.config, ids, mask_id)
 
 
 def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_len: int, anchors: int) -> StepMeasure:

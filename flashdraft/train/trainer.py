@@ -29,7 +29,6 @@ from flashdraft.config import Config, save_config
 from flashdraft.data.batching import batch_sampler, steps_left
 from flashdraft.distributed import Dist
 from flashdraft.drafter import DFlashDrafter, serving
-from flashdraft.drafter.dflash2 import DFlash2Modules
 from flashdraft.feed import Feed, open_feed
 from flashdraft.metrics import StageTimer
 from flashdraft.signals import Stopped
@@ -70,13 +69,10 @@ def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
     drafter it starts from (drafter.init_from, whose shape the config already took:
     startup.with_init_from). The trainer starts from it, and anyone can rebuild a run's starting
     weights without a Trainer (the quickstart's untrained baseline)."""
-    drafter = DFlashDrafter.for_target(
-        target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-        mask_token_id=checks.resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.path),
-        layer_types=cfg.drafter.per_layer_types, sliding_window=cfg.drafter.sliding_window,
-        causal=cfg.drafter.causal, dflash2=DFlash2Modules.of(cfg.drafter), sinks=cfg.drafter.attention_sink,
-        attention=cfg.drafter.attention, activation_checkpointing=cfg.drafter.activation_checkpointing,
-    )
+    mask_token_id = checks.resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.path)
+    drafter = DFlashDrafter(serving.drafter_config_of(cfg.drafter, target.config, target.layer_ids, mask_token_id),
+                            attention=cfg.drafter.attention,
+                            activation_checkpointing=cfg.drafter.activation_checkpointing)
     if cfg.drafter.init_from:
         released = serving.read_weights(cfg.drafter.init_from)
         try:
