@@ -1255,18 +1255,27 @@ def _free_port() -> int:
 # ---- 15: the feature cache's disk tier --------------------------------------------------------------
 
 
-@probe("cache_disk_full_is_said", "feature cache", "15")
-def _(ws):
+@contextlib.contextmanager
+def _flashdraft_log():
+    """The flashdraft logger's records while the block runs (a list filled in place)."""
     import logging
-
-    import torch
-
-    from flashdraft.feed.cache import FeatureCache
 
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("flashdraft").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("flashdraft").removeHandler(handler)
+
+
+@probe("cache_disk_full_is_said", "feature cache", "15")
+def _(ws):
+    import torch
+
+    from flashdraft.feed.cache import FeatureCache
+
     d = ws.fresh("cache")
     cache = FeatureCache(feature_size=16, dtype=torch.float32, ram_bytes=0, disk_bytes=10**6, directory=d,
                          pin_memory=False)
@@ -1274,11 +1283,11 @@ def _(ws):
     ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4 * 4 * 16 * 4, hard))
     try:
-        kept = [cache.put(i, torch.randn(4, 16)) for i in range(10)]
+        with _flashdraft_log() as records:
+            kept = [cache.put(i, torch.randn(4, 16)) for i in range(10)]
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, ignored)
-        logging.getLogger("flashdraft").removeHandler(handler)
     said = [r.getMessage() for r in records if "could not grow" in r.getMessage()]
     cache.close()
     return kept == [True] * 4 + [False] * 6 and bool(said), (said or ["no warning"])[0][:200]
@@ -1286,22 +1295,14 @@ def _(ws):
 
 @probe("cache_disk_budget_beyond_free_space_is_said", "feature cache", "15")
 def _(ws):
-    import logging
-
     import torch
 
     from flashdraft.feed.cache import FeatureCache
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("flashdraft").addHandler(handler)
-    try:
-        d = ws.fresh("cache")
+    d = ws.fresh("cache")
+    with _flashdraft_log() as records:
         cache = FeatureCache(feature_size=16, dtype=torch.float32, ram_bytes=0, disk_bytes=10**18, directory=d,
                              pin_memory=False)
-    finally:
-        logging.getLogger("flashdraft").removeHandler(handler)
     said = [r.getMessage() for r in records if "free" in r.getMessage()]
     budget = cache.disk_budget
     cache.close()
