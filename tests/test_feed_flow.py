@@ -199,30 +199,36 @@ def test_buffer_pool_blocks_until_release_and_cancels():
 
 
 def test_synthetic_stages_overlap_and_the_report_names_the_bound():
-    """Sleep-based stages (they hold no CPU, so this is robust on a loaded machine)."""
-    def work(ms):
-        def fn(x):
-            time.sleep(ms / 1e3)
-            return x
-        return fn
+    """Sleep-based stages. Threaded, the target stage works while the consumer does (their busy
+    intervals overlap); inline, never. Intervals, not wall times: a loaded machine stretches both
+    runs, but cannot make inline stages overlap or threaded ones take turns for 20 items."""
+    def overlapping(a, b):
+        return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
 
     def source(n, ms):
         for i in range(n):
             time.sleep(ms / 1e3)
             yield i
 
-    walls = {}
     for threaded in (False, True):
-        t0 = time.perf_counter()
-        with Pipeline(source(20, 10), [Stage("target", work(30))], capacity=2, threaded=threaded) as pipe:
+        target, consumer = [], []
+
+        def work(x, spans=target):
+            begin = time.perf_counter()
+            time.sleep(0.03)
+            spans.append((begin, time.perf_counter()))
+            return x
+
+        with Pipeline(source(20, 10), [Stage("target", work)], capacity=2, threaded=threaded) as pipe:
             for _ in pipe:
+                begin = time.perf_counter()
                 time.sleep(0.02)
-        walls[threaded] = time.perf_counter() - t0
+                consumer.append((begin, time.perf_counter()))
         report = pipe.report()
         assert report.bound == "target-bound"
         assert report.slowest.busy_ms_per_item >= 29
-    # sequential ~ 20 * 60 ms, pipelined ~ 20 * 30 ms: demand only a clear win (no flaky ratio)
-    assert walls[True] < 0.8 * walls[False]
+        assert len(target) == len(consumer) == 20
+        assert overlapping(target, consumer) == threaded, (threaded, target[:3], consumer[:3])
 
 
 # ---- devices and events (CUDA's rules, modelled on CPU) --------------------------------------
