@@ -200,8 +200,8 @@ class Workspace:
         return self.root / "hub" / "models--org--tiny" / "snapshots" / "rev"
 
 
-def ngram(ws: Workspace, output, target=None, *extra) -> Outcome:
-    return cli("eval", "--target", target or ws.target, "--baseline", "ngram", "--prompts", ws.prompts,
+def ngram(ws: Workspace, output, target=None, *extra, prompts=None) -> Outcome:
+    return cli("eval", "--target", target or ws.target, "--baseline", "ngram", "--prompts", prompts or ws.prompts,
                "--block-size", "4", "--max-new-tokens", "4", "--device", "cpu", "--output", output, *extra)
 
 
@@ -377,8 +377,7 @@ def _(ws):
     d = ws.fresh("hardlink")
     shutil.copy(ws.prompts, d / "prompts.jsonl")
     os.link(d / "prompts.jsonl", d / "report.json")
-    done = cli("eval", "--target", ws.target, "--baseline", "ngram", "--prompts", d / "prompts.jsonl", "--block-size",
-               "4", "--max-new-tokens", "4", "--device", "cpu", "--output", d / "report.json")
+    done = ngram(ws, d / "report.json", prompts=d / "prompts.jsonl")
     held, detail = done.refused(r"is the file .*prompts.jsonl \(a hard link of it\)")
     return held and (d / "prompts.jsonl").read_bytes() == ws.prompts.read_bytes(), detail
 
@@ -396,8 +395,7 @@ def _(ws):
     d = ws.fresh("symlink-prompts")
     shutil.copy(ws.prompts, d / "prompts.jsonl")
     (d / "report.json").symlink_to(d / "prompts.jsonl")
-    done = cli("eval", "--target", ws.target, "--baseline", "ngram", "--prompts", d / "prompts.jsonl", "--block-size",
-               "4", "--max-new-tokens", "4", "--device", "cpu", "--output", d / "report.json")
+    done = ngram(ws, d / "report.json", prompts=d / "prompts.jsonl")
     held, detail = done.refused(r"is (the file )?.*prompts.jsonl")
     return held and (d / "prompts.jsonl").read_bytes() == ws.prompts.read_bytes(), detail
 
