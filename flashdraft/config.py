@@ -565,6 +565,25 @@ def marked_fields(mark: str) -> list[tuple[str, str]]:
     return [(section, f.name) for section, cls in _sections() for f in dataclasses.fields(cls) if f.metadata.get(mark)]
 
 
+# What a run whose saved config predates a key trained with, where today's default differs:
+# accept-until-fail became the default objective after it existed as an option (docs/recipes.md).
+DEFAULT_BEFORE = {("objective", "accept_until_fail"): False}
+
+
+def resume_changes(saved: Mapping, current: Mapping) -> list[str]:
+    """What a resume would silently change: each field marked RESUME (it changes what is trained
+    or in which order) that the run's config ``current`` sets otherwise than the checkpoint's
+    ``saved`` one (both as ``Config.to_dict`` gives them), as "section.key: checkpoint X vs now Y".
+    A key the saved config predates had its default then, or, where the default changed since,
+    the value DEFAULT_BEFORE records. (The batch plan's own inputs, data.row_budget and
+    objective.num_anchors among them, are checked by the data cursor too: BatchSampler.PLAN_KEYS.)"""
+    defaults = Config().to_dict()
+    then = {(s, k): saved.get(s, {}).get(k, DEFAULT_BEFORE.get((s, k), defaults[s][k]))
+            for s, k in marked_fields(RESUME)}
+    return [f"{s}.{k}: checkpoint {then[s, k]!r} vs now {current[s][k]!r}"
+            for s, k in marked_fields(RESUME) if then[s, k] != current[s][k]]
+
+
 # ---- a model's config.json: the sizes anything is built from, bounded -----------------------------
 # A target's config.json (target.model.read_model_config) and a drafter export's (drafter.serving)
 # are checked by this one rule before anything is built from them. Each bound is far beyond any

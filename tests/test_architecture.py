@@ -335,3 +335,76 @@ def test_no_top_level_part_imports_one_that_imports_it_back():
 def test_the_top_level_holds_at_most_15_modules():
     modules = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(modules) <= 15, modules
+
+
+# ---- each part takes its own config section -------------------------------------------------------
+# The composition reads the whole run config and hands each part its section (or the values it
+# needs): the rank's start-up and its checks, the memory plan, the trainer, a target rank, the
+# feed's builders. Commands and benchmarks compose runs too. Everyone else takes a section.
+COMPOSITION = {"flashdraft.config", "flashdraft.train.startup", "flashdraft.train.checks", "flashdraft.train.plan",
+               "flashdraft.train.trainer", "flashdraft.train.target_rank", "flashdraft.feed"}
+COMMANDS = ("flashdraft.cli", "flashdraft.quickstart", "flashdraft.train.cli", "flashdraft.bench")
+# section -> the packages or modules that may take it (its owners), beyond the composition
+SECTION_OWNERS = {
+    "TargetConfig": ("flashdraft.target",),
+    "DrafterConfig": ("flashdraft.drafter", "flashdraft.data.inspect"),  # inspect: the block size's default
+    "DataConfig": ("flashdraft.data",),
+    "ObjectiveConfig": ("flashdraft.objective", "flashdraft.train.strategy"),
+    "OptimConfig": ("flashdraft.train.optim",),
+    "TrainConfig": ("flashdraft.train.log",),
+    "CheckpointConfig": ("flashdraft.train.state",),
+    "EvalConfig": ("flashdraft.train.validation",),
+    "PipelineConfig": ("flashdraft.feed",),
+}
+SECTIONS = {"target", "drafter", "data", "objective", "optim", "train", "checkpoint", "eval", "pipeline"}
+
+
+def _within(module: str, owners) -> bool:
+    return any(module == o or module.startswith(o + ".") for o in owners)
+
+
+def config_uses(tree: ast.Module) -> list[str]:
+    """Where ``tree`` takes the whole run config: an import of ``Config``, or a section read off
+    a config (``cfg.train``, ``self.config.pipeline``, ``stages.config.pipeline``: any name or
+    attribute called cfg / config), as 'line N: what'."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "flashdraft.config":
+            found += [f"line {node.lineno}: imports Config" for a in node.names if a.name == "Config"]
+        elif isinstance(node, ast.Attribute) and node.attr in SECTIONS:
+            base = node.value
+            name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+            if name.lstrip("_") in ("cfg", "config"):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))
+
+
+def section_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, section class) of each config section ``tree`` imports."""
+    return [(node.lineno, a.name) for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "flashdraft.config"
+            for a in node.names if a.name in SECTION_OWNERS]
+
+
+def test_only_the_composition_reads_the_whole_config():
+    """The whole Config used to travel into the step, the validator, the stages, the links, the
+    log and the checkpoints; each now takes its section (tests/test_architecture.py names who
+    composes)."""
+    found = {name: uses for name, tree in _modules().items()
+             if not (name in COMPOSITION or _within(name, COMMANDS)) and (uses := config_uses(tree))}
+    assert not found, found
+
+
+def test_each_config_section_is_imported_by_its_owner():
+    found = [f"{name} line {line}: {section}" for name, tree in _modules().items()
+             if not (name in COMPOSITION or _within(name, COMMANDS))
+             for line, section in section_imports(tree) if not _within(name, SECTION_OWNERS[section])]
+    assert not found, found
+
+
+def test_the_config_checks_see_a_whole_config_and_a_borrowed_section():
+    tree = ast.parse("from flashdraft.config import Config, EvalConfig\nclass S:\n"
+                     "    def f(self, stages):\n        a = stages.config.pipeline.capacity\n"
+                     "        b = cfg.train\n        c = self.target.path\n")
+    assert config_uses(tree) == ["line 1: imports Config", "line 4: stages.config.pipeline", "line 5: cfg.train"]
+    assert section_imports(tree) == [(1, "EvalConfig")]

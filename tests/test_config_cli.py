@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flashdraft.cli import main
-from flashdraft.config import DFLASH2, Config, field_docs, load_config, marked_fields, save_config, to_yaml
+from flashdraft.config import DFLASH2, RESUME, Config, field_docs, load_config, marked_fields, save_config, to_yaml
 
 
 def _sections():
@@ -90,15 +90,13 @@ def test_the_marked_field_lists_are_the_hand_kept_lists_they_replace():
     they are written out as they were kept by hand (train/state.py, Config.__post_init__), with the
     fields added since (drafter.init_from: a resume must start from the same released drafter;
     accept-until-fail: the objective became its default)."""
-    from flashdraft.train.state import RESUME_KEYS
-
     resume = ([("target", k) for k in ("layer_ids", "num_taps")]
               + [("drafter", k) for k in ("num_layers", "block_size", "mask_token_id", "layer_types", "sliding_window",
                                           "causal", "attention_sink", "family", "conv_kernel_size", "conv_group_size",
                                           "selector_rank", "selector_top_k", "init_from")]
               + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")]
               + [("objective", k) for k in ("accept_until_fail", "auf_factor")])
-    assert sorted(RESUME_KEYS) == sorted(resume)  # the same fields, listed in their declaration order now
+    assert sorted(marked_fields(RESUME)) == sorted(resume)  # the same fields, listed in their declaration order now
     assert marked_fields(DFLASH2) == [("drafter", k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                              "selector_top_k")] \
         + [("objective", k) for k in ("selector_alpha", "selector_warmup_frac", "selector_ramp_frac",

@@ -86,7 +86,7 @@ def test_a_saved_old_config_is_translated_by_the_same_table():
     assert upgrade_saved(config.to_dict()) == config.to_dict()  # today's sections come back unchanged
 
 
-def test_a_checkpoint_saved_with_the_old_sections_resumes(tiny_job, tmp_path, monkeypatch, caplog):
+def test_a_checkpoint_saved_with_the_old_sections_resumes(tiny_job, tmp_path, caplog):
     """A run of the code before the cut saved Config.to_dict() in the old sections as the
     checkpoint's config.json (next to the manifest, which lists its digest): it resumes, its
     RESUME fields compared under their new names, and its export finds the run's target."""
@@ -94,10 +94,8 @@ def test_a_checkpoint_saved_with_the_old_sections_resumes(tiny_job, tmp_path, mo
 
     out = tmp_path / "run"
     first = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=3)))
-    with monkeypatch.context() as m:
-        new_to_dict = Config.to_dict
-        m.setattr(Config, "to_dict", lambda self: old_format(new_to_dict(self)))
-        path = first.checkpoints.save(1)
+    first.checkpoints.run_config = old_format(first.config.to_dict())  # the config.json the old code wrote
+    path = first.checkpoints.save(1)
     saved = json.loads((path / "config.json").read_text())
     assert saved["model"]["target"] == str(tiny_job / "target") and "drafter" not in saved  # the old format
     loaded = CheckpointManager(out / "checkpoints").load_latest()

@@ -78,11 +78,6 @@ class DrafterRows:
         micro-batch padded to that length)."""
         return anchor_slots(lengths, self.num_anchors) * self.block_size
 
-    @classmethod
-    def of(cls, config) -> DrafterRows:
-        """The budget a flashdraft Config sets (data.row_budget, objective.num_anchors, drafter.block_size)."""
-        return cls(config.data.row_budget, config.objective.num_anchors, config.drafter.block_size)
-
 
 def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int, epoch: int,
                   rows: DrafterRows | None = None) -> list[np.ndarray]:
@@ -405,30 +400,3 @@ class BatchSampler:
         self.segment_world_size = int(state["segment_world_size"])
         if not 0 <= self.segment_start <= self.consumed <= self._num_global:
             raise ValueError(f"data cursor {state} is outside this plan of {self._num_global} batches")
-
-
-# ---- a training run's plan (the trainer and a disaggregated target rank build the same) --------
-# ``config``: a flashdraft Config, read by field as in DrafterRows.of (no import: the config
-# imports the objective, which imports this module).
-
-
-def batch_sampler(dataset, config, rank: int, world_size: int) -> BatchSampler:
-    """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated target
-    rank builds the plan of each drafter rank it feeds): ``train.epochs`` passes over the data, or
-    endless when ``train.max_steps`` sets the budget. Each micro-batch stays within the target's
-    token budget and the drafter's row budget (DrafterRows)."""
-    data = config.data
-    return BatchSampler(dataset.lengths, token_budget=data.token_budget, max_batch_size=data.max_batch_size,
-                        seed=config.train.seed, rank=rank, world_size=world_size,
-                        num_epochs=None if config.train.max_steps else config.train.epochs,
-                        rows=DrafterRows.of(config))
-
-
-def steps_left(sampler: BatchSampler, config, step: int) -> int:
-    """Optimizer steps the run's budget has left after ``step``: ``train.max_steps`` minus the
-    steps done, or the steps the plan's remaining batches make at ``train.grad_accum`` per step
-    (the last one may hold fewer), so that a run resumed at another world size or grad_accum
-    trains exactly the samples the plan has left."""
-    if config.train.max_steps:
-        return max(0, config.train.max_steps - step)
-    return -(-sampler.batches_left(config.train.epochs) // config.train.grad_accum)

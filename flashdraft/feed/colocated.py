@@ -29,7 +29,7 @@ class ColocatedFeed(Feed):
     def __init__(self, stages: FeatureStages, sampler: BatchSampler, num_steps: int, threaded: bool, dist: Dist):
         """``threaded``: the stages run on threads of their own (feed.topology decides, and warms
         the target up first)."""
-        pcfg = stages.config.pipeline
+        pcfg = stages.pipeline
         pool = stages.buffer_pool()
         stages.open_cache(dist.is_main, dist.world_size)
         self.stages, self._final_cache = stages, None

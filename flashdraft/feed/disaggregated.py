@@ -32,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from flashdraft import distributed
-from flashdraft.data.batching import BatchSampler, batch_sampler
+from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import Batch
 from flashdraft.feed.flow import BufferPool, Pipeline, Stage, Watcher
 from flashdraft.feed.stages import FeatureStages
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from flashdraft.feed.topology import Topology
 
 log = logging.getLogger(__name__)
+
+Plans = Callable[[int, int], BatchSampler]  # (drafter rank, its world size) -> that rank's batch plan
 
 
 # ---- drafter ranks -----------------------------------------------------------------------------
@@ -182,7 +185,8 @@ class _DrafterLink:
 # ---- target ranks ------------------------------------------------------------------------------
 
 
-def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, stop=None) -> dict:
+def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, plans: Plans, stop=None, *,
+                   log_every: int = 10) -> dict:
     """Target rank: run the data and target stages for each served drafter rank and send every
     step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
 
@@ -192,21 +196,22 @@ def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, stop=N
     ABORT), raises. ``stop`` (a GracefulStop): a signal this rank gets is passed on to its drafter
     ranks with the next step sent, so they stop and checkpoint as if they had got it. Returns
     ``{"steps": steps sent per link, "stopped": whether the drafter ranks stopped early}`` and
-    logs the whole run's stage split."""
-    cfg = stages.config
+    logs the whole run's stage split (and a line every ``log_every`` steps). ``plans(rank,
+    world_size)``: the batch plan of the drafter rank a HELLO names (the one it trains on)."""
+    capacity = stages.pipeline.capacity
     sends = dist.tensor_rank == 0  # a tensor-parallel target group: its first rank talks, the others mirror it
-    links = _hello_links(topology.header, stages, dist)
+    links = _hello_links(topology.header, stages, dist, plans)
     num_steps = links[0].num_steps
     if any(link.num_steps != num_steps for link in links):
         raise RuntimeError(f"target rank {dist.global_rank}: its drafter ranks asked for different step counts "
                            f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
-    pool = stages.buffer_pool(extra_slots=cfg.pipeline.capacity * len(links))  # + the steps links hold unreceived
+    pool = stages.buffer_pool(extra_slots=capacity * len(links))  # + the steps links hold unreceived
     topology.prepare(stages, num_steps)
     target = Stage("target", lambda pair: (pair[0], stages.forward(pair[1])), device=stages.device,
                    h2d=lambda pair: (pair[0], stages.h2d(pair[1])))
-    pipe = Pipeline(_step_inputs(stages, links, pool, num_steps), [target], capacity=cfg.pipeline.capacity,
+    pipe = Pipeline(_step_inputs(stages, links, pool, num_steps), [target], capacity=capacity,
                     threaded=topology.threaded, consumer_name="send", pools=[pool],
-                    join_timeout_s=cfg.pipeline.join_timeout_s)
+                    join_timeout_s=stages.pipeline.join_timeout_s)
     sent, stopped_early = 0, False  # steps sent to every link
     try:
         # A SIGTERM / Ctrl-C is the drafter ranks' to act on (they checkpoint, then send STOP):
@@ -234,7 +239,7 @@ def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, stop=N
                 if k < len(links) - 1:
                     continue
                 sent += 1
-                if sent % cfg.train.log_every == 0:
+                if sent % log_every == 0:
                     log.info("target rank %d: step %d/%d sent; %s", dist.global_rank, sent, num_steps,
                              _busy(pipe.report()))
             if sends:
@@ -252,14 +257,14 @@ def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, stop=N
     return {"steps": sent, "stopped": stopped_early}
 
 
-def _hello_links(header: Header, stages: FeatureStages, dist: Dist) -> list[_TargetLink]:
+def _hello_links(header: Header, stages: FeatureStages, dist: Dist, plans: Plans) -> list[_TargetLink]:
     """The links of this rank's drafter ranks, their HELLOs received. In a tensor-parallel
     target group the first rank receives them and passes them on to the others, whose links
     only plan (they send nothing): every rank of the group runs the same batches."""
     if dist.tensor_size == 1:
         links = [_TargetLink(header, stages, d) for d in dist.peers]
         for link in links:
-            link.start(link.receive_hello())
+            link.start(link.receive_hello(), plans)
         return links
     device = stages.device  # NCCL groups take no host tensors
     links = [_TargetLink(header, stages, d) for d in dist.peers] if dist.tensor_rank == 0 else []
@@ -273,7 +278,7 @@ def _hello_links(header: Header, stages: FeatureStages, dist: Dist) -> list[_Tar
     stacked = torch.stack(hellos).to(device) if hellos else torch.empty(count, HELLO_SIZE, dtype=torch.int64,
                                                                          device=device)
     for link, msg in zip(links, distributed.target_group_broadcast(stacked).cpu()):
-        link.start(msg)
+        link.start(msg, plans)
     return links
 
 
@@ -301,8 +306,8 @@ class _TargetLink:
     def __init__(self, header: Header, stages: FeatureStages, peer: int | None):
         """``peer`` None: a mirror, on a rank of a tensor-parallel target group that computes
         the features its group's first rank sends (it plans the same batches, sends nothing)."""
-        self.config, self.stages, self.peer, self.header = stages.config, stages, peer, header
-        self.capacity = stages.config.pipeline.capacity
+        self.stages, self.peer, self.header = stages, peer, header
+        self.capacity = stages.pipeline.capacity
         self.pending: deque = deque()  # (transfers, item, header) sent but not yet received, oldest first
         self.control = torch.zeros(1, dtype=torch.int64)  # on the control channel: host memory
         self.control_watch: Watcher | None = None  # the wait for the drafter rank's control message
@@ -315,13 +320,13 @@ class _TargetLink:
         distributed.control_irecv(msg, self.peer, "startup").wait()
         return msg
 
-    def start(self, msg: torch.Tensor) -> None:
-        """Build the drafter rank's sampler from its HELLO ``msg``; post the receive of its one
-        control message (not on a mirror), on the control channel: it stays posted until the
-        drafter rank's end, and there holds back nothing (on the data channel, under NCCL, it
-        would hold back every send to that rank)."""
+    def start(self, msg: torch.Tensor, plans: Plans) -> None:
+        """Build the drafter rank's sampler from its HELLO ``msg`` (``plans(rank, world_size)``);
+        post the receive of its one control message (not on a mirror), on the control channel:
+        it stays posted until the drafter rank's end, and there holds back nothing (on the data
+        channel, under NCCL, it would hold back every send to that rank)."""
         start, total, rank, world_size, cursor = read_hello(msg)
-        self.sampler = batch_sampler(self.stages.dataset, self.config, rank, world_size)
+        self.sampler = plans(rank, world_size)
         self.sampler.load_state_dict(cursor)
         self.batches = iter(self.sampler)
         self.num_steps = total - start

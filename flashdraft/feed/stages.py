@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import distributed
-from flashdraft.config import Config
+from flashdraft.config import PipelineConfig
 from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.feed.cache import CacheStats, FeatureCache, full_cache_bytes
@@ -32,17 +32,20 @@ log = logging.getLogger(__name__)
 class FeatureStages:
     """The data, h2d and target stages of one rank (see module doc)."""
 
-    def __init__(self, config: Config, dataset, target, device: torch.device, timer):
-        self.config, self.dataset, self.target, self.device, self.timer = config, dataset, target, device, timer
+    def __init__(self, pipeline: PipelineConfig, micro_batches: int, dataset, target, device: torch.device, timer):
+        """``pipeline``: the run's pipeline section (channel capacity, the feature cache's tiers);
+        ``micro_batches``: a step's (train.grad_accum)."""
+        self.pipeline, self.micro_batches = pipeline, micro_batches
+        self.dataset, self.target, self.device, self.timer = dataset, target, device, timer
         self.cache: FeatureCache | None = None  # open while a colocated feed runs (open_cache / close_cache)
 
     def buffer_pool(self, extra_slots: int = 0) -> BufferPool:
         """Pooled collate buffers, one slot (``grad_accum`` micro-batches) per step that can be in
         flight: data filling + channel + target + channel + consumer when pipelined, else one;
         plus ``extra_slots`` (steps a consumer holds on to, e.g. sent but not yet received)."""
-        pcfg = self.config.pipeline
+        pcfg = self.pipeline
         num_slots = (2 * pcfg.capacity + 3 if pcfg.enabled else 1) + extra_slots
-        return BufferPool([[CollateBuffers() for _ in range(self.config.train.grad_accum)] for _ in range(num_slots)],
+        return BufferPool([[CollateBuffers() for _ in range(self.micro_batches)] for _ in range(num_slots)],
                           self.device)
 
     # ---- stage 1: data ------------------------------------------------------------------------
@@ -117,7 +120,7 @@ class FeatureStages:
     def open_cache(self, is_main: bool, world_size: int) -> None:
         """Open this run's target-feature cache (pipeline.feature_cache_*), when on. Always
         starts empty: it is an optimisation, never part of a checkpoint."""
-        pcfg = self.config.pipeline
+        pcfg = self.pipeline
         if not pcfg.feature_cache_bytes and not pcfg.feature_cache_disk_bytes:
             return
         # The disk tier's default is node-local scratch ($TMPDIR, else /tmp): every rank streams

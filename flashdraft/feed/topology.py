@@ -1,5 +1,5 @@
-"""The decisions every feed of a job shares, made once from the config and the process
-(``Topology.of``; flashdraft.feed.open_feed / serve hand them down): the placement, whether the
+"""The decisions every feed of a job shares, made once from the pipeline section, the step's
+header and the process (``Topology.of``; flashdraft.feed.open_feed / serve hand them down): the placement, whether the
 stages run on threads (``pipeline.enabled``, never for a tensor-parallel target, whose ranks must
 run the same forwards one by one), whether the target is warmed up first, and the step header a
 disaggregated link carries. The placements (flashdraft.feed.colocated, .disaggregated) only wire
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flashdraft.config import Config
+from flashdraft.config import PipelineConfig
 from flashdraft.feed.wire import Header
 
 if TYPE_CHECKING:
@@ -28,11 +28,10 @@ class Topology:
     header: Header  # a step's header on a disaggregated link
 
     @classmethod
-    def of(cls, config: Config, dist: Dist) -> Topology:
+    def of(cls, pipeline: PipelineConfig, header: Header, dist: Dist) -> Topology:
         # A sharded target's ranks must run the same forwards and stop after the same one: inline
         # (a read-ahead forward one rank started and another did not would wait for the timeout).
-        return cls(config.pipeline.placement, config.pipeline.enabled and dist.tensor_size == 1,
-                   Header(config.train.grad_accum, config.data.max_batch_size))
+        return cls(pipeline.placement, pipeline.enabled and dist.tensor_size == 1, header)
 
     def prepare(self, stages: FeatureStages, num_steps: int) -> None:
         """Before the stages' threads start: one target forward on this thread (kernel autotuning

@@ -180,6 +180,13 @@ def check_tokenizer(target_dir: str, *datasets) -> None:
             )
 
 
+def drafter_rows(cfg: Config) -> DrafterRows:
+    """The drafter's row budget of one micro-batch, as the run's config sets it (data.row_budget,
+    objective.num_anchors, drafter.block_size): what the batch plan, the start-up checks and the memory
+    plan all count."""
+    return DrafterRows(cfg.data.row_budget, cfg.objective.num_anchors, cfg.drafter.block_size)
+
+
 def check_lengths(dataset, cfg: Config, target_config) -> None:
     """Refuse samples no batch (or no target position) can hold: over the token budget, over the
     drafter's row budget, or past the target's positions."""
@@ -195,7 +202,7 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
             f"({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
             f"data.token_budget to at least {longest} or lower data.max_length to {cfg.data.token_budget}"
         )
-    check_row_budget(longest, DrafterRows.of(cfg), f"{dataset.report.source}: its longest sample")
+    check_row_budget(longest, drafter_rows(cfg), f"{dataset.report.source}: its longest sample")
     max_pos = getattr(target_config, "max_position_embeddings", None)
     if max_pos and longest > max_pos:
         raise ValueError(

@@ -9,6 +9,7 @@ from dataclasses import asdict
 import torch
 
 from flashdraft import distributed
+from flashdraft.config import TrainConfig
 from flashdraft.feed import CacheStats
 from flashdraft.metrics import Progress, Throughput, format_line, open_metrics, peak_memory_bytes
 from flashdraft.train.strategy import Strategy
@@ -19,14 +20,16 @@ class TrainLog:
     decides when to reduce over ranks and write: metrics.jsonl (and the other sinks) on the main
     rank, a human line through ``Progress``, and ``history``, the recent records for callers and
     tests (bounded, so a days-long run's memory stays flat; metrics.jsonl holds them all). The
-    loss statistics are the sums the run's ``strategy`` keeps of its losses (Strategy.new_stats)."""
+    loss statistics are the sums the run's ``strategy`` keeps of its losses (Strategy.new_stats).
+    ``train``: the run's train section (where, to which sinks, how often); ``run_config``: the
+    whole run's config (``Config.to_dict``), which the sinks record."""
 
-    def __init__(self, config, dist, device: torch.device, timer, strategy: Strategy, total_steps: int,
-                 start_step: int):
-        self.config, self.dist, self.device, self.timer = config, dist, device, timer
+    def __init__(self, train: TrainConfig, run_config: dict, dist, device: torch.device, timer, strategy: Strategy,
+                 total_steps: int, start_step: int):
+        self.log_every, self.dist, self.device, self.timer = train.log_every, dist, device, timer
         self.strategy, self.total_steps = strategy, total_steps
-        self.metrics = open_metrics(config.train.output_dir, config.train.metrics, is_main=dist.is_main,
-                                    config=config.to_dict(), start_step=start_step)
+        self.metrics = open_metrics(train.output_dir, train.metrics, is_main=dist.is_main, config=run_config,
+                                    start_step=start_step)
         self.progress = Progress(total_steps, start_step, enabled=dist.is_main)
         self.speed = Throughput()
         self.speed.update(start_step)
@@ -40,7 +43,7 @@ class TrainLog:
         ``feed``'s stage split and feature-cache counters."""
         self.speed.update(step, tokens)
         self.progress.update(step)
-        if step % self.config.train.log_every == 0 or step >= self.total_steps:
+        if step % self.log_every == 0 or step >= self.total_steps:
             self.record = self._log(step, grad_norm, lr, skipped_steps, feed)
             self.stats = self.strategy.new_stats(self.device)
 

@@ -47,7 +47,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashdraft.config import Config
-from flashdraft.data.batching import DrafterRows, anchor_slots, batch_capacity, check_row_budget
+from flashdraft.data.batching import anchor_slots, batch_capacity, check_row_budget
+from flashdraft.train.checks import check_drafter_sizes, drafter_rows
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def longest(cfg: Config) -> int:
 def batch_size_at(cfg: Config, seq_len: int) -> int:
     """Samples of padded length ``seq_len`` one micro-batch holds under the batch plan's budgets
     (the batch plan's own rule)."""
-    return max(1, batch_capacity(seq_len, cfg.data.token_budget, cfg.data.max_batch_size, DrafterRows.of(cfg)))
+    return max(1, batch_capacity(seq_len, cfg.data.token_budget, cfg.data.max_batch_size, drafter_rows(cfg)))
 
 
 def anchors_per_pass(cfg: Config, seq_len: int) -> int:
@@ -591,13 +592,12 @@ def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, id
     the taps, a tensor-parallel group that cannot shard the target, DFlash2's sizes, and a row
     budget too small for any sample (a plan of a run train refuses would mislead)."""
     from flashdraft.target.model import check_layer_ids, check_tensor_parallel
-    from flashdraft.train.checks import check_drafter_sizes
 
     check_layer_ids(ids, shape.layers)
     if cfg.target.tensor_parallel > 1:
         check_tensor_parallel(target_dir, shape.model_config, cfg.target.tensor_parallel, cfg.target.expert_parallel)
     check_drafter_sizes(cfg, device)
-    check_row_budget(2, DrafterRows.of(cfg), "every sample (the shortest, 2 tokens, included)")
+    check_row_budget(2, drafter_rows(cfg), "every sample (the shortest, 2 tokens, included)")
 
 
 def planned_lengths(cfg: Config, shape: TargetShape) -> tuple[int, str]:
@@ -608,7 +608,7 @@ def planned_lengths(cfg: Config, shape: TargetShape) -> tuple[int, str]:
     if shape.max_positions:
         bounds.append((shape.max_positions,
                        f"the target's max_position_embeddings={shape.max_positions}: train refuses longer samples"))
-    rows = DrafterRows.of(cfg)
+    rows = drafter_rows(cfg)
     if rows.num_anchors * rows.block_size > rows.budget:  # beyond this length one sample needs more rows
         bounds.append((rows.budget // rows.block_size + 1,
                        f"data.row_budget={rows.budget}: longer samples need more drafter rows, and train refuses them"))

@@ -15,6 +15,7 @@ import torch
 
 from flashdraft import distributed
 from flashdraft.config import Config
+from flashdraft.data.batching import BatchSampler
 from flashdraft.data.dataset import TokenDataset, open_dataset
 from flashdraft.distributed import Dist
 from flashdraft.target import TargetModel
@@ -199,6 +200,23 @@ def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: in
     if getattr(target, "backend", None) == "vllm":  # an engine's features are checked before they are trusted
         check_engine(cfg, target, dataset)
     return RunData(dataset, eval_dataset, checks.load_eval_prompts(cfg, eval_dataset, target.config))
+
+
+def batch_plan(config: Config, dataset: TokenDataset, rank: int, world_size: int) -> BatchSampler:
+    """The training batch plan of data rank ``rank`` of ``world_size`` (a disaggregated target
+    rank builds the plan of each drafter rank it feeds, from the rank and world size its HELLO
+    names): ``train.epochs`` passes over the data, or endless when ``train.max_steps`` sets the
+    budget. Each micro-batch stays within the target's token budget and the drafter's row budget."""
+    return BatchSampler(dataset.lengths, token_budget=config.data.token_budget,
+                        max_batch_size=config.data.max_batch_size, seed=config.train.seed, rank=rank,
+                        world_size=world_size, num_epochs=None if config.train.max_steps else config.train.epochs,
+                        rows=checks.drafter_rows(config))
+
+
+def eval_plan(config: Config, eval_dataset: TokenDataset) -> BatchSampler:
+    """The held-out loss's batches: the training budgets, one fixed order (seed 0), every rank alike."""
+    return BatchSampler(eval_dataset.lengths, token_budget=config.data.token_budget,
+                        max_batch_size=config.data.max_batch_size, seed=0, rows=checks.drafter_rows(config))
 
 
 def meet() -> None:

@@ -12,23 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flashdraft.checkpoint import CheckpointError, CheckpointManager
-from flashdraft.config import RESUME, Config, marked_fields
+from flashdraft.config import CheckpointConfig, resume_changes
 from flashdraft.data.batching import BatchSampler
 
 log = logging.getLogger(__name__)
 
-# (section, field) of the config fields a resume must find unchanged: they change what is trained or
-# in which order; each is marked RESUME where it is declared. The batch plan's own inputs
-# (data.row_budget and objective.num_anchors among them) are also checked by the data cursor itself
-# (BatchSampler.PLAN_KEYS), which knows a cursor saved before the row budget.
-RESUME_KEYS = marked_fields(RESUME)
-# What a run whose saved config predates a key trained with, where today's default differs:
-# accept-until-fail became the default objective after it existed as an option (docs/recipes.md).
-DEFAULT_BEFORE = {("objective", "accept_until_fail"): False}
 
 
 def run_identity(target, mask_token_id: int, dataset) -> dict:
@@ -78,16 +71,27 @@ class TrainState:
             self.sampler.load_state_dict(self.cursor)
 
 
-class RunCheckpoints:
-    """The run's checkpoints under ``train.output_dir/checkpoints``: when to save, what, and
-    resuming from them. ``components`` and ``per_rank`` map part names to objects with
-    ``state_dict`` / ``load_state_dict``; ``export_fn(dir)`` writes the serving export into
-    each checkpoint."""
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from: its step, the world size and the config it was saved with."""
 
-    def __init__(self, config: Config, components: Mapping[str, Any], per_rank: Mapping[str, Any],
-                 export_fn: Callable[[Path], None]):
-        self.config = config
-        self.manager = CheckpointManager(Path(config.train.output_dir) / "checkpoints", config.checkpoint.keep_last)
+    step: int
+    world_size: int
+    config: dict
+
+
+class RunCheckpoints:
+    """The run's checkpoints under ``output_dir/checkpoints``, as its ``checkpoint`` config
+    section says: when to save, what, and resuming from them. ``run_config``: the whole run's
+    config (``Config.to_dict``), saved with each checkpoint and compared on resume (the fields a
+    resume must find unchanged: config.resume_changes). ``components`` and ``per_rank`` map part
+    names to objects with ``state_dict`` / ``load_state_dict``; ``export_fn(dir)`` writes the
+    serving export into each checkpoint."""
+
+    def __init__(self, checkpoint: CheckpointConfig, output_dir: Path, run_config: dict,
+                 components: Mapping[str, Any], per_rank: Mapping[str, Any], export_fn: Callable[[Path], None]):
+        self.section, self.output_dir, self.run_config = checkpoint, Path(output_dir), run_config
+        self.manager = CheckpointManager(self.output_dir / "checkpoints", checkpoint.keep_last)
         self.components, self.per_rank, self.export_fn = dict(components), dict(per_rank), export_fn
         self.last_saved: int | None = None
         self._verified: Path | None = None  # verify_ahead's choice (rank 0, resume=auto)
@@ -97,7 +101,7 @@ class RunCheckpoints:
         """Rank 0, before the ranks meet at start-up: find (and verify, hashing every file) the
         checkpoint ``resume`` will load, so that the others wait for it under the start-up
         timeout, not in the collective that shares the choice (checkpoint.resume=auto or DIR)."""
-        mode = self.config.checkpoint.resume
+        mode = self.section.resume
         if mode == "auto":
             self._verified = self.manager.latest_complete()
         elif mode != "never":
@@ -107,7 +111,7 @@ class RunCheckpoints:
         """Whether to save right after ``step``: on a stop request, every ``checkpoint.save_every``
         steps and after the last one (``done``), once per step (a run resumed at its end, or
         stopped at its last step, is saved already)."""
-        every = self.config.checkpoint.save_every
+        every = self.section.save_every
         return step != self.last_saved and (bool(stopping) or done or (bool(every) and step % every == 0))
 
     def save(self, step: int) -> Path:
@@ -115,16 +119,16 @@ class RunCheckpoints:
         path = self.manager.save(
             step, {name: c.state_dict() for name, c in self.components.items()},
             per_rank_parts={name: c.state_dict() for name, c in self.per_rank.items()},
-            config=self.config.to_dict(), export_fn=self.export_fn,
+            config=self.run_config, export_fn=self.export_fn,
         )
         self.last_saved = step
         return path
 
-    def resume(self, identity: dict, world_size: int, is_main: bool) -> bool:
+    def resume(self, identity: dict, world_size: int, is_main: bool) -> Resumed | None:
         """Load the checkpoint ``checkpoint.resume`` names (auto: the newest complete one) into every
-        component; False when there is none to resume from. Refuses, naming the difference and
+        component; None when there is none to resume from. Refuses, naming the difference and
         the fix, a checkpoint of another config, target or dataset."""
-        mode = self.config.checkpoint.resume
+        mode = self.section.resume
         if mode == "never":
             if existing := self.manager.checkpoints():
                 # Starting over here would overwrite the earlier run's export and prune its
@@ -132,9 +136,9 @@ class RunCheckpoints:
                 raise ValueError(
                     f"checkpoint.resume=never, but {self.manager.root} holds checkpoints of an earlier run (newest "
                     f"{existing[0].name}), which a fresh run there would overwrite and prune; use another "
-                    f"train.output_dir, or delete {self.config.train.output_dir} yourself to start over"
+                    f"train.output_dir, or delete {self.output_dir} yourself to start over"
                 )
-            return False
+            return None
         loaded = (self.manager.load_latest(verified=self._verified) if mode == "auto"
                   else self.manager.load_shared(mode, verdict=self._verdict))
         if loaded is None:
@@ -143,7 +147,7 @@ class RunCheckpoints:
                     f"{self.manager.root} holds {len(existing)} checkpoints (newest {existing[0].name}) but none of "
                     "them loads: each failed its manifest check (the warnings above name the file). Nothing was "
                     f"deleted. Repair them, or move {self.manager.root} aside to start over")
-            return False
+            return None
         self._check_compatible(loaded.config or {})
         parts = upgrade_parts(loaded.parts, loaded.version)
         if missing := sorted(set(self.components) - set(parts)):
@@ -174,20 +178,7 @@ class RunCheckpoints:
         self.last_saved = loaded.step
         if is_main:
             log.warning("resumed from step %d (%s)", loaded.step, self.manager.root)
-            self._warn_if_steps_resized(loaded.config or {}, int(parts["trainer"]["world_size"]), world_size)
-        return True
-
-    def _warn_if_steps_resized(self, saved: dict, saved_world: int, world_size: int) -> None:
-        """train.max_steps counts steps, not samples: say so when a resume changes what a step holds
-        (a budget of epochs is recounted instead: Trainer._recount_budget)."""
-        train = self.config.train
-        saved_accum = saved.get("train", {}).get("grad_accum")
-        if train.max_steps and saved_accum and saved_world * saved_accum != world_size * train.grad_accum:
-            log.warning("train.max_steps=%d counts optimizer steps: each step now takes %d batches (world size %d x "
-                        "grad_accum %d) where the checkpoint's took %d (%d x %d), so the steps left train %.2fx the "
-                        "samples they would have", train.max_steps, world_size * train.grad_accum, world_size,
-                        train.grad_accum, saved_world * saved_accum, saved_world, saved_accum,
-                        world_size * train.grad_accum / (saved_world * saved_accum))
+        return Resumed(loaded.step, int(parts["trainer"]["world_size"]), loaded.config or {})
 
     def _load(self, name: str, component, state) -> None:
         try:
@@ -201,13 +192,7 @@ class RunCheckpoints:
 
     def _check_compatible(self, saved: dict) -> None:
         """A resume must not silently change what is being trained."""
-        mine, defaults = self.config.to_dict(), type(self.config)().to_dict()
-        # A key the checkpoint's config predates had its default then (the drafter's attention layout),
-        # or the value it had before it existed (DEFAULT_BEFORE: a default changed since).
-        then = {(s, k): saved.get(s, {}).get(k, DEFAULT_BEFORE.get((s, k), defaults[s][k])) for s, k in RESUME_KEYS}
-        diffs = [f"{s}.{k}: checkpoint {then[s, k]!r} vs now {mine[s][k]!r}"
-                 for s, k in RESUME_KEYS if then[s, k] != mine[s][k]]
-        if diffs:
+        if diffs := resume_changes(saved, self.run_config):
             raise ValueError(
                 f"cannot resume from {self.manager.root}: the config changed ({'; '.join(diffs)}); restore those "
                 "values, or start a fresh run with another train.output_dir"

@@ -9,6 +9,7 @@ validator are the drafter ranks' alone: none is built here.
 
 from __future__ import annotations
 
+import functools
 import signal
 
 from flashdraft import feed
@@ -55,6 +56,7 @@ class TargetRank:
         # this rank passes it on and keeps serving until they do.
         with GracefulStop() as stop:
             result = feed.serve(self.config, self.dist, target=self.target, dataset=self.dataset,
+                                plans=functools.partial(startup.batch_plan, self.config, self.dataset),
                                 timer=StageTimer(self.dist.device, owner_only=True), stop=stop)
         if result["stopped"]:
             raise Stopped(stop.signum or signal.SIGTERM,

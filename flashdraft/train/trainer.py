@@ -14,6 +14,7 @@ One code path for 1 process and N (torchrun); the frozen target never enters a c
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import Callable
@@ -25,19 +26,21 @@ import torch
 
 from flashdraft import distributed
 from flashdraft.checkpoint import step_dir_name
-from flashdraft.config import Config, save_config
-from flashdraft.data.batching import batch_sampler, steps_left
+from flashdraft.config import Config, TrainConfig, save_config
+from flashdraft.data.batching import BatchSampler
 from flashdraft.distributed import Dist
 from flashdraft.drafter import DFlashDrafter, serving
+from flashdraft.evaluate import eos_ids_of
 from flashdraft.feed import Feed, open_feed
 from flashdraft.metrics import StageTimer
 from flashdraft.signals import Stopped
+from flashdraft.speculative import Sampling
 from flashdraft.train import checks, startup
 from flashdraft.train.backend import Backend
 from flashdraft.train.log import TrainLog
 from flashdraft.train.optim import build_optimizer
 from flashdraft.train.runtime import GracefulStop, ProcessRNG, output_lock
-from flashdraft.train.state import RunCheckpoints, TrainState, run_identity
+from flashdraft.train.state import Resumed, RunCheckpoints, TrainState, run_identity
 from flashdraft.train.step import DrafterStep, describe_nonfinite
 from flashdraft.train.strategy import freeze_untrained, strategy_for
 from flashdraft.train.target_rank import TargetRank
@@ -61,6 +64,16 @@ def autocast_for(device: torch.device, target_dtype: torch.dtype):
     if target_dtype in (torch.bfloat16, torch.float16):
         return torch.autocast("cpu", dtype=target_dtype)
     return contextlib.nullcontext()
+
+
+def steps_left(sampler: BatchSampler, train: TrainConfig, step: int) -> int:
+    """Optimizer steps the run's budget has left after ``step``: ``train.max_steps`` minus the
+    steps done, or the steps the plan's remaining batches make at ``train.grad_accum`` per step
+    (the last one may hold fewer), so that a run resumed at another world size or grad_accum
+    trains exactly the samples the plan has left."""
+    if train.max_steps:
+        return max(0, train.max_steps - step)
+    return -(-sampler.batches_left(train.epochs) // train.grad_accum)
 
 
 def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
@@ -113,8 +126,8 @@ class Trainer:
         data = startup.open_data(cfg, self.dist, self.target, self.drafter.mask_token_id)
         self.dataset, self.eval_dataset, self.eval_prompt_ids = data.dataset, data.eval_dataset, data.eval_prompt_ids
         # a tensor-parallel target's group shares one batch plan: the data ranks are the groups
-        self.sampler = batch_sampler(self.dataset, cfg, self.dist.data_rank, self.dist.data_world_size)
-        self.total_steps = max(1, steps_left(self.sampler, cfg, 0))  # a resume recounts it (_recount_budget)
+        self.sampler = startup.batch_plan(cfg, self.dataset, self.dist.data_rank, self.dist.data_world_size)
+        self.total_steps = max(1, steps_left(self.sampler, cfg.train, 0))  # a resume recounts it (_recount_budget)
         # every parameter, frozen ones too (AdamW skips those without a gradient): the optimizer's
         # state then keeps one layout whatever objective.selector_alpha a resume brings
         self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim, self.total_steps,
@@ -122,8 +135,9 @@ class Trainer:
         self.state = TrainState(self.sampler, self.dist.world_size,
                                 run_identity(self.target, self.drafter.mask_token_id, self.dataset))
         self.checkpoints = RunCheckpoints(
-            cfg, {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                  "trainer": self.state}, {"rng": ProcessRNG()},
+            cfg.checkpoint, self.output, cfg.to_dict(),
+            {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler, "trainer": self.state},
+            {"rng": ProcessRNG()},
             export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
         if self.dist.is_main:  # the slow part of a resume (hashing every file), before the ranks meet
             self.checkpoints.verify_ahead()
@@ -137,9 +151,13 @@ class Trainer:
         self.autocast = autocast_for(self.device, self.target.dtype)
         self.stop = GracefulStop()  # its handlers are installed while the loop runs (_fit)
         self.step_fn = DrafterStep(self.strategy, self.backend, self.timer, self.autocast, stop=self.stop)
-        self.validator = Validator(cfg, self.strategy, self.eval_dataset, self.eval_prompt_ids, self.device,
-                                   self.autocast, self.target.lock, self.dist.is_main,
-                                   runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
+        evals = cfg.eval
+        self.validator = Validator(
+            evals, self.strategy, self.eval_dataset, functools.partial(startup.eval_plan, cfg, self.eval_dataset),
+            self.eval_prompt_ids, sampling=Sampling(evals.temperature, evals.top_p, evals.top_k, cfg.train.seed),
+            eos_ids=eos_ids_of(cfg.target.path, self.target.config), device=self.device, autocast=self.autocast,
+            target_lock=self.target.lock, is_main=self.dist.is_main,
+            runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.feed: Feed | None = None  # this run's, once fit starts
         self.log: TrainLog | None = None
 
@@ -189,13 +207,16 @@ class Trainer:
 
     def _fit(self, on_step: StepHook | None) -> dict:
         cfg, main, state = self.config, self.dist.is_main, self.state
-        if self.checkpoints.resume(state.identity, self.dist.world_size, main):  # before anything is written
+        resumed = self.checkpoints.resume(state.identity, self.dist.world_size, main)  # before anything is written
+        if resumed is not None:
+            if main:
+                self._warn_if_steps_resized(resumed)
             self._recount_budget()
         if main:
             self.output.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output / "config.yaml")
-        self.log = TrainLog(cfg, self.dist, self.device, self.timer, self.strategy, self.total_steps,
-                            state.step)
+        self.log = TrainLog(cfg.train, cfg.to_dict(), self.dist, self.device, self.timer, self.strategy,
+                            self.total_steps, state.step)
         if cfg.drafter.init_from and state.step == 0 and (cfg.eval.data_path or cfg.eval.prompts_path):
             self._validate()  # step 0 (every rank): the released drafter's own tau, the fine-tuning's baseline
         stopping = 0
@@ -232,7 +253,7 @@ class Trainer:
         """After a resume: the steps the run's budget has left, at this world size and grad_accum
         (the budget belongs to the run, not to its layout), and the LR schedule spread over them
         when their number changed (no jump, still ending at 0)."""
-        step, remaining = self.state.step, steps_left(self.sampler, self.config, self.state.step)
+        step, remaining = self.state.step, steps_left(self.sampler, self.config.train, self.state.step)
         if remaining > 0 and self.scheduler.ended(step):  # raised max_steps / epochs after the run's end
             train = self.config.train
             budget = f"train.max_steps={train.max_steps}" if train.max_steps else f"train.epochs={train.epochs}"
@@ -248,6 +269,18 @@ class Trainer:
                         "schedule goes on from %.1f%% of its length and reaches its end at step %d",
                         step, remaining, self.dist.world_size, self.config.train.grad_accum,
                         100 * self.scheduler.position(step).fraction, self.total_steps)
+
+    def _warn_if_steps_resized(self, resumed: Resumed) -> None:
+        """train.max_steps counts steps, not samples: say so when a resume changes what a step holds
+        (a budget of epochs is recounted instead: _recount_budget)."""
+        train, world_size = self.config.train, self.dist.world_size
+        saved_accum = resumed.config.get("train", {}).get("grad_accum")
+        if train.max_steps and saved_accum and resumed.world_size * saved_accum != world_size * train.grad_accum:
+            log.warning("train.max_steps=%d counts optimizer steps: each step now takes %d batches (world size %d x "
+                        "grad_accum %d) where the checkpoint's took %d (%d x %d), so the steps left train %.2fx the "
+                        "samples they would have", train.max_steps, world_size * train.grad_accum, world_size,
+                        train.grad_accum, resumed.world_size * saved_accum, resumed.world_size, saved_accum,
+                        world_size * train.grad_accum / (resumed.world_size * saved_accum))
 
     def _train_one(self, item, feed: Feed, stop: GracefulStop, on_step: StepHook | None) -> int:
         """One optimizer step on ``item``, then the hook and its log line, then (before the last

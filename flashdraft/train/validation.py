@@ -3,14 +3,16 @@ on held-out prompts), and when to run them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashdraft import distributed
-from flashdraft.config import Config
-from flashdraft.data.batching import BatchSampler, DrafterRows
+from flashdraft.config import EvalConfig
+from flashdraft.data.batching import BatchSampler
 from flashdraft.data.collate import CollateBuffers, pad_batch
 from flashdraft.drafter import DFlashDrafter
-from flashdraft.evaluate import eos_ids_of, evaluate_tau
+from flashdraft.evaluate import evaluate_tau
 from flashdraft.speculative import Sampling
 from flashdraft.train.strategy import Strategy
 
@@ -19,22 +21,27 @@ class Validator:
     """Runs on the main rank (the others wait at a host-side barrier, train.pause_timeout_s)
     under ``target_lock`` (no target forward of the pipeline's target thread runs meanwhile)."""
 
-    def __init__(self, config: Config, strategy: Strategy, eval_dataset, prompts: list[list[int]],
-                 device: torch.device, autocast, target_lock, is_main: bool, runs_eval: bool | None = None):
-        """``strategy``: the run's (its drafter and target, the eval loss's blocks and loss);
-        ``runs_eval``: this rank computes the evaluation (default: the main rank only; with a
-        tensor-parallel target every rank of the main rank's target group, whose forwards need
-        them all, in lockstep: same drafter, same prompts, same draws); the main rank reports it."""
-        self.config, self.strategy = config, strategy
+    def __init__(self, evals: EvalConfig, strategy: Strategy, eval_dataset, eval_plan: Callable[[], BatchSampler],
+                 prompts: list[list[int]], *, sampling: Sampling, eos_ids: list[int], device: torch.device, autocast,
+                 target_lock, is_main: bool, runs_eval: bool | None = None):
+        """``evals``: the run's eval section (when, how many tokens); ``strategy``: the run's (its
+        drafter and target, the eval loss's blocks and loss); ``eval_plan()``: a fresh batch plan of
+        ``eval_dataset`` (None: no held-out loss); ``prompts``: token ids for tau, decoded with
+        ``sampling`` up to the target's ``eos_ids``. ``runs_eval``: this rank computes the
+        evaluation (default: the main rank only; with a tensor-parallel target every rank of the
+        main rank's target group, whose forwards need them all, in lockstep: same drafter, same
+        prompts, same draws); the main rank reports it."""
+        self.evals, self.strategy = evals, strategy
         self.drafter, self.target = strategy.drafter, strategy.target
-        self.eval_dataset, self.prompts = eval_dataset, prompts
+        self.eval_dataset, self.eval_plan, self.prompts = eval_dataset, eval_plan, prompts
+        self.sampling, self.eos_ids = sampling, eos_ids
         self.device, self.autocast, self.target_lock, self.is_main = device, autocast, target_lock, is_main
         self.runs_eval = is_main if runs_eval is None else runs_eval
 
     def due(self, step: int, done: bool, stopping: bool) -> bool:
         """Every ``eval.every`` steps and after the last one (``done``: the final eval), but
         never while stopping (a stop request must not wait for an eval)."""
-        every = self.config.eval.every
+        every = self.evals.every
         return not stopping and (done or (bool(every) and step % every == 0))
 
     @torch.no_grad()
@@ -49,12 +56,9 @@ class Validator:
                     result.update(self.eval_loss())
                 if self.prompts:
                     with self.autocast:
-                        evals = self.config.eval
-                        sampling = Sampling(evals.temperature, evals.top_p, evals.top_k, self.config.train.seed)
                         report = evaluate_tau(self.target, self.shipped_drafter(), self.prompts,
-                                              max_new_tokens=evals.max_new_tokens,
-                                              eos_ids=eos_ids_of(self.config.target.path, self.target.config),
-                                              check_lossless=False, sampling=sampling)
+                                              max_new_tokens=self.evals.max_new_tokens, eos_ids=self.eos_ids,
+                                              check_lossless=False, sampling=self.sampling)
                     result.update(eval_tau=report["tau"], eval_tau_pooled=report["tau_pooled"],
                                   eval_acceptance=report["per_position_acceptance"])
             # the eval takes minutes at real sizes: the others wait host-side, under the pause clock
@@ -85,10 +89,9 @@ class Validator:
     def eval_loss(self, max_batches: int = 8) -> dict:
         """The training loss (weighted as in training) / accuracy / simulated tau on the held-out set,
         with the strategy's eval blocks (fixed anchors, every term at its full weight)."""
-        cfg, strategy = self.config, self.strategy
+        strategy = self.strategy
         stats = strategy.new_stats(self.device)
-        plan = BatchSampler(self.eval_dataset.lengths, token_budget=cfg.data.token_budget,
-                            max_batch_size=cfg.data.max_batch_size, seed=0, rows=DrafterRows.of(cfg))
+        plan = self.eval_plan()
         buffers = CollateBuffers()
         for n, (_, _, idx) in enumerate(plan):
             if n >= min(max_batches, plan.batches_per_epoch):
