@@ -38,16 +38,19 @@ import yaml
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # compute dtypes: auto is bf16 on GPU, fp32 on CPU
 DRAFTERS = ("dflash", "dflash2")  # drafter.family: the drafter family
 ATTENTION_IMPLS = ("auto", "dense", "split", "blockwise", "flex")  # drafter.attention
-SINK_IMPLS = ("auto", "dense", "split", "blockwise")  # the implementations with an attention sink (flex has none)
+# the implementations with an attention sink (flex has none)
+SINK_IMPLS = ("auto", "dense", "split", "blockwise")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the drafter layer kinds (config.json layer_types)
 ON_INVALID = ("raise", "drop")  # data.on_invalid: what a bad sample does (data.dataset)
 WEIGHTINGS = ("decay", "dpace")  # objective.weighting: exp(-(k-1)/gamma), or D-PACE (objective.dpace_weights)
 LOSSES = ("ce", "tv", "lk_lambda")  # objective.loss: what each weighted slot contributes (objective.SlotLoss)
 DEVICES = ("auto", "cuda", "cpu")  # train.device: auto is CUDA when available, else CPU (distributed)
 METRIC_SINKS = ("jsonl", "tensorboard", "wandb")  # train.metrics (metrics.MetricsLogger)
-# pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks (distributed.role_layout)
+# pipeline.placement: every rank runs target + drafter, or target ranks feed drafter ranks
+# (distributed.role_layout)
 PLACEMENTS = ("colocated", "disaggregated")
-# target.backend: who computes the target's features (transformers in-process, or a vLLM engine: target.engine)
+# target.backend: who computes the target's features (transformers in-process, or a vLLM engine:
+# target.engine)
 TARGET_BACKENDS = ("transformers", "vllm")
 # The smallest positive temperature: logits / T must stay finite in fp32 (|logit| <= ~1e34 * T), and
 # far below it sampling is greedy anyway. Smaller positive values are refused where they are given
@@ -78,18 +81,23 @@ class TargetConfig:
     dtype: str = "auto"  # target/drafter compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32
     attn_implementation: str = "sdpa"  # Hugging Face attention backend for the target
     trust_remote_code: bool = False  # allow the target directory's own Python code (off: safer)
-    tensor_parallel: int = 1  # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
-    expert_parallel: bool = False  # with tensor_parallel > 1: a MoE target's experts split over the group instead
+    # ranks each target is sharded over (transformers' TP plan); the world a multiple of it
+    tensor_parallel: int = 1
+    # with tensor_parallel > 1: a MoE target's experts split over the group instead
+    expert_parallel: bool = False
     # ---- the target's backend: who computes the features (target.backend, the vllm_* knobs) ----
     # transformers (in-process forward) | vllm (a vLLM engine in its own process; docs/architecture.md)
     backend: str = "transformers"  # who computes the target's features
-    vllm_python: str = _marked("", VLLM)  # interpreter with vLLM installed ("": flashdraft's cached CPU build)
+    # interpreter with vLLM installed ("": flashdraft's cached CPU build)
+    vllm_python: str = _marked("", VLLM)
     vllm_tensor_parallel: int = _marked(1, VLLM)  # the engine's tensor_parallel_size (GPUs of its own)
     vllm_expert_parallel: bool = _marked(False, VLLM)  # the engine's enable_expert_parallel (a MoE target)
-    vllm_quantization: str = _marked("", VLLM)  # the engine's quantization, e.g. fp8 ("": the checkpoint's own)
+    # the engine's quantization, e.g. fp8 ("": the checkpoint's own)
+    vllm_quantization: str = _marked("", VLLM)
     vllm_gpu_memory_utilization: float = _marked(0.9, VLLM)  # share of each engine GPU's memory vLLM may take
     vllm_max_model_len: int = _marked(0, VLLM)  # the engine's max_model_len (0: data.max_length + 1)
-    vllm_devices: str = _marked("", VLLM)  # the engine's CUDA_VISIBLE_DEVICES, e.g. "4,5,6,7" ("": the rank's own GPU)
+    # the engine's CUDA_VISIBLE_DEVICES, e.g. "4,5,6,7" ("": the rank's own GPU)
+    vllm_devices: str = _marked("", VLLM)
     # samples compared tap by tap with the in-process transformers forward at start-up (0: none)
     vllm_check_samples: int = _marked(4, VLLM)
 
@@ -100,7 +108,8 @@ class TargetConfig:
         _check(self.tensor_parallel >= 1, "target.tensor_parallel", f"{self.tensor_parallel}",
                "use 1 (every rank holds the whole target) or the ranks to shard it over, e.g. 8")
         _check(not self.expert_parallel or self.tensor_parallel > 1, "target.expert_parallel", "true",
-               "expert parallelism splits the experts over a target group: set target.tensor_parallel > 1 too")
+               "expert parallelism splits the experts over a target group: "
+               "set target.tensor_parallel > 1 too")
         _check(self.backend in TARGET_BACKENDS, "target.backend", self.backend,
                f"use {' or '.join(TARGET_BACKENDS)}")
         _check(self.vllm_tensor_parallel >= 1, "target.vllm_tensor_parallel", f"{self.vllm_tensor_parallel}",
@@ -113,7 +122,8 @@ class TargetConfig:
             ids = self.layer_ids
             _check(len(ids) > 0 and len(set(ids)) == len(ids) and min(ids) >= 0, "target.layer_ids",
                    f"{list(ids)}", "give distinct non-negative layer ids, e.g. [1, 9, 17, 25, 33]")
-        _refuse_unselected([(self, "target", tuple(f.name for f in dataclasses.fields(self) if f.metadata.get(VLLM)))],
+        _refuse_unselected([(self, "target", tuple(f.name for f in dataclasses.fields(self)
+                                                   if f.metadata.get(VLLM)))],
                            self.backend == "vllm", "the vLLM target backend", "set target.backend=vllm too")
         if self.backend == "vllm":
             _check(self.tensor_parallel == 1, "target.tensor_parallel", f"{self.tensor_parallel}",
@@ -130,7 +140,8 @@ class DrafterConfig:
     mask_token_id: int | None = _marked(None, RESUME)
     # auto: flex on CUDA, else blockwise
     attention: str = "auto"  # drafter training attention: auto, blockwise, split, flex, dense (oracle)
-    activation_checkpointing: bool = False  # recompute drafter layers in backward: less activation memory, ~30% slower
+    # recompute drafter layers in backward: less activation memory, ~30% slower
+    activation_checkpointing: bool = False
     # one per drafter layer, or one for all: full_attention | sliding_attention; empty: all full (DFlash v1)
     layer_types: tuple[str, ...] = _marked(
         (), RESUME)  # drafter layer kinds; e.g. [sliding_attention] (DFlash2's)
@@ -168,8 +179,10 @@ class DrafterConfig:
         _check(not self.attention_sink or self.attention in SINK_IMPLS, "drafter.attention",
                self.attention, f"flex has no attention sink (drafter.attention_sink=true): use one of "
                f"{', '.join(SINK_IMPLS)} (auto trains sinks blockwise on CUDA, in fp32 under autocast)")
-        _check(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", f"{self.mask_token_id}",
-               "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's <|MASK|>")
+        _check(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id",
+               f"{self.mask_token_id}",
+               "use an unused id inside the target's vocabulary (Qwen3: 151669), or null for the tokenizer's "
+               "<|MASK|>")
         types = self.layer_types
         _check(all(t in LAYER_TYPES for t in types) and len(types) in (0, 1, self.num_layers),
                "drafter.layer_types", f"{list(types)}",
@@ -185,12 +198,14 @@ class DrafterConfig:
             blind = blind_slots(layers, self.block_size)  # only ever in an all-sliding stack
             if blind:
                 _check(False, "drafter.sliding_window", f"{self.sliding_window}",
-                       f"with drafter.block_size {self.block_size} and {len(layers)} sliding layer(s), block slots "
-                       f"{_slot_span(blind)} can see no target feature in any layer (not through the window, not "
-                       f"through another slot); use a window of {smallest_sighted_window(layers, self.block_size)} "
+                       f"with drafter.block_size {self.block_size} and {len(layers)} sliding layer(s), "
+                       f"block slots {_slot_span(blind)} can see no target feature in any layer (not through "
+                       f"the window, not through another slot); use a window of "
+                       f"{smallest_sighted_window(layers, self.block_size)} "
                        "or more (2048 is the released drafters'), or make a layer full_attention")
         _check(self.family in DRAFTERS, "drafter.family", self.family, f"use one of {', '.join(DRAFTERS)}")
-        _check(1 <= self.conv_kernel_size <= self.block_size, "drafter.conv_kernel_size", f"{self.conv_kernel_size}",
+        _check(1 <= self.conv_kernel_size <= self.block_size, "drafter.conv_kernel_size",
+               f"{self.conv_kernel_size}",
                f"use 1 .. drafter.block_size ({self.block_size}); 2 is the released drafters'")
         for key in ("conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, key) >= 1, f"drafter.{key}", f"{getattr(self, key)}", "use 1 or more")
@@ -200,7 +215,8 @@ class DrafterConfig:
 class DataConfig:
     path: str = ""  # training data: a token shard, a HF save_to_disk dir or parquet files
     max_length: int = _marked(3072, RESUME)  # samples longer than this are truncated (tokens)
-    token_budget: int = _marked(16384, RESUME)  # max padded tokens per micro-batch (batch_size x padded length)
+    # max padded tokens per micro-batch (batch_size x padded length)
+    token_budget: int = _marked(16384, RESUME)
     max_batch_size: int = _marked(64, RESUME)  # max samples per micro-batch
     row_budget: int = 32768  # max drafter rows (anchors x block_size, summed over samples) per micro-batch
     min_supervised: int | None = None  # min supervised tokens per sample; None: 2 * block_size
@@ -210,41 +226,55 @@ class DataConfig:
         _check_finite(self, "data")
         _check(self.max_length >= 2, "data.max_length", f"{self.max_length}", "use at least 2 * block_size")
         _check(self.min_supervised is None or self.min_supervised >= 0, "data.min_supervised",
-               f"{self.min_supervised}", "use 0 or more supervised tokens, or null for 2 * drafter.block_size")
-        _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}", "use a positive token count")
+               f"{self.min_supervised}",
+               "use 0 or more supervised tokens, or null for 2 * drafter.block_size")
+        _check(self.token_budget >= 1, "data.token_budget", f"{self.token_budget}",
+               "use a positive token count")
         _check(self.max_batch_size >= 1, "data.max_batch_size", f"{self.max_batch_size}", "use 1 or more")
         _check(self.row_budget >= 1, "data.row_budget", f"{self.row_budget}", "use a positive row count")
-        _check(self.on_invalid in ON_INVALID, "data.on_invalid", self.on_invalid, f"use one of {', '.join(ON_INVALID)}")
+        _check(self.on_invalid in ON_INVALID, "data.on_invalid", self.on_invalid,
+               f"use one of {', '.join(ON_INVALID)}")
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
     num_anchors: int = 512  # anchored blocks per sequence, re-drawn every step
-    weighting: str = "decay"  # slot weights: decay (exp(-(k-1)/gamma)) | dpace (confidence-based, detached; D-PACE)
-    gamma: float | None = 0.0  # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
-    dpace_alpha: float = 0.5  # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: linear decay)
-    loss: str = "ce"  # per-slot loss: ce (= LK^alpha for hard labels) | tv (1 - q(label)) | lk_lambda (CE/TV mix)
-    lk_kl_scale: float = 1.0  # lk_lambda: lambda = lk_kl_scale * exp(-lk_kl_decay * mean q(label)), per forward
+    # slot weights: decay (exp(-(k-1)/gamma)) | dpace (confidence-based, detached; D-PACE)
+    weighting: str = "decay"
+    # slot decay exp(-(k-1)/gamma); 0: published default for the block (7 for 16); null: none
+    gamma: float | None = 0.0
+    # D-PACE's floor on each slot's confidence, in (0, 1] (0.5: the paper's; 1: linear decay)
+    dpace_alpha: float = 0.5
+    # per-slot loss: ce (= LK^alpha for hard labels) | tv (1 - q(label)) | lk_lambda (CE/TV mix)
+    loss: str = "ce"
+    # lk_lambda: lambda = lk_kl_scale * exp(-lk_kl_decay * mean q(label)), per forward
+    lk_kl_scale: float = 1.0
     lk_kl_decay: float = 1.0  # lk_lambda: how fast lambda falls as the drafter gets confident
-    loss_chunk_size: int = 1024  # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
-    anchors_per_microbatch: int = 0  # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes ctx KV
+    # block slots per LM-head + CE chunk (0: all); 1024 x 151,936 fp32 logits = 0.6 GB
+    loss_chunk_size: int = 1024
+    # anchors per fwd+bwd slice (0: all); same loss, less memory, recomputes ctx KV
+    anchors_per_microbatch: int = 0
+    # (1 - kd_weight) * CE + kd_weight * T^2 * KL(target || drafter); 0: hard labels only
     # soft labels: the share of each slot's loss that is the KL from the target's own distribution
-    kd_weight: float = 0.0  # (1 - kd_weight) * CE + kd_weight * T^2 * KL(target || drafter); 0: hard labels only
+    kd_weight: float = 0.0
     kd_temperature: float = 1.0  # soft labels: the temperature T of both distributions in the KL
     # a block's slots after its first missed slot weigh auf_factor (Spec-AUF; docs/recipes.md: the default)
     accept_until_fail: bool = _marked(True, RESUME)
-    auf_factor: float = _marked(0.0, RESUME)  # accept_until_fail: the weight of those slots (0: dropped; 1: off)
+    # accept_until_fail: the weight of those slots (0: dropped; 1: off)
+    auf_factor: float = _marked(0.0, RESUME)
     # dflash2: weight of the selector's CE over its candidates (0: selector frozen)
     selector_alpha: float = _marked(1.0, DFLASH2)
     # dflash2: the selector term is off for this share of the steps ...
     selector_warmup_frac: float = _marked(0.0, DFLASH2)
-    selector_ramp_frac: float = _marked(0.0, DFLASH2)  # ... then rises linearly to selector_alpha over this share
+    # ... then rises linearly to selector_alpha over this share
+    selector_ramp_frac: float = _marked(0.0, DFLASH2)
     # dflash2: the selector CE trains the selector only (not the backbone)
     selector_stop_gradient: bool = _marked(False, DFLASH2)
 
     def __post_init__(self):
         _check_finite(self, "objective")
-        _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}", "use 1 or more (512 default)")
+        _check(self.num_anchors >= 1, "objective.num_anchors", f"{self.num_anchors}",
+               "use 1 or more (512 default)")
         _check(self.gamma is None or self.gamma >= 0, "objective.gamma", f"{self.gamma}",
                "use a positive decay (7 for block 16, 5 for 10, 4 for 8) or null to disable")
         _check(self.weighting in WEIGHTINGS, "objective.weighting", self.weighting,
@@ -253,16 +283,20 @@ class ObjectiveConfig:
                "use a value in (0, 1], e.g. 0.5")
         _check(self.loss in LOSSES, "objective.loss", self.loss, f"use one of {', '.join(LOSSES)}")
         _check(self.lk_kl_scale >= 0 and self.lk_kl_decay >= 0, "objective.lk_kl_scale / lk_kl_decay",
-               f"{self.lk_kl_scale} / {self.lk_kl_decay}", "use values >= 0 (1.0 / 1.0: SpecForge's defaults)")
-        _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}", "use 0 or more")
-        _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch", f"{self.anchors_per_microbatch}",
+               f"{self.lk_kl_scale} / {self.lk_kl_decay}",
+               "use values >= 0 (1.0 / 1.0: SpecForge's defaults)")
+        _check(self.loss_chunk_size >= 0, "objective.loss_chunk_size", f"{self.loss_chunk_size}",
+               "use 0 or more")
+        _check(self.anchors_per_microbatch >= 0, "objective.anchors_per_microbatch",
+               f"{self.anchors_per_microbatch}",
                "use 0 (all anchors in one pass) or a positive anchor count, e.g. 128")
         _check(0 <= self.kd_weight <= 1, "objective.kd_weight", f"{self.kd_weight}",
                "use a share in [0, 1]: 0 trains on hard labels only, 1 on the target's distribution only")
         _check(self.kd_weight == 0 or self.loss == "ce", "objective.loss", self.loss,
                "soft labels (objective.kd_weight > 0) mix the KL with CE: use objective.loss=ce with them")
         _check(self.kd_temperature >= MIN_TEMPERATURE, "objective.kd_temperature", f"{self.kd_temperature}",
-               f"use a temperature of at least {MIN_TEMPERATURE:g}, e.g. 1.0 (the serving temperature's scale)")
+               f"use a temperature of at least {MIN_TEMPERATURE:g}, e.g. 1.0 "
+               "(the serving temperature's scale)")
         _check(0 <= self.auf_factor <= 1, "objective.auf_factor", f"{self.auf_factor}",
                "use a weight in [0, 1] for the slots after a block's first miss (0: dropped)")
         _refuse_unselected([(self, "objective", ("kd_temperature",))], self.kd_weight > 0,
@@ -276,10 +310,10 @@ class ObjectiveConfig:
                "objective.selector_warmup_frac / selector_ramp_frac",
                f"{self.selector_warmup_frac} / {self.selector_ramp_frac}",
                "use shares of the run that add up to at most 1 (else selector_alpha is never reached)")
-        _refuse_unselected([(self, "objective", ("dpace_alpha",))], self.weighting == "dpace", "D-PACE's slot weights",
-                           "set objective.weighting=dpace too")
-        _refuse_unselected([(self, "objective", ("gamma",))], self.weighting == "decay", "the decay slot weights",
-                           "set objective.weighting=decay too")
+        _refuse_unselected([(self, "objective", ("dpace_alpha",))], self.weighting == "dpace",
+                           "D-PACE's slot weights", "set objective.weighting=dpace too")
+        _refuse_unselected([(self, "objective", ("gamma",))], self.weighting == "decay",
+                           "the decay slot weights", "set objective.weighting=decay too")
         _refuse_unselected([(self, "objective", ("lk_kl_scale", "lk_kl_decay"))], self.loss == "lk_lambda",
                            "the LK lambda mix", "set objective.loss=lk_lambda too")
         _refuse_unselected([(self, "objective", ("selector_warmup_frac", "selector_ramp_frac",
@@ -304,7 +338,8 @@ class OptimConfig:
         _check(self.grad_clip >= 0, "optim.grad_clip", f"{self.grad_clip}", "use 0 (off) or a positive norm")
         _check(all(0 <= b < 1 for b in self.betas), "optim.betas", f"{list(self.betas)}",
                "use two numbers in [0, 1), e.g. [0.9, 0.999]")
-        _check(self.weight_decay >= 0, "optim.weight_decay", f"{self.weight_decay}", "use 0 (the recipe) or more")
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"{self.weight_decay}",
+               "use 0 (the recipe) or more")
         _check(self.init_std > 0, "optim.init_std", f"{self.init_std}", "use a positive std, e.g. 0.02")
 
 
@@ -321,19 +356,25 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a dead or hung rank fails the others after this long
     max_nonfinite_steps: int = 20  # skipped non-finite steps tolerated before the run stops
     deterministic: bool = False  # torch deterministic algorithms (exact resume tests)
+    # CPU training: glibc keeps freed activations for reuse (false: glibc default)
     # reusing freed activations means no page faults each step
-    keep_freed_host_memory: bool = True  # CPU training: glibc keeps freed activations for reuse (false: glibc default)
-    memory_check: bool = True  # CUDA: refuse a run the memory plan (`flashdraft plan`) says cannot fit (false: try)
-    startup_timeout_s: float = 3600.0  # how long ranks wait for each other at start-up (loading, data, resume)
-    pause_timeout_s: float = 3600.0  # how long ranks wait for rank 0's checkpoint save (write, hash, export) or eval
+    keep_freed_host_memory: bool = True
+    # CUDA: refuse a run the memory plan (`flashdraft plan`) says cannot fit (false: try)
+    memory_check: bool = True
+    # how long ranks wait for each other at start-up (loading, data, resume)
+    startup_timeout_s: float = 3600.0
+    # how long ranks wait for rank 0's checkpoint save (write, hash, export) or eval
+    pause_timeout_s: float = 3600.0
 
     def __post_init__(self):
         _check_finite(self, "train")
         _check(self.epochs >= 1, "train.epochs", f"{self.epochs}", "use 1 or more")
-        _check(self.seed >= 0, "train.seed", f"{self.seed}", "use 0 or more (numpy's seed sequences refuse negatives)")
+        _check(self.seed >= 0, "train.seed", f"{self.seed}",
+               "use 0 or more (numpy's seed sequences refuse negatives)")
         _check(bool(str(self.output_dir).strip()), "train.output_dir", "''",
                "give the run's directory (checkpoints, metrics), e.g. runs/my-run")
-        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}", "use 1 or more")
+        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}",
+               "use 1 or more")
         _check(self.log_every >= 1, "train.log_every", f"{self.log_every}", "use 1 or more")
         _check(self.grad_accum >= 1, "train.grad_accum", f"{self.grad_accum}", "use 1 or more")
         _check(self.device in DEVICES, "train.device", self.device, f"use one of {', '.join(DEVICES)}")
@@ -341,9 +382,10 @@ class TrainConfig:
         _check(not bad, "train.metrics", f"{list(self.metrics)}", f"use any of {', '.join(METRIC_SINKS)}")
         _check(0 < self.collective_timeout_s <= MAX_TIMEOUT_S, "train.collective_timeout_s",
                f"{self.collective_timeout_s}", f"use a positive number of seconds up to {MAX_TIMEOUT_S:g}")
-        _check(0 < self.startup_timeout_s <= MAX_TIMEOUT_S, "train.startup_timeout_s", f"{self.startup_timeout_s}",
-               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: loading a large target from "
-               "shared storage)")
+        _check(0 < self.startup_timeout_s <= MAX_TIMEOUT_S, "train.startup_timeout_s",
+               f"{self.startup_timeout_s}",
+               f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: loading a large target "
+               "from shared storage)")
         _check(0 < self.pause_timeout_s <= MAX_TIMEOUT_S, "train.pause_timeout_s", f"{self.pause_timeout_s}",
                f"use a positive number of seconds up to {MAX_TIMEOUT_S:g} (e.g. 3600: writing and hashing a "
                "checkpoint of tens of GB)")
@@ -356,9 +398,10 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (latest checkpoint in train.output_dir, if any), never, or a checkpoint dir
 
     def __post_init__(self):
-        _check(self.save_every >= 0, "checkpoint.save_every", f"{self.save_every}", "use 0 (only at the end) or more")
-        _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "checkpoint.resume", self.resume,
-               "use auto, never, or an existing checkpoint directory")
+        _check(self.save_every >= 0, "checkpoint.save_every", f"{self.save_every}",
+               "use 0 (only at the end) or more")
+        _check(self.resume in ("auto", "never") or os.path.isdir(self.resume), "checkpoint.resume",
+               self.resume, "use auto, never, or an existing checkpoint directory")
         _check(self.keep_last >= 1, "checkpoint.keep_last", f"{self.keep_last}", "keep at least 1 checkpoint")
 
 
@@ -379,7 +422,8 @@ class EvalConfig:
         _check(self.num_prompts >= 0 and self.max_new_tokens >= 1, "eval.num_prompts / max_new_tokens",
                f"{self.num_prompts} / {self.max_new_tokens}", "use 0 or more prompts and 1 or more tokens")
         _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "eval.temperature",
-               f"{self.temperature}", f"use 0 (greedy) or a temperature of at least {MIN_TEMPERATURE:g} (smaller "
+               f"{self.temperature}",
+               f"use 0 (greedy) or a temperature of at least {MIN_TEMPERATURE:g} (smaller "
                "ones overflow the logits), e.g. 1.0")
         _check(0 < self.top_p <= 1, "eval.top_p", f"{self.top_p}", "use a value in (0, 1] (1: off)")
         _check(self.top_k >= 0, "eval.top_k", f"{self.top_k}", "use 0 (off) or a positive count")
@@ -392,16 +436,21 @@ class EvalConfig:
 class PipelineConfig:
     enabled: bool = True  # run data, target forward and drafter step as overlapped stages (false: sequential)
     capacity: int = 2  # items each bounded channel holds (how far a stage may run ahead of the next)
-    placement: str = "colocated"  # colocated (target + drafter per rank) or disaggregated (target ranks feed drafters)
-    target_ranks: int = 1  # disaggregated: the last N ranks run data + target; each feeds (world - N) / N drafter ranks
-    feature_cache_bytes: int = 0  # RAM budget (bytes/process) of the cross-epoch target-feature cache (0: no RAM tier)
-    feature_cache_disk_bytes: int = 0  # disk budget (bytes/process) for the cache beyond the RAM tier (0: no disk tier)
+    # colocated (target + drafter per rank) or disaggregated (target ranks feed drafters)
+    placement: str = "colocated"
+    # disaggregated: the last N ranks run data + target; each feeds (world - N) / N drafter ranks
+    target_ranks: int = 1
+    # RAM budget (bytes/process) of the cross-epoch target-feature cache (0: no RAM tier)
+    feature_cache_bytes: int = 0
+    # disk budget (bytes/process) for the cache beyond the RAM tier (0: no disk tier)
+    feature_cache_disk_bytes: int = 0
     feature_cache_dir: str = ""  # directory of the disk tier's scratch files ("": node-local $TMPDIR or /tmp)
     join_timeout_s: float = 5.0  # how long shutdown waits for stage threads before logging the stragglers
 
     def __post_init__(self):
         _check_finite(self, "pipeline")
-        _check(self.capacity >= 1, "pipeline.capacity", f"{self.capacity}", "use 1 or more (2 is enough to overlap)")
+        _check(self.capacity >= 1, "pipeline.capacity", f"{self.capacity}",
+               "use 1 or more (2 is enough to overlap)")
         _check(self.placement in PLACEMENTS, "pipeline.placement", self.placement,
                f"use {' or '.join(PLACEMENTS)}")
         _check(self.target_ranks >= 1, "pipeline.target_ranks", f"{self.target_ranks}",
@@ -444,22 +493,27 @@ class Config:
         if self.target.backend == "vllm":
             self._check_vllm_backend()
         if self.target.tensor_parallel > 1:
-            _check(self.pipeline.placement == "colocated" or not (self.eval.data_path or self.eval.prompts_path),
+            _check(self.pipeline.placement == "colocated"
+                   or not (self.eval.data_path or self.eval.prompts_path),
                    "eval.data_path / eval.prompts_path", self.eval.data_path or self.eval.prompts_path,
                    "a disaggregated job's evals run on a drafter rank, which cannot hold a target that needs "
-                   "target.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` on the "
-                   "export, or train colocated")
+                   "target.tensor_parallel: leave them empty and run `flashdraft eval --tensor-parallel N` "
+                   "on the export, or train colocated")
             ram, disk = self.pipeline.feature_cache_bytes, self.pipeline.feature_cache_disk_bytes
-            _check(not (ram or disk), "pipeline.feature_cache_bytes" if ram else "pipeline.feature_cache_disk_bytes",
-                   f"{ram or disk}", "the feature cache is not used with a tensor-parallel target: set both tiers to 0")
-        _check(self.drafter.block_size <= self.data.max_length, "drafter.block_size", f"{self.drafter.block_size}",
+            _check(not (ram or disk),
+                   "pipeline.feature_cache_bytes" if ram else "pipeline.feature_cache_disk_bytes",
+                   f"{ram or disk}",
+                   "the feature cache is not used with a tensor-parallel target: set both tiers to 0")
+        _check(self.drafter.block_size <= self.data.max_length, "drafter.block_size",
+               f"{self.drafter.block_size}",
                f"a block cannot be longer than a sample (data.max_length={self.data.max_length}): lower "
                "drafter.block_size or raise data.max_length")
         if self.data.min_supervised is None:
             need = 2 * self.drafter.block_size
             _check(self.data.max_length >= need, "data.max_length", f"{self.data.max_length}",
-                   f"every sample needs 2 * drafter.block_size = {need} supervised tokens (DFlash's filter), so use "
-                   f"data.max_length >= {need}, or set data.min_supervised explicitly")
+                   f"every sample needs 2 * drafter.block_size = {need} supervised tokens "
+                   f"(DFlash's filter), so use data.max_length >= {need}, or set data.min_supervised "
+                   "explicitly")
 
     def _check_vllm_backend(self) -> None:
         """What the vLLM target backend cannot do (yet): decode (the in-training tau), or give the
@@ -467,13 +521,13 @@ class Config:
         (TargetConfig refuses target.tensor_parallel)."""
         _check(self.objective.kd_weight == 0, "objective.kd_weight", f"{self.objective.kd_weight}",
                "soft labels need the target's final normed state, which the vLLM engine cannot capture (it "
-               "records the stream entering a layer, before the final norm): set objective.kd_weight=0, or use "
-               "target.backend=transformers")
+               "records the stream entering a layer, before the final norm): set objective.kd_weight=0, "
+               "or use target.backend=transformers")
         tau = bool(self.eval.prompts_path or self.eval.data_path) and self.eval.num_prompts > 0
         _check(not tau, "eval.num_prompts", f"{self.eval.num_prompts}",
                "the in-training tau decodes with the target in-process, which target.backend=vllm does not "
-               "load: set eval.num_prompts=0 (the held-out loss of eval.data_path still runs) and judge the export "
-               "with `flashdraft eval --engine vllm`")
+               "load: set eval.num_prompts=0 (the held-out loss of eval.data_path still runs) and judge "
+               "the export with `flashdraft eval --engine vllm`")
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
@@ -494,8 +548,8 @@ RENAMED = {
     "model.expert_parallel": "target.expert_parallel",
     "model.target_backend": "target.backend",
     **{f"model.vllm_{k}": f"target.vllm_{k}" for k in (
-        "python", "tensor_parallel", "expert_parallel", "quantization", "gpu_memory_utilization", "max_model_len",
-        "devices", "check_samples")},
+        "python", "tensor_parallel", "expert_parallel", "quantization", "gpu_memory_utilization",
+        "max_model_len", "devices", "check_samples")},
     "model.drafter": "drafter.family",
     "model.num_draft_layers": "drafter.num_layers",
     "model.block_size": "drafter.block_size",
@@ -537,16 +591,18 @@ def _refuse_renamed(values: Mapping) -> None:
     for section, where in _REMOVED_SECTIONS.items():
         if section in values:
             fields = values[section]
-            known = ", ".join(f"{section}.{k}" for k in fields) if isinstance(fields, Mapping) and fields else section
-            raise ValueError(f"config {known}: the {section} section was split into {where}; move its keys there "
-                             "(`flashdraft config` prints every field)")
+            known = (", ".join(f"{section}.{k}" for k in fields) if isinstance(fields, Mapping) and fields
+                     else section)
+            raise ValueError(f"config {known}: the {section} section was split into {where}; move its keys "
+                             "there (`flashdraft config` prints every field)")
 
 
 def upgrade_saved(values: Mapping) -> dict:
     """A config this tool saved (``Config.to_dict``, a checkpoint's config.json) in today's
     sections: each renamed key moved to its new name (a key given under both keeps the new one),
     sections left empty dropped. A config in today's sections comes back unchanged."""
-    out = {section: dict(fields) if isinstance(fields, Mapping) else fields for section, fields in values.items()}
+    out = {section: dict(fields) if isinstance(fields, Mapping) else fields
+           for section, fields in values.items()}
     for old, new in RENAMED.items():
         (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         fields = out.get(old_section)
@@ -562,7 +618,8 @@ def upgrade_saved(values: Mapping) -> dict:
 def marked_fields(mark: str) -> list[tuple[str, str]]:
     """(section, field) of every field marked ``mark`` (RESUME, DFLASH2), in declaration order:
     the lists other parts need are derived from the marks, so a new field is listed where it is declared."""
-    return [(section, f.name) for section, cls in _sections() for f in dataclasses.fields(cls) if f.metadata.get(mark)]
+    return [(section, f.name) for section, cls in _sections() for f in dataclasses.fields(cls)
+            if f.metadata.get(mark)]
 
 
 # What a run whose saved config predates a key trained with, where today's default differs:
@@ -597,8 +654,9 @@ MODEL_SIZES = {  # field: (smallest, largest); a field a config leaves out is th
     "max_position_embeddings": (1, 1 << 30), "num_experts": (0, 4096), "num_local_experts": (0, 4096),
     "n_routed_experts": (0, 4096), "num_experts_per_tok": (0, 4096),
 }
-_DERIVED_WHEN_NULL = ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts",
-                      "n_routed_experts", "num_experts_per_tok")  # null: the model class derives or drops them
+# null: the model class derives or drops them
+_DERIVED_WHEN_NULL = ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                      "num_local_experts", "n_routed_experts", "num_experts_per_tok")
 MODEL_NESTING = ("text_config",)  # a multimodal config's language model, checked by the same rule
 
 
@@ -612,19 +670,21 @@ def check_model_sizes(values: Mapping, where: str, prefix: str = "") -> None:
             continue
         value = values[key]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{where}: {prefix}{key}={_shown(value)} is invalid: a {'size' if low else 'count'} is a "
-                             f"whole number from {low} to {high:,} (a larger one is beyond any model flashdraft can "
-                             "build); fix the model's config.json")
+            raise ValueError(f"{where}: {prefix}{key}={_shown(value)} is invalid: a "
+                             f"{'size' if low else 'count'} is a whole number from {low} to {high:,} (a "
+                             "larger one is beyond any model flashdraft can build); fix the model's "
+                             "config.json")
     heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
-        raise ValueError(f"{where}: {prefix}num_key_value_heads={kv} does not divide {prefix}num_attention_heads="
-                         f"{heads} (each key-value head serves a whole group of query heads); fix the model's "
-                         "config.json")
-    experts = max((values.get(k) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")), default=0)
+        raise ValueError(f"{where}: {prefix}num_key_value_heads={kv} does not divide "
+                         f"{prefix}num_attention_heads={heads} (each key-value head serves a whole group of "
+                         "query heads); fix the model's config.json")
+    experts = max((values.get(k) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")),
+                  default=0)
     per_token = values.get("num_experts_per_tok") or 0
     if experts and per_token > experts:
-        raise ValueError(f"{where}: {prefix}num_experts_per_tok={per_token} routes each token to more experts than the "
-                         f"{experts} there are; fix the model's config.json")
+        raise ValueError(f"{where}: {prefix}num_experts_per_tok={per_token} routes each token to more "
+                         f"experts than the {experts} there are; fix the model's config.json")
     for nested in MODEL_NESTING:
         if isinstance(values.get(nested), Mapping):
             check_model_sizes(values[nested], where, f"{prefix}{nested}.")
@@ -690,13 +750,14 @@ def _refuse_unselected(sections, selected: bool, option: str, select: str) -> No
     loads back). ``select``: how to select ``option`` ("set drafter.family=dflash2 too")."""
     if selected:
         return
-    given = [f"{name}.{key}={_yaml_value(getattr(section, key))}" for section, name, keys in sections for key in keys
+    given = [f"{name}.{key}={_yaml_value(getattr(section, key))}"
+             for section, name, keys in sections for key in keys
              if getattr(section, key) != _default(type(section), key)]
     if given:
         many = len(given) > 1
         raise ValueError(f"config {', '.join(given)} {'are' if many else 'is'} ignored: "
-                         f"{'they configure' if many else 'it configures'} {option}, which this config does not "
-                         f"select; {select}, or drop {'them' if many else 'it'}")
+                         f"{'they configure' if many else 'it configures'} {option}, which this config "
+                         f"does not select; {select}, or drop {'them' if many else 'it'}")
 
 
 def _default(cls, key: str) -> Any:
@@ -737,7 +798,8 @@ def _shown(value: Any) -> str:
     """``value`` for an error message, bounded: a YAML alias bomb or a deeply nested value is
     shown abridged (``[[[...], ...], ...]``), never expanded (that took minutes and all memory)."""
     shown = reprlib.Repr()  # its limits as attributes: Python 3.10's takes no arguments
-    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict, shown.maxstring, shown.maxother = 2, 4, 4, 4, 60, 60
+    (shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict, shown.maxstring,
+     shown.maxother) = 2, 4, 4, 4, 60, 60
     return shown.repr(value)
 
 
@@ -745,8 +807,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Convert a YAML-parsed value to the declared field type, or raise naming the field."""
     if isinstance(value, _Override):
         text = value.text.strip()
-        if tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
-                         and text not in ("null", "~", "")):
+        if tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                         and str in typing.get_args(tp) and text not in ("null", "~", "")):
             quoted = text[:1] in ("'", '"') and isinstance(value.parsed, str)
             return value.parsed if quoted else text  # a quoted YAML string loses its quotes, as in a file
         if value.error:
@@ -792,8 +854,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer")
             value = int(value)
         if not -2**63 <= value < 2**63:  # every count ends up in an int64 tensor, a C long or a seed
-            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer below 2**63 (a larger one "
-                             "overflows the tensors and generators it reaches)")
+            raise ValueError(f"config {name}={_shown(value)} is invalid: give an integer below 2**63 (a "
+                             "larger one overflows the tensors and generators it reaches)")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
@@ -875,8 +937,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one mapping; keep "
-                                                        "one", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None,
+                                                        f"key {key!r} given twice in one mapping; keep one",
+                                                        key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -891,30 +954,32 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
     """Resolve a Config from defaults < ``base`` < YAML file < dotted overrides."""
     values = dict(base or {})
     if path:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); give a YAML config "
-                             "file") from None
+            raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); give a YAML "
+                             "config file") from None
         except OSError as exc:
-            raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); give an existing YAML file, "
-                             "e.g. one written by `flashdraft config > run.yaml`") from None
+            raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); give an existing "
+                             "YAML file, e.g. one written by `flashdraft config > run.yaml`") from None
         try:
             loaded = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         except RecursionError:
-            raise ValueError(f"{path}: nested too deeply for a config file (a few levels are all any field takes); "
-                             "fix the file (`flashdraft config` prints a valid one)") from None
+            raise ValueError(f"{path}: nested too deeply for a config file (a few levels are all any field "
+                             "takes); fix the file (`flashdraft config` prints a valid one)") from None
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix the file "
-                             "(`flashdraft config` prints a valid one)") from None
+            raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix "
+                             "the file (`flashdraft config` prints a valid one)") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a config file must be a YAML mapping of sections (target, drafter, data, ...)")
+            raise ValueError(f"{path}: a config file must be a YAML mapping of sections "
+                             "(target, drafter, data, ...)")
         values = _merge(values, loaded)
     values = _merge(values, parse_overrides(overrides or []))
     return _build(Config, values, "")
@@ -946,7 +1011,8 @@ def field_docs(cls) -> dict[str, str]:
     except (OSError, TypeError):  # installed without its .py sources: no docs, nothing else lost
         return {f.name: "" for f in dataclasses.fields(cls)}
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
     body = ast.parse(source).body[0]
     docs, previous_end = {}, body.lineno
     for node in body.body:
@@ -1006,7 +1072,8 @@ def add_arguments(parser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = describe_fields()
-    parser.add_argument("--config", help="YAML config file to start from (sections target, drafter, data, ...)")
+    parser.add_argument("--config",
+                        help="YAML config file to start from (sections target, drafter, data, ...)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 target.path=DIR")
 
 

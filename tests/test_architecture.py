@@ -133,7 +133,8 @@ def test_the_feed_check_sees_function_level_and_type_checking_imports():
 def test_no_function_is_over_80_lines():
     long = [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for name, tree in _modules().items() for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno >= 80]
     assert not long, long
 
 
@@ -179,7 +180,8 @@ def test_the_config_imports_only_the_standard_library_and_yaml():
 
 def test_the_config_import_check_finds_package_imports():
     source = ("import os\nimport yaml\nfrom flashdraft.objective import LOSSES\nfrom . import metrics\n"
-              "def f():\n    import flashdraft.drafter\n    import torch\n    return importlib.import_module('x')\n")
+              "def f():\n    import flashdraft.drafter\n    import torch\n"
+              "    return importlib.import_module('x')\n")
     assert outside_imports(ast.parse(source)) == [
         "line 3: flashdraft.objective", "line 4: .", "line 6: flashdraft.drafter", "line 7: torch",
         "line 8: importlib.import_module('x') (a dynamic import)"]
@@ -257,7 +259,8 @@ def test_the_identifier_check_sees_attributes_keywords_imports_and_arguments():
               "def f(selector_loss, x=None):\n    return g(x.candidate_selector, alpha=x.SelectorLoss)\n"
               "# a selector in a comment\ny = 'selector'\n")
     assert identifiers(ast.parse(source)) >= {"dflash2", "DFlash2Modules", "M", "selector_loss",
-                                              "candidate_selector", "alpha", "SelectorLoss", "f", "g", "x", "y"}
+                                              "candidate_selector", "alpha", "SelectorLoss",
+                                              "f", "g", "x", "y"}
     assert naming({"m": ast.parse(source)}, ["m"], ("selector",)) == [
         "m: SelectorLoss", "m: candidate_selector", "m: selector_loss"]
 
@@ -273,7 +276,8 @@ def patched_imports(tree: ast.Module) -> list[str]:
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AugAssign, ast.AnnAssign)) else []
-        for target in (t for outer in targets for t in (outer.elts if isinstance(outer, ast.Tuple) else [outer])):
+        for target in (t for outer in targets
+                       for t in (outer.elts if isinstance(outer, ast.Tuple) else [outer])):
             base = target
             while isinstance(base, ast.Attribute):
                 base = base.value
@@ -304,7 +308,8 @@ def test_the_engine_environment_has_one_owner_below_the_judges_and_the_target():
     assert graph["flashdraft.vllm_env"] == set(), graph["flashdraft.vllm_env"]
     assert "flashdraft.vllm_env" in graph["flashdraft.target.engine"]
     assert "flashdraft.vllm_env" in graph["flashdraft.judge.engine"]
-    for low in ("flashdraft.target", "flashdraft.train", "flashdraft.feed", "flashdraft.drafter", "flashdraft.data"):
+    for low in ("flashdraft.target", "flashdraft.train", "flashdraft.feed", "flashdraft.drafter",
+                "flashdraft.data"):
         found = imports_of(graph, low, "flashdraft.judge")
         assert not found, found
     for worker in ("engine_worker", "reference_worker", "worker_io"):
@@ -341,8 +346,9 @@ def test_the_top_level_holds_at_most_15_modules():
 # The composition reads the whole run config and hands each part its section (or the values it
 # needs): the rank's start-up and its checks, the memory plan, the trainer, a target rank, the
 # feed's builders. Commands and benchmarks compose runs too. Everyone else takes a section.
-COMPOSITION = {"flashdraft.config", "flashdraft.train.startup", "flashdraft.train.checks", "flashdraft.train.plan",
-               "flashdraft.train.trainer", "flashdraft.train.target_rank", "flashdraft.feed"}
+COMPOSITION = {"flashdraft.config", "flashdraft.train.startup", "flashdraft.train.checks",
+               "flashdraft.train.plan", "flashdraft.train.trainer", "flashdraft.train.target_rank",
+               "flashdraft.feed"}
 COMMANDS = ("flashdraft.cli", "flashdraft.quickstart", "flashdraft.train.cli", "flashdraft.bench")
 # section -> the packages or modules that may take it (its owners), beyond the composition
 SECTION_OWNERS = {
@@ -373,7 +379,8 @@ def config_uses(tree: ast.Module) -> list[str]:
             found += [f"line {node.lineno}: imports Config" for a in node.names if a.name == "Config"]
         elif isinstance(node, ast.Attribute) and node.attr in SECTIONS:
             base = node.value
-            name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+            name = (base.id if isinstance(base, ast.Name) else
+                    base.attr if isinstance(base, ast.Attribute) else "")
             if name.lstrip("_") in ("cfg", "config"):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
     return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))
@@ -406,5 +413,6 @@ def test_the_config_checks_see_a_whole_config_and_a_borrowed_section():
     tree = ast.parse("from flashdraft.config import Config, EvalConfig\nclass S:\n"
                      "    def f(self, stages):\n        a = stages.config.pipeline.capacity\n"
                      "        b = cfg.train\n        c = self.target.path\n")
-    assert config_uses(tree) == ["line 1: imports Config", "line 4: stages.config.pipeline", "line 5: cfg.train"]
+    assert config_uses(tree) == ["line 1: imports Config", "line 4: stages.config.pipeline",
+                                 "line 5: cfg.train"]
     assert section_imports(tree) == [(1, "EvalConfig")]

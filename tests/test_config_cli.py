@@ -10,7 +10,16 @@ import pytest
 import yaml
 
 from flashdraft.cli import main
-from flashdraft.config import DFLASH2, RESUME, Config, field_docs, load_config, marked_fields, save_config, to_yaml
+from flashdraft.config import (
+    DFLASH2,
+    RESUME,
+    Config,
+    field_docs,
+    load_config,
+    marked_fields,
+    save_config,
+    to_yaml,
+)
 
 
 def _sections():
@@ -38,7 +47,8 @@ def test_train_help_lists_every_field_of_every_section(capsys):
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             default = getattr(cls(), f.name)
-            line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"{section}.{f.name}:")), None)
+            line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"{section}.{f.name}:")),
+                        None)
             assert line is not None, f"{section}.{f.name} missing from train --help"
             assert str(f.type) in line, line
             shown = yaml.safe_load(line.split(" = ", 1)[1])
@@ -53,8 +63,8 @@ def test_flashdraft_config_prints_yaml_that_loads_back_to_the_same_config(tmp_pa
     defaults.write_text(capsys.readouterr().out)
     assert load_config(defaults) == Config()
     overrides = ["optim.lr=3e-4", "target.layer_ids=[1, 9, 17]", "eval.data_path=held out/data",
-                 "train.metrics=[jsonl, tensorboard]", "pipeline.feature_cache_bytes=64e9", "objective.gamma=null",
-                 "drafter.mask_token_id=151669", "train.max_steps=100"]
+                 "train.metrics=[jsonl, tensorboard]", "pipeline.feature_cache_bytes=64e9",
+                 "objective.gamma=null", "drafter.mask_token_id=151669", "train.max_steps=100"]
     assert main(["config", *overrides]) == 0
     written = tmp_path / "run.yaml"
     written.write_text(capsys.readouterr().out)
@@ -74,7 +84,8 @@ def test_flashdraft_config_refuses_a_bad_value_naming_the_field():
 
 
 def test_a_missing_or_malformed_config_file_is_named_with_the_fix(tmp_path):
-    with pytest.raises(ValueError, match=r"nope.yaml: cannot read the config file \(No such file or directory\)"):
+    with pytest.raises(ValueError,
+                       match=r"nope.yaml: cannot read the config file \(No such file or directory\)"):
         main(["config", "--config", str(tmp_path / "nope.yaml")])
     bad = tmp_path / "bad.yaml"
     bad.write_text("drafter:\n  block_size: [8\n")
@@ -91,14 +102,16 @@ def test_the_marked_field_lists_are_the_hand_kept_lists_they_replace():
     fields added since (drafter.init_from: a resume must start from the same released drafter;
     accept-until-fail: the objective became its default)."""
     resume = ([("target", k) for k in ("layer_ids", "num_taps")]
-              + [("drafter", k) for k in ("num_layers", "block_size", "mask_token_id", "layer_types", "sliding_window",
-                                          "causal", "attention_sink", "family", "conv_kernel_size", "conv_group_size",
-                                          "selector_rank", "selector_top_k", "init_from")]
+              + [("drafter", k) for k in ("num_layers", "block_size", "mask_token_id", "layer_types",
+                                          "sliding_window", "causal", "attention_sink", "family",
+                                          "conv_kernel_size", "conv_group_size", "selector_rank",
+                                          "selector_top_k", "init_from")]
               + [("data", k) for k in ("token_budget", "max_batch_size", "max_length")] + [("train", "seed")]
               + [("objective", k) for k in ("accept_until_fail", "auf_factor")])
-    assert sorted(marked_fields(RESUME)) == sorted(resume)  # the same fields, listed in their declaration order now
-    assert marked_fields(DFLASH2) == [("drafter", k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                             "selector_top_k")] \
+    # the same fields, listed in their declaration order now
+    assert sorted(marked_fields(RESUME)) == sorted(resume)
+    assert marked_fields(DFLASH2) == [("drafter", k) for k in ("conv_kernel_size", "conv_group_size",
+                                                             "selector_rank", "selector_top_k")] \
         + [("objective", k) for k in ("selector_alpha", "selector_warmup_frac", "selector_ramp_frac",
                                       "selector_stop_gradient")]
 
@@ -127,18 +140,21 @@ def test_every_choice_the_config_offers_has_its_own_implementation():
     concrete = [impl for impl in ATTENTION_IMPLS if impl != "auto"]
     assert {resolve_attention(impl, cpu, needs_grad=False) for impl in ATTENTION_IMPLS} == set(concrete)
     anchors, valid = torch.tensor([[4, 9]]), torch.tensor([[True, True]])
-    assert [attention_plan(impl, anchors, valid, 16, 4, needs_grad=False).impl for impl in concrete] == concrete
+    assert [attention_plan(impl, anchors, valid, 16, 4, needs_grad=False).impl
+            for impl in concrete] == concrete
     for impl in ATTENTION_IMPLS:  # an implementation without a sink refuses one
         if impl in SINK_IMPLS:
             resolve_attention(impl, cpu, needs_grad=False, sinks=True)
         else:
             with pytest.raises(ValueError, match="has no attention sink"):
                 resolve_attention(impl, cpu, needs_grad=False, sinks=True)
-    masks = {layer_attention({"num_hidden_layers": 1, "layer_types": [t], "sliding_window": 4})[0] for t in LAYER_TYPES}
+    masks = {layer_attention({"num_hidden_layers": 1, "layer_types": [t], "sliding_window": 4})[0]
+             for t in LAYER_TYPES}
     assert len(masks) == len(LAYER_TYPES)
     ce, weights = torch.tensor([0.5, 1.0, 2.0]), torch.ones(3)
     correct = torch.ones(3, dtype=torch.bool)
-    assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, ce, correct, weights, 3)[0].sum().item() for kind in LOSSES}) \
+    assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, ce, correct, weights, 3)[0].sum().item()
+                for kind in LOSSES}) \
         == len(LOSSES)
     assert len({SlotLoss.of(ObjectiveConfig(weighting=w)) for w in WEIGHTINGS}) == len(WEIGHTINGS)
     assert len({DFlash2Modules.of(DrafterConfig(family=d)) for d in DRAFTERS}) == len(DRAFTERS)

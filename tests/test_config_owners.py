@@ -37,7 +37,8 @@ def test_the_sections_are_cut_by_owner_and_every_old_key_has_a_new_home():
     known = {f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(hints[s])}
     assert set(RENAMED.values()) <= known and len(set(RENAMED.values())) == len(RENAMED)
     assert not set(RENAMED) & known  # no new key is an old one: the rename is idempotent
-    assert old_format(Config().to_dict()).keys() == {"model", "data", "objective", "optim", "train", "pipeline"}
+    assert old_format(Config().to_dict()).keys() == {"model", "data", "objective", "optim", "train",
+                                                     "pipeline"}
 
 
 @pytest.mark.parametrize(("old", "new", "value"), [
@@ -70,10 +71,12 @@ def test_an_old_key_as_an_override_or_in_yaml_is_refused_naming_the_new_key(tmp_
 def test_every_old_key_of_a_file_is_named_at_once_and_an_unknown_model_key_names_the_new_sections(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text("model:\n  target: /m\n  block_size: 8\ntrain:\n  save_every: 5\n")
-    with pytest.raises(ValueError, match=r"model.target was renamed target.path, model.block_size was renamed "
-                                         r"drafter.block_size, train.save_every was renamed checkpoint.save_every"):
+    with pytest.raises(ValueError, match=r"model.target was renamed target.path, model.block_size was "
+                                         r"renamed drafter.block_size, train.save_every was renamed "
+                                         r"checkpoint.save_every"):
         load_config(path)
-    with pytest.raises(ValueError, match=r"model.nonsense: the model section was split into target and drafter"):
+    with pytest.raises(ValueError,
+                       match=r"model.nonsense: the model section was split into target and drafter"):
         load_config(overrides=["model.nonsense=1"])
 
 
@@ -103,7 +106,8 @@ def test_a_checkpoint_saved_with_the_old_sections_resumes(tiny_job, tmp_path, ca
     assert export._target_dir(loaded.config, path) == str(tiny_job / "target")
 
     with pytest.raises(ValueError, match=r"the config changed \(drafter.block_size: checkpoint 4 vs now 8\)"):
-        Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=3, drafter__block_size=8))).fit()
+        Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=3,
+                                                drafter__block_size=8))).fit()
     resumed = Trainer(load_config(overrides=overrides(tiny_job, out, train__max_steps=3)))
     with caplog.at_level(logging.WARNING):
         resumed.fit()
@@ -120,7 +124,8 @@ def test_flashdraft_config_lists_every_field_of_every_section_with_its_comment(c
         docs = field_docs(cls)
         start = lines.index(f"{section}:")
         body = lines[start + 1:start + 1 + len(dataclasses.fields(cls))]
-        assert [ln.split(":", 1)[0].strip() for ln in body] == [f.name for f in dataclasses.fields(cls)], section
+        assert ([ln.split(":", 1)[0].strip() for ln in body]
+                == [f.name for f in dataclasses.fields(cls)]), section
         for f, line in zip(dataclasses.fields(cls), body):
             assert len(docs[f.name]) > 10 and line.endswith(f"  # {docs[f.name]}"), (section, f.name, line)
     text = "\n".join(lines)

@@ -21,11 +21,11 @@ almost every batch is a single sample, are the last ``r`` entries dropped -- cou
 Cursor: ``state_dict()`` holds ``epoch``, ``consumed`` (GLOBAL plan entries of that epoch
 already trained on; every step consumes whole entries) and ``step``, plus the segment the
 epoch's steps were cut from (``segment_start``, ``segment_world_size``), and what the plan is
-built from (``PLAN_KEYS``: seed, budgets, sample count; a cursor saved under others is refused). Resuming with the
-same world size rebuilds the same steps and skips the consumed ones -- the remaining batches
-are identical. Resuming with a different world size starts a new segment at ``consumed`` and
-splits the remaining entries ``plan[consumed:]`` across the new ranks. Nothing before the
-cursor is read again.
+built from (``PLAN_KEYS``: seed, budgets, sample count; a cursor saved under others is refused).
+Resuming with the same world size rebuilds the same steps and skips the consumed ones -- the
+remaining batches are identical. Resuming with a different world size starts a new segment at
+``consumed`` and splits the remaining entries ``plan[consumed:]`` across the new ranks. Nothing
+before the cursor is read again.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int,
     longest = int(lengths.argmax())
     if lengths[longest] > token_budget:
         raise ValueError(
-            f"sample {longest} has {int(lengths[longest])} tokens, more than data.token_budget={token_budget}: "
+            f"sample {longest} has {int(lengths[longest])} tokens, more than "
+            f"data.token_budget={token_budget}: "
             f"raise data.token_budget to at least {int(lengths[longest])} or lower data.max_length to "
             f"{token_budget} (samples are truncated to max_length)"
         )
@@ -129,7 +130,8 @@ def build_batches(lengths, *, token_budget: int, max_batch_size: int, seed: int,
     return [batches[j] for j in rng.permutation(len(batches))]
 
 
-def batch_capacity(length: int, token_budget: int, max_batch_size: int, rows: DrafterRows | None = None) -> int:
+def batch_capacity(length: int, token_budget: int, max_batch_size: int,
+                   rows: DrafterRows | None = None) -> int:
     """How many samples a micro-batch whose longest sample has ``length`` tokens holds: the rule
     ``build_batches`` packs by (and the memory plan sizes its worst micro-batch by)."""
     length = max(int(length), 1)
@@ -146,11 +148,12 @@ def check_row_budget(length: int, rows: DrafterRows, what: str) -> None:
     if need > rows.budget:
         fits = rows.budget // rows.block_size  # anchors whose blocks the budget holds
         other = (f" or lower objective.num_anchors to {fits}" if fits else
-                 f" (one anchor's block alone is drafter.block_size={rows.block_size} rows: no num_anchors fits)")
+                 f" (one anchor's block alone is drafter.block_size={rows.block_size} rows: "
+                 "no num_anchors fits)")
         raise ValueError(
-            f"{what} has {length} tokens: min(objective.num_anchors={rows.num_anchors}, {length} - 1) anchors x "
-            f"drafter.block_size={rows.block_size} = {need} drafter rows, more than data.row_budget={rows.budget}: "
-            f"raise data.row_budget to at least {need}{other}"
+            f"{what} has {length} tokens: min(objective.num_anchors={rows.num_anchors}, {length} - 1) "
+            f"anchors x drafter.block_size={rows.block_size} = {need} drafter rows, more than "
+            f"data.row_budget={rows.budget}: raise data.row_budget to at least {need}{other}"
         )
 
 
@@ -176,7 +179,8 @@ def budget_fill(lengths, batches, token_budget: int) -> float:
     return 0.0 if not batches else float(lengths.sum()) / (len(batches) * token_budget)
 
 
-def plan_steps(remaining: list[np.ndarray], world_size: int) -> tuple[list[tuple[int, list[np.ndarray]]], int]:
+def plan_steps(remaining: list[np.ndarray],
+               world_size: int) -> tuple[list[tuple[int, list[np.ndarray]]], int]:
     """Group plan entries into global steps of exactly ``world_size`` batches.
 
     Returns ``(steps, dropped)``: each step is ``(entries, batches)`` -- it consumes the next
@@ -258,7 +262,8 @@ class BatchSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.token_budget, self.max_batch_size, self.seed, self.rows = token_budget, max_batch_size, seed, rows
+        self.token_budget, self.max_batch_size, self.seed, self.rows = (
+            token_budget, max_batch_size, seed, rows)
         self.rank, self.world_size, self.num_epochs = rank, world_size, num_epochs
         # Cursor (global, identical on every rank): epoch, plan entries consumed, steps done, and
         # the segment -- where in the plan, and with which world size, this epoch's steps were cut.
@@ -332,8 +337,8 @@ class BatchSampler:
                 pos += steps[k][0]
                 k += 1
             if pos != self.consumed:
-                raise ValueError(f"data cursor consumed={self.consumed} does not fall on a step boundary of epoch "
-                                 f"{epoch}'s plan; the cursor does not belong to this data / plan")
+                raise ValueError(f"data cursor consumed={self.consumed} does not fall on a step boundary of "
+                                 f"epoch {epoch}'s plan; the cursor does not belong to this data / plan")
             for i in range(k, len(steps)):
                 entries, batches = steps[i]
                 step = self.step
@@ -349,14 +354,16 @@ class BatchSampler:
     def _check_unbounded_cursor(self, epoch: int) -> None:
         """A cursor saved before the row budget existed (rows unbounded) resumes only where the
         budget does not bind, i.e. the plan is the one it was saved from."""
-        unbounded = build_batches(self.lengths, token_budget=self.token_budget, max_batch_size=self.max_batch_size,
-                                  seed=self.seed, epoch=epoch)
+        unbounded = build_batches(self.lengths, token_budget=self.token_budget,
+                                  max_batch_size=self.max_batch_size, seed=self.seed, epoch=epoch)
         planned = self._plan(epoch)
-        if len(unbounded) != len(planned) or not all(np.array_equal(a, b) for a, b in zip(unbounded, planned)):
+        if len(unbounded) != len(planned) or not all(np.array_equal(a, b)
+                                                     for a, b in zip(unbounded, planned)):
             need = max(len(b) * int(self.rows.per_sequence(self.lengths[b].max())) for b in unbounded)
             raise ValueError(
-                f"data cursor was saved without a drafter row budget, and data.row_budget={self.rows.budget} changes "
-                f"its batch plan: set data.row_budget to at least {need} to resume it (or start a fresh run)"
+                f"data cursor was saved without a drafter row budget, and data.row_budget={self.rows.budget} "
+                f"changes its batch plan: set data.row_budget to at least {need} to resume it (or start a "
+                "fresh run)"
             )
 
     def __len__(self) -> int:
@@ -364,9 +371,11 @@ class BatchSampler:
 
     # What the plan is built from, besides the lengths: a cursor saved under other values points
     # into another plan. The row budget's fields are 0 when rows are unbounded.
-    PLAN_KEYS = ("seed", "token_budget", "max_batch_size", "num_samples", "row_budget", "num_anchors", "block_size")
+    PLAN_KEYS = ("seed", "token_budget", "max_batch_size", "num_samples", "row_budget", "num_anchors",
+                 "block_size")
     # each as the run config names it (a refusal names what to restore)
-    PLAN_FIELDS = {"seed": "train.seed", "token_budget": "data.token_budget", "max_batch_size": "data.max_batch_size",
+    PLAN_FIELDS = {"seed": "train.seed", "token_budget": "data.token_budget",
+                   "max_batch_size": "data.max_batch_size",
                    "num_samples": "the number of samples in data.path", "row_budget": "data.row_budget",
                    "num_anchors": "objective.num_anchors", "block_size": "drafter.block_size"}
 
@@ -392,9 +401,9 @@ class BatchSampler:
                 fix = ("point data.path at the data it was trained on" if key == "num_samples" else
                        f"restore {field}={state[key]}")
                 raise ValueError(
-                    f"the data cursor was saved with {field} {state[key]} but this run has {mine}; the batch plan "
-                    f"would differ, so the cursor cannot be resumed: {fix}, or start a fresh run in another "
-                    "train.output_dir")
+                    f"the data cursor was saved with {field} {state[key]} but this run has {mine}; the batch "
+                    f"plan would differ, so the cursor cannot be resumed: {fix}, or start a fresh run in "
+                    "another train.output_dir")
         self.epoch, self.consumed, self.step = int(state["epoch"]), int(state["consumed"]), int(state["step"])
         self.segment_start = int(state["segment_start"])
         self.segment_world_size = int(state["segment_world_size"])

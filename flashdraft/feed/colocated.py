@@ -26,7 +26,8 @@ class ColocatedFeed(Feed):
     ``serve_features`` runs a sharded target inline for the same reason). Closing joins every
     thread, then closes the feature cache (its final counters: ``cache_stats``)."""
 
-    def __init__(self, stages: FeatureStages, sampler: BatchSampler, num_steps: int, threaded: bool, dist: Dist):
+    def __init__(self, stages: FeatureStages, sampler: BatchSampler, num_steps: int, threaded: bool,
+                 dist: Dist):
         """``threaded``: the stages run on threads of their own (feed.topology decides, and warms
         the target up first)."""
         pcfg = stages.pipeline

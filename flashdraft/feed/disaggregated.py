@@ -78,14 +78,14 @@ class DrafterFeed(Feed):
     drain up to END, or ABORT when the consumer failed. ``stop``: the run's stop request (a GracefulStop),
     which a signal passed on by the target rank sets."""
 
-    def __init__(self, header: Header, dist: Dist, timer, sampler: BatchSampler, start_step: int, total_steps: int,
-                 stop):
+    def __init__(self, header: Header, dist: Dist, timer, sampler: BatchSampler, start_step: int,
+                 total_steps: int, stop):
         """``header``: the link's step header (feed.topology.Topology)."""
         self.link = _DrafterLink(header, dist, dist.device, timer, stop)
         self.link.hello(sampler.state_dict(), start_step, total_steps)
         pool = BufferPool([[]], dist.device)  # received tensors are fresh per step: the slot only paces
-        super().__init__(Pipeline(self.link.steps(pool, total_steps - start_step), [], capacity=1, threaded=False,
-                                  source_name="recv", pools=[pool]), pool)
+        super().__init__(Pipeline(self.link.steps(pool, total_steps - start_step), [], capacity=1,
+                                  threaded=False, source_name="recv", pools=[pool]), pool)
 
     def _finish(self, error: BaseException | None) -> None:
         if error is not None:
@@ -109,7 +109,8 @@ class _DrafterLink:
     def hello(self, cursor: dict, start_step: int, total_steps: int) -> None:
         """Tell the target rank where to start: this rank's plan and the (resumed) cursor."""
         d = self.dist
-        distributed.control_isend(hello(start_step, total_steps, d.rank, d.world_size, cursor), self.peer).wait()
+        distributed.control_isend(hello(start_step, total_steps, d.rank, d.world_size, cursor),
+                                  self.peer).wait()
 
     def steps(self, pool: BufferPool, expected: int):
         """The remaining ``expected`` steps as StepInputs (device tensors, host lengths / sample ids)."""
@@ -122,11 +123,12 @@ class _DrafterLink:
     def _receive(self, slot) -> StepInput:
         with self.timer.stage("wait_features"):
             h = self._receive_header()
-        if int(h[0]) == DATA and int(h[1]):  # the target rank was asked to stop: so is this rank (if not already)
+        # the target rank was asked to stop: so is this rank (if not already)
+        if int(h[0]) == DATA and int(h[1]):
             self.stop.request(int(h[1]), f"target rank {self.peer} received")
         if int(h[0]) == END:
-            raise RuntimeError(f"target rank {self.peer} ended the stream after {self.received} of {self.expected} "
-                               "steps; check its log")
+            raise RuntimeError(f"target rank {self.peer} ended the stream after {self.received} of "
+                               f"{self.expected} steps; check its log")
         with self.timer.stage("recv_features"):
             micro = self._receive_payload(h)
         self.received += 1
@@ -139,7 +141,8 @@ class _DrafterLink:
         width, dtype = self.header.features(h)
         micro, transfers = [], []
         for rows, seq, lengths, ids in self.header.micro_batches(h):
-            fields = {name: torch.empty(rows, seq, dtype=dt, device=device) for name, dt in BATCH_DTYPES.items()}
+            fields = {name: torch.empty(rows, seq, dtype=dt, device=device)
+                      for name, dt in BATCH_DTYPES.items()}
             features = torch.empty(rows, seq, width, dtype=dtype, device=device)
             transfers += [distributed.irecv(t, self.peer) for t in (*fields.values(), features)]
             micro.append(Micro(Batch(**fields, lengths=lengths), ids,
@@ -158,7 +161,8 @@ class _DrafterLink:
             raise RuntimeError(f"target rank {self.peer} failed, so drafter rank {self.dist.rank} stops: "
                                f"{bytes(text.tolist()).decode(errors='replace')}")
         if int(h[0]) not in (DATA, END):
-            raise RuntimeError(f"unexpected message kind {int(h[0])} from target rank {self.peer}: a version mismatch?")
+            raise RuntimeError(f"unexpected message kind {int(h[0])} from target rank {self.peer}: "
+                               "a version mismatch?")
         return h
 
     def _send_control(self, kind: int) -> None:
@@ -199,12 +203,14 @@ def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, plans:
     logs the whole run's stage split (and a line every ``log_every`` steps). ``plans(rank,
     world_size)``: the batch plan of the drafter rank a HELLO names (the one it trains on)."""
     capacity = stages.pipeline.capacity
-    sends = dist.tensor_rank == 0  # a tensor-parallel target group: its first rank talks, the others mirror it
+    # a tensor-parallel target group: its first rank talks, the others mirror it
+    sends = dist.tensor_rank == 0
     links = _hello_links(topology.header, stages, dist, plans)
     num_steps = links[0].num_steps
     if any(link.num_steps != num_steps for link in links):
-        raise RuntimeError(f"target rank {dist.global_rank}: its drafter ranks asked for different step counts "
-                           f"({[link.num_steps for link in links]}); they must resume from the same checkpoint")
+        raise RuntimeError(f"target rank {dist.global_rank}: its drafter ranks asked for different step "
+                           f"counts ({[link.num_steps for link in links]}); they must resume from the same "
+                           "checkpoint")
     pool = stages.buffer_pool(extra_slots=capacity * len(links))  # + the steps links hold unreceived
     topology.prepare(stages, num_steps)
     target = Stage("target", lambda pair: (pair[0], stages.forward(pair[1])), device=stages.device,
@@ -228,8 +234,9 @@ def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, plans:
                     [vote, stop.signum if stop is not None else 0],
                     device=stages.device)).tolist()  # on the device: NCCL groups take no host tensors
                 if agreed[0] == 2:
-                    raise RuntimeError(failure or f"target rank {dist.global_rank}: a drafter rank of this target "
-                                                  "group failed (it sent ABORT to the group's first rank); see its log")
+                    raise RuntimeError(failure or f"target rank {dist.global_rank}: a drafter rank of this "
+                                                  "target group failed (it sent ABORT to the group's first "
+                                                  "rank); see its log")
                 if agreed[0]:
                     break
                 if sends:
@@ -283,7 +290,8 @@ def _hello_links(header: Header, stages: FeatureStages, dist: Dist, plans: Plans
 
 
 def _busy(report) -> str:
-    """'data 1.2 / target 30.1 / send 5.0 busy ms per item, target-bound' (an item: one drafter rank's step)."""
+    """'data 1.2 / target 30.1 / send 5.0 busy ms per item, target-bound' (an item: one drafter rank's
+    step)."""
     parts = " / ".join(f"{s.name} {s.busy_ms_per_item:.1f}" for s in report.stages)
     return f"{parts} busy ms per item (one drafter rank's step), {report.bound}"
 
@@ -369,8 +377,8 @@ class _TargetLink:
         # the drafter rank trains its last step, and may then pause (a stop's checkpoint) before its STOP
         if not self.control_watch.wait(distributed.clock("link")):
             raise distributed.CollectiveError(
-                f"drafter rank {self.peer} sent no DONE / STOP within {distributed.describe_clock('link')} after "
-                "its last step (hung or dead: see its log)")
+                f"drafter rank {self.peer} sent no DONE / STOP within {distributed.describe_clock('link')} "
+                "after its last step (hung or dead: see its log)")
         if self.stopped():
             self.stopped_early = True
             self._send_control(END)

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 class FeatureStages:
     """The data, h2d and target stages of one rank (see module doc)."""
 
-    def __init__(self, pipeline: PipelineConfig, micro_batches: int, dataset, target, device: torch.device, timer):
+    def __init__(self, pipeline: PipelineConfig, micro_batches: int, dataset, target, device: torch.device,
+                 timer):
         """``pipeline``: the run's pipeline section (channel capacity, the feature cache's tiers);
         ``micro_batches``: a step's (train.grad_accum)."""
         self.pipeline, self.micro_batches = pipeline, micro_batches
@@ -94,7 +95,8 @@ class FeatureStages:
         ColocatedFeed), never one over the job."""
         op = "tensor-parallel target forward (a rank of this target group died or hung)"
         for m in item.micro:
-            with self.target.lock, self.timer.stage("target"), distributed.collective_errors(op, target_group=True):
+            with self.target.lock, self.timer.stage("target"), distributed.collective_errors(
+                    op, target_group=True):
                 if m.cached is not None:  # the cache's rows; the target runs on the rest, if any
                     m.features = self.cache.complete(m.cached, self.target, m.device_batch, m.sample_ids,
                                                      m.batch.lengths)
@@ -128,14 +130,16 @@ class FeatureStages:
         directory = Path(pcfg.feature_cache_dir) if pcfg.feature_cache_dir else \
             Path(tempfile.gettempdir()) / "flashdraft-feature-cache"
         self.cache = FeatureCache(feature_size=self.target.feature_size, dtype=self.target.dtype,
-                                  ram_bytes=pcfg.feature_cache_bytes, disk_bytes=pcfg.feature_cache_disk_bytes,
+                                  ram_bytes=pcfg.feature_cache_bytes,
+                                  disk_bytes=pcfg.feature_cache_disk_bytes,
                                   directory=directory, pin_memory=self.device.type == "cuda")
         if is_main:
-            need = full_cache_bytes(int(self.dataset.lengths.sum()), self.cache.feature_size, self.cache.itemsize)
-            log.info("feature cache: RAM %s + disk %s per rank; the features of every sample take %s (each rank "
-                     "sees a different 1/%d of them every epoch; docs/pipeline.md)",
-                     format_bytes(self.cache.ram_budget), format_bytes(self.cache.disk_budget), format_bytes(need),
-                     world_size)
+            need = full_cache_bytes(int(self.dataset.lengths.sum()), self.cache.feature_size,
+                                    self.cache.itemsize)
+            log.info("feature cache: RAM %s + disk %s per rank; the features of every sample take %s (each "
+                     "rank sees a different 1/%d of them every epoch; docs/pipeline.md)",
+                     format_bytes(self.cache.ram_budget), format_bytes(self.cache.disk_budget),
+                     format_bytes(need), world_size)
 
     def close_cache(self) -> CacheStats | None:
         """Close the cache (call once no stage thread uses it any more); returns its final

@@ -1,9 +1,9 @@
 """The decisions every feed of a job shares, made once from the pipeline section, the step's
-header and the process (``Topology.of``; flashdraft.feed.open_feed / serve hand them down): the placement, whether the
-stages run on threads (``pipeline.enabled``, never for a tensor-parallel target, whose ranks must
-run the same forwards one by one), whether the target is warmed up first, and the step header a
-disaggregated link carries. The placements (flashdraft.feed.colocated, .disaggregated) only wire
-their stages.
+header and the process (``Topology.of``; flashdraft.feed.open_feed / serve hand them down): the
+placement, whether the stages run on threads (``pipeline.enabled``, never for a tensor-parallel
+target, whose ranks must run the same forwards one by one), whether the target is warmed up
+first, and the step header a disaggregated link carries. The placements
+(flashdraft.feed.colocated, .disaggregated) only wire their stages.
 """
 
 from __future__ import annotations

@@ -54,16 +54,18 @@ def resolve_mask_token_id(configured: int | None, target_dir: str) -> int:
     if tokenizer.mask_token_id is not None:
         return tokenizer.mask_token_id
     raise ValueError(
-        f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set drafter.mask_token_id to an unused id "
-        "inside the target's embedding table (Qwen3: 151669, the id <|MASK|> gets when added)"
+        f"{target_dir}: the tokenizer has no <|MASK|> or mask token; set drafter.mask_token_id to an unused "
+        "id inside the target's embedding table (Qwen3: 151669, the id <|MASK|> gets when added)"
     )
 
 
 def check_paths(cfg: Config) -> None:
     if not cfg.target.path:
-        raise ValueError("config target.path is empty: give the Hugging Face target directory (target.path=DIR)")
+        raise ValueError("config target.path is empty: give the Hugging Face target directory "
+                         "(target.path=DIR)")
     if not cfg.data.path:
-        raise ValueError("config data.path is empty: give the training data (data.path=DIR, see `flashdraft prepare`)")
+        raise ValueError("config data.path is empty: give the training data "
+                         "(data.path=DIR, see `flashdraft prepare`)")
     _check_output_dir(cfg)
 
 
@@ -81,13 +83,15 @@ def _check_output_dir(cfg: Config) -> None:
                          "checkpoints; give a directory outside it")
     own = run_output_around(out)
     if own is not None:
-        raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {own}, an output of the training "
-                         f"run in {own.parent} (its {own.name}); give a directory outside it")
+        raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {own}, an output of the "
+                         f"training run in {own.parent} (its {own.name}); give a directory outside it")
     for field, given in (("target.path", cfg.target.path), ("data.path", cfg.data.path),
-                         ("eval.data_path", cfg.eval.data_path), ("eval.prompts_path", cfg.eval.prompts_path)):
+                         ("eval.data_path", cfg.eval.data_path),
+                         ("eval.prompts_path", cfg.eval.prompts_path)):
         if given and out.is_relative_to(Path(given).resolve()):
-            raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {field} {given}, which the "
-                             "run reads and its checkpoints and metrics would be written into; give another directory")
+            raise ValueError(f"train.output_dir {cfg.train.output_dir} is or lies inside {field} {given}, "
+                             "which the run reads and its checkpoints and metrics would be written into; "
+                             "give another directory")
 
 
 def check_drafter_sizes(cfg: Config, device=None) -> None:
@@ -108,18 +112,18 @@ def check_drafter_sizes(cfg: Config, device=None) -> None:
     hidden, vocab = int(target.hidden_size), int(target.vocab_size)
     if hidden % cfg.drafter.conv_group_size:
         fits = [g for g in (16, 8, 32, 64, 4, 2) if hidden % g == 0]  # the released 16 first
-        raise ValueError(f"drafter.conv_group_size={cfg.drafter.conv_group_size} must divide the target's hidden size "
-                         f"{hidden}: use e.g. {fits[0] if fits else 1}")
+        raise ValueError(f"drafter.conv_group_size={cfg.drafter.conv_group_size} must divide the target's "
+                         f"hidden size {hidden}: use e.g. {fits[0] if fits else 1}")
     if cfg.drafter.selector_top_k > vocab:
-        raise ValueError(f"drafter.selector_top_k={cfg.drafter.selector_top_k} exceeds the target's vocabulary "
-                         f"({vocab}): use e.g. 16")
+        raise ValueError(f"drafter.selector_top_k={cfg.drafter.selector_top_k} exceeds the target's "
+                         f"vocabulary ({vocab}): use e.g. 16")
     rank = cfg.drafter.selector_rank
     need, have = 16 * rank * (2 * vocab + hidden), device_memory_bytes(device)
     if have and need > have:
         raise ValueError(f"drafter.selector_rank={rank}: the selector's codebooks and projection ({rank} x "
-                         f"(2 x {vocab} + {hidden}) fp32 parameters) need {need / 1e9:,.1f} GB with their gradients "
-                         f"and AdamW state, more than the {have / 1e9:,.1f} GB of this device: use e.g. 256 (the "
-                         "released drafters')")
+                         f"(2 x {vocab} + {hidden}) fp32 parameters) need {need / 1e9:,.1f} GB with their "
+                         f"gradients and AdamW state, more than the {have / 1e9:,.1f} GB of this device: use "
+                         "e.g. 256 (the released drafters')")
 
 
 def device_memory_bytes(device) -> int:
@@ -146,9 +150,10 @@ def check_mask_token(dataset, mask_id: int, chunk: int = 1 << 26) -> int:
         hits += int(found.size)
     if hits:
         sample = max(0, int(np.searchsorted(dataset.starts, first, side="right")) - 1)
-        log.warning("%s: drafter.mask_token_id=%d occurs %d times in the data (first in sample %d, source row %d): "
-                    "the drafter cannot tell those tokens from its masks; set drafter.mask_token_id to an id the data "
-                    "never holds (the tokenizer's <|MASK|>, or an unused id)", dataset.path, mask_id, hits, sample,
+        log.warning("%s: drafter.mask_token_id=%d occurs %d times in the data (first in sample %d, source "
+                    "row %d): the drafter cannot tell those tokens from its masks; set "
+                    "drafter.mask_token_id to an id the data never holds (the tokenizer's <|MASK|>, or an "
+                    "unused id)", dataset.path, mask_id, hits, sample,
                     int(dataset.source_index[sample]) if len(dataset.source_index) else -1)
     return hits
 
@@ -161,22 +166,24 @@ def check_tokenizer(target_dir: str, *datasets) -> None:
 
     fingerprint = None
     for dataset in datasets:
-        wanted = getattr(dataset, "meta", {}).get("source", {}).get("vocab_sha256") if dataset is not None else None
+        wanted = (getattr(dataset, "meta", {}).get("source", {}).get("vocab_sha256")
+                  if dataset is not None else None)
         if wanted is None:
             continue
         if fingerprint is None:
             try:
                 fingerprint = vocab_fingerprint(target_tokenizer(str(target_dir)))
-            except (OSError, ValueError) as exc:  # a target directory without a tokenizer: nothing to compare
-                log.warning("%s: cannot check that %s was prepared with the target's tokenizer (%s)", target_dir,
-                            dataset.path, exc)
+            except (OSError, ValueError) as exc:
+                # a target directory without a tokenizer: nothing to compare
+                log.warning("%s: cannot check that %s was prepared with the target's tokenizer (%s)",
+                            target_dir, dataset.path, exc)
                 return
         if fingerprint != wanted:
             prepared_with = dataset.meta["source"].get("tokenizer", "another tokenizer")
             raise ValueError(
-                f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs from "
-                f"target.path's ({target_dir}): its token ids mean other tokens. Re-run flashdraft prepare with "
-                f"--tokenizer {target_dir}"
+                f"{dataset.path}: prepared with the tokenizer of {prepared_with}, whose vocabulary differs "
+                f"from target.path's ({target_dir}): its token ids mean other tokens. Re-run flashdraft "
+                f"prepare with --tokenizer {target_dir}"
             )
 
 
@@ -198,8 +205,8 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
     longest = int(dataset.lengths.max())
     if longest > cfg.data.token_budget:
         raise ValueError(
-            f"{dataset.report.source}: data.token_budget={cfg.data.token_budget} is smaller than the longest sample "
-            f"({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
+            f"{dataset.report.source}: data.token_budget={cfg.data.token_budget} is smaller than the longest "
+            f"sample ({longest} tokens after truncation to data.max_length={cfg.data.max_length}); raise "
             f"data.token_budget to at least {longest} or lower data.max_length to {cfg.data.token_budget}"
         )
     check_row_budget(longest, drafter_rows(cfg), f"{dataset.report.source}: its longest sample")
@@ -207,7 +214,8 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
     if max_pos and longest > max_pos:
         raise ValueError(
             f"{dataset.report.source}: samples of up to {longest} tokens exceed the target's "
-            f"max_position_embeddings={max_pos}; lower data.max_length to {max_pos} (longer samples are truncated)"
+            f"max_position_embeddings={max_pos}; lower data.max_length to {max_pos} "
+            "(longer samples are truncated)"
         )
 
 

@@ -24,8 +24,8 @@ class TrainLog:
     ``train``: the run's train section (where, to which sinks, how often); ``run_config``: the
     whole run's config (``Config.to_dict``), which the sinks record."""
 
-    def __init__(self, train: TrainConfig, run_config: dict, dist, device: torch.device, timer, strategy: Strategy,
-                 total_steps: int, start_step: int):
+    def __init__(self, train: TrainConfig, run_config: dict, dist, device: torch.device, timer,
+                 strategy: Strategy, total_steps: int, start_step: int):
         self.log_every, self.dist, self.device, self.timer = train.log_every, dist, device, timer
         self.strategy, self.total_steps = strategy, total_steps
         self.metrics = open_metrics(train.output_dir, train.metrics, is_main=dist.is_main, config=run_config,
@@ -52,13 +52,15 @@ class TrainLog:
         timing = self.timer.summary()
         pipe_metrics = feed.window_metrics()  # per-stage busy/starved/blocked since the last log
         speed = self.speed
-        record = {**values, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": speed.tokens_per_s or 0.0,
-                  "s_per_step": speed.s_per_step or 0.0, "skipped_steps": skipped_steps, **timing.as_metrics(),
+        record = {**values, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens_per_s": speed.tokens_per_s or 0.0, "s_per_step": speed.s_per_step or 0.0,
+                  "skipped_steps": skipped_steps, **timing.as_metrics(),
                   **pipe_metrics, **self._cache_metrics(feed.cache_stats())}
         self.history.append({"step": step, **record})
         self.metrics.log(step, record)
         self.progress.write(format_line(
-            step, self.total_steps, {**({"loss": values["loss"], "acc": values["acc"], "tau~": values["tau_sim"]}
+            step, self.total_steps, {**({"loss": values["loss"], "acc": values["acc"],
+                                         "tau~": values["tau_sim"]}
                                         if values else {"skipped": skipped_steps}), "lr": lr},
             tokens_per_s=speed.tokens_per_s, s_per_step=speed.s_per_step, eta_s=speed.eta_s(self.total_steps),
             shares=timing.share, peak_mem_bytes=peak_memory_bytes(self.device),
@@ -71,7 +73,8 @@ class TrainLog:
         if stats is None:
             return {}
         mine = asdict(stats)
-        total = distributed.all_reduce(torch.tensor(list(mine.values()), dtype=torch.float64, device=self.device),
+        total = distributed.all_reduce(torch.tensor(list(mine.values()), dtype=torch.float64,
+                                                    device=self.device),
                                        "sum").tolist()  # deliberate sync: log time
         return CacheStats(**{k: int(v) for k, v in zip(mine, total)}).as_metrics()
 

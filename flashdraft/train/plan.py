@@ -67,10 +67,12 @@ class MemoryPlan:
     seq_len: int = 0  # the padded length S of the micro-batch the peak is at
     batch_size: int = 0  # samples in that micro-batch
     rows: int = 0  # drafter rows (anchors x block_size) of one forward + backward (a slice) on this device
-    role: str = "colocated rank"  # whose peak this is: a colocated, drafter (rank 0 evaluating or not) or target rank
+    # whose peak this is: a colocated, drafter (rank 0 evaluating or not) or target rank
+    role: str = "colocated rank"
     device: str = "cuda"
     notes: list[str] = field(default_factory=list)
-    roles: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # every role's consumers, largest first
+    # every role's consumers, largest first
+    roles: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     MARGIN = 0.05  # of the device kept free: CUDA context, allocator fragmentation, NCCL buffers
 
@@ -136,7 +138,8 @@ def _target_shape(path: str, trust_remote_code: bool) -> TargetShape:
 
     config = AutoConfig.from_pretrained(str(Path(path).parent), trust_remote_code=trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    with torch.device("meta"):  # the class's own parameter shapes, no bytes (sizes bounded: read_model_config)
+    # the class's own parameter shapes, no bytes (sizes bounded: read_model_config)
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     _decoder_layers(model)  # a model train cannot tap (no decoder layers) is refused here as there
     heads = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
@@ -151,7 +154,8 @@ def _target_shape(path: str, trust_remote_code: bool) -> TargetShape:
         head_dim=int(getattr(text, "head_dim", None) or hidden // n_heads),
         intermediate=0 if experts else int(getattr(text, "intermediate_size", 0) or 0), experts=experts,
         experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
-        expert_intermediate=int(getattr(text, "moe_intermediate_size", 0) or getattr(text, "intermediate_size", 0)),
+        expert_intermediate=int(getattr(text, "moe_intermediate_size", 0)
+                                or getattr(text, "intermediate_size", 0)),
         params=params, head_params=head_params, config=text, model_config=config,
         max_positions=int(getattr(text, "max_position_embeddings", 0) or 0))
 
@@ -257,7 +261,8 @@ def _drafter_config(cfg: Config, shape: TargetShape) -> dict:
     return drafter_config_of(cfg.drafter, shape.config, ids, mask_id)
 
 
-def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_len: int, anchors: int) -> StepMeasure:
+def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_len: int,
+                 anchors: int) -> StepMeasure:
     """One optimizer step of the real drafter at micro-batch [batch, seq_len] with ``anchors``
     blocks per sample (one slice), under FakeTensorMode on ``device``; its peak live bytes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -304,7 +309,8 @@ def measure_step(cfg: Config, shape: TargetShape, device: str, batch: int, seq_l
                         if torch.is_tensor(t))
             features = torch.empty(batch, seq_len, k * shape.hidden, dtype=dtype, device=host)
             ids = torch.zeros(batch, anchors, bs, dtype=torch.long, device=host)
-            selector = SelectorLoss(cfg.objective.selector_alpha) if drafter.candidate_selector is not None else None
+            selector = (SelectorLoss(cfg.objective.selector_alpha) if drafter.candidate_selector is not None
+                        else None)
             blocks = Blocks(torch.zeros(batch, anchors, dtype=torch.long, device=host),
                             torch.ones(batch, anchors, dtype=torch.bool, device=host), ids, ids,
                             torch.ones(batch, anchors, bs, device=host), SlotLoss.of(cfg.objective), selector)
@@ -458,7 +464,8 @@ class _Sizes:
     taps: int
     layers_run: int
     links: int = 1  # a disaggregated target rank's drafter links (the drafter ranks it feeds)
-    engine_share: int = 0  # a vLLM engine on this device (target.vllm_devices empty): its gpu_memory_utilization
+    # a vLLM engine on this device (target.vllm_devices empty): its gpu_memory_utilization
+    engine_share: int = 0
 
     @property
     def engine(self) -> bool:
@@ -516,9 +523,9 @@ def drafter_links(cfg: Config, world_size: int | None) -> int:
     if cfg.pipeline.placement == "colocated":
         return 1
     if world_size is None:
-        raise ValueError("pipeline.placement=disaggregated: give the job's world size (`flashdraft plan --world-size "
-                         "N`, torchrun's nnodes x nproc-per-node): a target rank holds the features of every drafter "
-                         "rank it feeds")
+        raise ValueError("pipeline.placement=disaggregated: give the job's world size (`flashdraft plan "
+                         "--world-size N`, torchrun's nnodes x nproc-per-node): a target rank holds the "
+                         "features of every drafter rank it feeds")
     from flashdraft.distributed import role_layout
 
     drafters, targets = role_layout(world_size, cfg.pipeline.target_ranks, cfg.target.tensor_parallel)
@@ -551,7 +558,8 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     _refuse_as_train_would(cfg, shape, path.parent, ids, dev)
     top, why = planned_lengths(cfg, shape)
     if top < 2:
-        raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); fix the target's config.json")
+        raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); "
+                         "fix the target's config.json")
     dtype_bytes = resolve_dtype(cfg.target.dtype, torch.device(dev)).itemsize
     sizes = _Sizes(cfg, shape, dtype_bytes, feature_states(cfg, len(ids)), max(ids) + 1, links,
                    _engine_share(cfg, dev, device_bytes))
@@ -571,8 +579,8 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
     peak = totals[role]
     fits = device_bytes is None or peak <= device_bytes * (1 - MemoryPlan.MARGIN)
     capped = [] if top == longest(cfg) else [f"lengths planned up to {top}: {why}"]
-    plan = MemoryPlan(peak, roles[role], device_bytes, fits, [], s, b, b * n * cfg.drafter.block_size, role, dev,
-                      others + capped + _notes(cfg, dev), roles)
+    plan = MemoryPlan(peak, roles[role], device_bytes, fits, [], s, b, b * n * cfg.drafter.block_size, role,
+                      dev, others + capped + _notes(cfg, dev), roles)
     if device_bytes is not None:
         plan.advice = _advice(cfg, plan, dict(roles[role]))
     return plan
@@ -587,7 +595,8 @@ def _engine_share(cfg: Config, dev: str, device_bytes: int | None) -> int:
     return int(cfg.target.vllm_gpu_memory_utilization * device_bytes)
 
 
-def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, ids: list[int], device: str) -> None:
+def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, ids: list[int],
+                           device: str) -> None:
     """Train's start-up checks that need only the target's config.json, in train's own words:
     the taps, a tensor-parallel group that cannot shard the target, DFlash2's sizes, and a row
     budget too small for any sample (a plan of a run train refuses would mislead)."""
@@ -595,7 +604,8 @@ def _refuse_as_train_would(cfg: Config, shape: TargetShape, target_dir: Path, id
 
     check_layer_ids(ids, shape.layers)
     if cfg.target.tensor_parallel > 1:
-        check_tensor_parallel(target_dir, shape.model_config, cfg.target.tensor_parallel, cfg.target.expert_parallel)
+        check_tensor_parallel(target_dir, shape.model_config, cfg.target.tensor_parallel,
+                              cfg.target.expert_parallel)
     check_drafter_sizes(cfg, device)
     check_row_budget(2, drafter_rows(cfg), "every sample (the shortest, 2 tokens, included)")
 
@@ -604,14 +614,17 @@ def planned_lengths(cfg: Config, shape: TargetShape) -> tuple[int, str]:
     """The longest padded length the run can see, and what bounds it: data.max_length or the
     token budget (``longest``), the target's max_position_embeddings and the row budget, beyond
     which train refuses samples (checks.check_lengths)."""
-    bounds = [(longest(cfg), f"data.max_length={cfg.data.max_length}, data.token_budget={cfg.data.token_budget}")]
+    bounds = [(longest(cfg),
+               f"data.max_length={cfg.data.max_length}, data.token_budget={cfg.data.token_budget}")]
     if shape.max_positions:
         bounds.append((shape.max_positions,
-                       f"the target's max_position_embeddings={shape.max_positions}: train refuses longer samples"))
+                       f"the target's max_position_embeddings={shape.max_positions}: "
+                       "train refuses longer samples"))
     rows = drafter_rows(cfg)
     if rows.num_anchors * rows.block_size > rows.budget:  # beyond this length one sample needs more rows
         bounds.append((rows.budget // rows.block_size + 1,
-                       f"data.row_budget={rows.budget}: longer samples need more drafter rows, and train refuses them"))
+                       f"data.row_budget={rows.budget}: longer samples need more drafter rows, "
+                       "and train refuses them"))
     return min(bounds, key=lambda bound: bound[0])
 
 
@@ -632,8 +645,9 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
     engine = ("vLLM engine on this device (target.vllm_gpu_memory_utilization of it)", sizes.engine_share)
     if cfg.pipeline.placement == "disaggregated":
         received = ("features in flight (the step it trains)", sizes.features(b, s, "drafter"))
-        roles = {"drafter rank": [("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes,
-                                                                                       True)), *drafter, received]}
+        roles = {"drafter rank": [
+            ("target embedding + LM head", target_weight_bytes(shape, cfg, sizes.dtype_bytes, True)),
+            *drafter, received]}
         if evaluates(cfg):  # drafter rank 0 decodes the evals with the whole target (never sharded there)
             whole = shape.params * sizes.dtype_bytes
             roles["drafter rank 0 (evals)"] = [
@@ -649,22 +663,25 @@ def _roles(sizes: _Sizes, step: StepMeasure, b: int, s: int, rows: int) -> dict[
                                    ("target forward (no grad, overlapping the step)", forward), engine]}
     # sequential: the target forward runs between steps, in the memory the step frees
     return {"colocated rank": [weights, *drafter, features,
-                               ("target forward beyond the step's transient", forward - activations - head), engine]}
+                               ("target forward beyond the step's transient", forward - activations - head),
+                               engine]}
 
 
 def _notes(cfg: Config, dev: str) -> list[str]:
     notes = ["attention kernels modelled (saved tensors of the real kernel); the rest of the drafter's step "
              "measured on fake tensors"]
     if dev == "cuda" and cfg.drafter.attention in ("auto", "flex") and not cfg.drafter.attention_sink:
-        notes.append("flex attention's block mask (sparse tables built from the anchors, a few MiB) is not counted")
+        notes.append("flex attention's block mask (sparse tables built from the anchors, a few MiB) "
+                     "is not counted")
     if cfg.target.backend == "vllm":
-        notes.append("target.backend=vllm: the engine's weights, KV cache and activations are vLLM's own plan "
-                     "(target.vllm_gpu_memory_utilization of each of target.vllm_devices" +
-                     (": GPUs of its own, not counted here; naming this rank's own GPU, lower the utilization "
-                      "to leave it the rest)" if cfg.target.vllm_devices else
+        notes.append("target.backend=vllm: the engine's weights, KV cache and activations are vLLM's own "
+                     "plan (target.vllm_gpu_memory_utilization of each of target.vllm_devices" +
+                     (": GPUs of its own, not counted here; naming this rank's own GPU, lower the "
+                      "utilization to leave it the rest)" if cfg.target.vllm_devices else
                       "; none set: it runs on this rank's GPU, counted above)")
-                     + ("; the start-up feature check briefly loads the whole target in-process on this device "
-                        "(target.vllm_check_samples=0 skips it)" if cfg.target.vllm_check_samples else ""))
+                     + ("; the start-up feature check briefly loads the whole target in-process on this "
+                        "device (target.vllm_check_samples=0 skips it)"
+                        if cfg.target.vllm_check_samples else ""))
     return notes
 
 
@@ -677,22 +694,23 @@ def _advice(cfg: Config, plan: MemoryPlan, parts: dict[str, int]) -> list[str]:
     advice = []
     weights = next((v for name, v in parts.items() if name.startswith("target weights")), 0)
     if plan.role == "drafter rank 0 (evals)" and weights > 0.3 * usable:  # the largest lever: first
-        advice.append("leave eval.data_path and eval.prompts_path empty: drafter rank 0 then holds the target's "
-                      "embedding and LM head only; evaluate the export with `flashdraft eval` on its own GPUs")
+        advice.append("leave eval.data_path and eval.prompts_path empty: drafter rank 0 then holds the "
+                      "target's embedding and LM head only; evaluate the export with `flashdraft eval` on "
+                      "its own GPUs")
     dynamic = sum(v for name, v in parts.items() if "activations" in name or "chunk" in name)
     bs = cfg.drafter.block_size
     if dynamic > 0.05 * usable and plan.rows > bs:
         keep = 1 - over / dynamic if dynamic > over else 0.25
         rows = max(bs, int(plan.rows * keep) // bs * bs)
         enough = "" if dynamic > over else f" (saves ~{(1 - keep) * dynamic / GiB:.0f} GiB; not enough alone)"
-        advice.append(f"lower data.row_budget (now {cfg.data.row_budget}) to about {rows}: fewer drafter rows per "
-                      f"micro-batch{enough}")
+        advice.append(f"lower data.row_budget (now {cfg.data.row_budget}) to about {rows}: fewer drafter "
+                      f"rows per micro-batch{enough}")
         per = max(1, int(anchors_per_pass(cfg, plan.seq_len) * keep))
-        advice.append(f"or set objective.anchors_per_microbatch={per}: the same loss in slices (recomputes the "
-                      "context K/V per slice)")
+        advice.append(f"or set objective.anchors_per_microbatch={per}: the same loss in slices (recomputes "
+                      "the context K/V per slice)")
         if not cfg.drafter.activation_checkpointing:
-            advice.append("or set drafter.activation_checkpointing=true: recompute each drafter layer in backward "
-                          "(~30% slower)")
+            advice.append("or set drafter.activation_checkpointing=true: recompute each drafter layer in "
+                          "backward (~30% slower)")
     if weights > 0.3 * usable and plan.role in ("colocated rank", "target rank"):
         elsewhere = ", or pipeline.placement=disaggregated (the target on its own ranks)" \
             if plan.role == "colocated rank" else ""
@@ -726,8 +744,9 @@ def check_fits(cfg: Config, device: torch.device, world_size: int = 1) -> Memory
         return None
     plan = plan_memory(cfg, device_bytes=total, device=device.type, world_size=world_size)
     if not plan.fits and cfg.train.memory_check:
-        raise ValueError(f"the memory plan says this run cannot fit the device ({total / GiB:.1f} GiB): change what "
-                         f"it advises, or set train.memory_check=false to try anyway\n{plan.format()}")
+        raise ValueError(f"the memory plan says this run cannot fit the device ({total / GiB:.1f} GiB): "
+                         "change what it advises, or set train.memory_check=false to try anyway\n"
+                         f"{plan.format()}")
     log.info("%s", plan.format())
     return plan
 
@@ -749,8 +768,10 @@ def add_arguments(parser) -> None:
                         help="plan at this padded length (default: the worst up to data.max_length)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="the job's ranks, torchrun's nnodes x nproc-per-node (default: $WORLD_SIZE); a "
-                             "disaggregated plan needs it: a target rank holds features for each drafter rank it feeds")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.row_budget=8192 target.path=DIR")
+                             "disaggregated plan needs it: a target rank holds features for each drafter "
+                             "rank it feeds")
+    parser.add_argument("overrides", nargs="*",
+                        help="dotted overrides, e.g. data.row_budget=8192 target.path=DIR")
 
 
 def run(args) -> int:
@@ -760,9 +781,10 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     device_bytes = None
     if args.device_memory is not None:
-        if not 0 < args.device_memory <= 2**20:  # nan and inf too: a device's memory is a finite number of GiB
-            raise ValueError(f"--device-memory {args.device_memory}: give the device's memory in GiB, a positive "
-                             "number up to 1048576, e.g. 80")
+        # nan and inf too: a device's memory is a finite number of GiB
+        if not 0 < args.device_memory <= 2**20:
+            raise ValueError(f"--device-memory {args.device_memory}: give the device's memory in GiB, a "
+                             "positive number up to 1048576, e.g. 80")
         device_bytes = int(args.device_memory * GiB)
     elif torch.cuda.is_available() and cfg.train.device != "cpu":
         device_bytes = torch.cuda.get_device_properties(0).total_memory

@@ -30,7 +30,8 @@ def start_process(config: Config) -> Dist:
     """This process's place in the job: the process group joined (its role, its device), with
     the process-wide settings the config asks for."""
     cfg = config
-    if cfg.train.deterministic:  # before init_distributed touches CUDA: cuBLAS reads its workspace setting once
+    # before init_distributed touches CUDA: cuBLAS reads its workspace setting once
+    if cfg.train.deterministic:
         deterministic_mode()
     disaggregated = cfg.pipeline.placement == "disaggregated"
     dist = distributed.init_distributed(cfg.train.device, cfg.train.collective_timeout_s,
@@ -46,9 +47,9 @@ def start_process(config: Config) -> Dist:
 def with_init_from(config: Config) -> Config:
     """``config`` with its drafter's shape taken from the released drafter it starts from
     (drafter.init_from; unchanged without one): its taps, layers, block, MASK id, attention and
-    family (drafter.serving.config_fields). A target.* or drafter.* key set to another value than the export's is
-    refused by name, and so is an export made for another target (hidden size, vocabulary, depth),
-    before any weights load."""
+    family (drafter.serving.config_fields). A target.* or drafter.* key set to another value than the
+    export's is refused by name, and so is an export made for another target (hidden size,
+    vocabulary, depth), before any weights load."""
     init_from = config.drafter.init_from
     if not init_from:
         return config
@@ -66,9 +67,9 @@ def with_init_from(config: Config) -> Config:
         mine, defaults = getattr(config, section), type(getattr(config, section))()
         for key, value in values.items():
             if getattr(mine, key) != getattr(defaults, key) and getattr(mine, key) != value:
-                raise ValueError(f"{section}.{key}={_shown(getattr(mine, key))} disagrees with the drafter in "
-                                 f"drafter.init_from={init_from} ({_shown(value)}): drop {section}.{key}, the "
-                                 "drafter's shape comes from drafter.init_from")
+                raise ValueError(f"{section}.{key}={_shown(getattr(mine, key))} disagrees with the drafter "
+                                 f"in drafter.init_from={init_from} ({_shown(value)}): drop {section}.{key}, "
+                                 "the drafter's shape comes from drafter.init_from")
     target = AutoConfig.from_pretrained(_model_dir(config.target.path),
                                         trust_remote_code=config.target.trust_remote_code)
     target = target.get_text_config() if hasattr(target, "get_text_config") else target
@@ -77,8 +78,8 @@ def with_init_from(config: Config) -> Config:
     diffs = [f"{k} {export.get(k)} vs {v}" for k, v in wanted.items() if export.get(k) not in (None, v)]
     if diffs:
         raise ValueError(f"drafter.init_from={init_from} was trained for another target than target.path="
-                         f"{config.target.path} ({', '.join(diffs)}: drafter vs target); start from a drafter of "
-                         "this target, or from scratch (drafter.init_from='')")
+                         f"{config.target.path} ({', '.join(diffs)}: drafter vs target); start from a "
+                         "drafter of this target, or from scratch (drafter.init_from='')")
     return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)
                                           for section, values in fields.items()})
 
@@ -123,8 +124,8 @@ def load_target(config: Config, dist: Dist) -> TargetModel:
             log.warning("warning: %s", last_layer_tap)
     if target.sharded and dist.rank == 0:  # the first rank of the first target group
         local, whole = target.weight_bytes()
-        log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each rank "
-                    "(%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
+        log.warning("target sharded over %d ranks per group (%s parallel): %.2f GiB of its weights on each "
+                    "rank (%.2f GiB unsharded), plus the gathered embedding and LM head the drafter uses",
                     cfg.target.tensor_parallel, "expert" if cfg.target.expert_parallel else "tensor",
                     local / 2**30, whole / 2**30)
     return target
@@ -162,8 +163,8 @@ def check_engine(cfg: Config, target, dataset: TokenDataset) -> None:
         if target.device.type == "cuda":
             torch.cuda.empty_cache()
     errors = ", ".join(f"layer {t['layer']}: {t['relative_error']:.1e}" for t in report["taps"])
-    log.info("the vLLM engine's features match the in-process forward on %d samples (%d tokens): largest relative "
-             "error per tap %s (tolerance %.0e in %s)", report["samples"], report["tokens"], errors,
+    log.info("the vLLM engine's features match the in-process forward on %d samples (%d tokens): largest "
+             "relative error per tap %s (tolerance %.0e in %s)", report["samples"], report["tokens"], errors,
              report["tolerance"], report["dtype"])
 
 
@@ -187,7 +188,8 @@ class RunData:
 def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: int) -> RunData:
     """The training and held-out data and prompts, checked now rather than hours into the run."""
     cfg = config
-    min_supervised = cfg.data.min_supervised if cfg.data.min_supervised is not None else 2 * cfg.drafter.block_size
+    min_supervised = (cfg.data.min_supervised if cfg.data.min_supervised is not None
+                      else 2 * cfg.drafter.block_size)
     open_kw = dict(vocab_size=target.config.vocab_size, max_length=cfg.data.max_length,
                    min_supervised=min_supervised, on_invalid=cfg.data.on_invalid, progress=dist.is_main)
     dataset = open_dataset(cfg.data.path, **open_kw)
@@ -197,7 +199,8 @@ def open_data(config: Config, dist: Dist, target: TargetModel, mask_token_id: in
     for found in (dataset, eval_dataset):
         if found is not None:
             checks.check_lengths(found, cfg, target.config)
-    if getattr(target, "backend", None) == "vllm":  # an engine's features are checked before they are trusted
+    # an engine's features are checked before they are trusted
+    if getattr(target, "backend", None) == "vllm":
         check_engine(cfg, target, dataset)
     return RunData(dataset, eval_dataset, checks.load_eval_prompts(cfg, eval_dataset, target.config))
 
@@ -209,7 +212,8 @@ def batch_plan(config: Config, dataset: TokenDataset, rank: int, world_size: int
     budget. Each micro-batch stays within the target's token budget and the drafter's row budget."""
     return BatchSampler(dataset.lengths, token_budget=config.data.token_budget,
                         max_batch_size=config.data.max_batch_size, seed=config.train.seed, rank=rank,
-                        world_size=world_size, num_epochs=None if config.train.max_steps else config.train.epochs,
+                        world_size=world_size,
+                        num_epochs=None if config.train.max_steps else config.train.epochs,
                         rows=checks.drafter_rows(config))
 
 
@@ -223,4 +227,5 @@ def meet() -> None:
     """Every rank of the job (both roles) read the target and the data from shared storage at
     its own pace, and the main rank verified the checkpoint to resume from: meet host-side,
     under train.startup_timeout_s, before the first device collective (DDP's broadcast)."""
-    distributed.startup_barrier("loading the target and the data, and verifying the checkpoint to resume from")
+    distributed.startup_barrier("loading the target and the data, "
+                                "and verifying the checkpoint to resume from")

@@ -89,7 +89,8 @@ class RunCheckpoints:
     serving export into each checkpoint."""
 
     def __init__(self, checkpoint: CheckpointConfig, output_dir: Path, run_config: dict,
-                 components: Mapping[str, Any], per_rank: Mapping[str, Any], export_fn: Callable[[Path], None]):
+                 components: Mapping[str, Any], per_rank: Mapping[str, Any],
+                 export_fn: Callable[[Path], None]):
         self.section, self.output_dir, self.run_config = checkpoint, Path(output_dir), run_config
         self.manager = CheckpointManager(self.output_dir / "checkpoints", checkpoint.keep_last)
         self.components, self.per_rank, self.export_fn = dict(components), dict(per_rank), export_fn
@@ -134,9 +135,9 @@ class RunCheckpoints:
                 # Starting over here would overwrite the earlier run's export and prune its
                 # checkpoints (they are newer than the fresh run's first one): refuse instead.
                 raise ValueError(
-                    f"checkpoint.resume=never, but {self.manager.root} holds checkpoints of an earlier run (newest "
-                    f"{existing[0].name}), which a fresh run there would overwrite and prune; use another "
-                    f"train.output_dir, or delete {self.output_dir} yourself to start over"
+                    f"checkpoint.resume=never, but {self.manager.root} holds checkpoints of an earlier run "
+                    f"(newest {existing[0].name}), which a fresh run there would overwrite and prune; use "
+                    f"another train.output_dir, or delete {self.output_dir} yourself to start over"
                 )
             return None
         loaded = (self.manager.load_latest(verified=self._verified) if mode == "auto"
@@ -144,9 +145,9 @@ class RunCheckpoints:
         if loaded is None:
             if existing := self.manager.checkpoints():  # a fresh start would train over them, then prune them
                 raise CheckpointError(
-                    f"{self.manager.root} holds {len(existing)} checkpoints (newest {existing[0].name}) but none of "
-                    "them loads: each failed its manifest check (the warnings above name the file). Nothing was "
-                    f"deleted. Repair them, or move {self.manager.root} aside to start over")
+                    f"{self.manager.root} holds {len(existing)} checkpoints (newest {existing[0].name}) but "
+                    "none of them loads: each failed its manifest check (the warnings above name the file). "
+                    f"Nothing was deleted. Repair them, or move {self.manager.root} aside to start over")
             return None
         self._check_compatible(loaded.config or {})
         parts = upgrade_parts(loaded.parts, loaded.version)
@@ -156,21 +157,24 @@ class RunCheckpoints:
                                   "manifest?); resume from another one with checkpoint.resume=DIR")
         saved = parts["trainer"]["identity"]
         if saved is None:
-            log.warning("%s (format version %d) does not record the target and data it was trained on: resuming "
-                        "without checking them", self.manager.root, loaded.version)
+            log.warning("%s (format version %d) does not record the target and data it was trained on: "
+                        "resuming without checking them", self.manager.root, loaded.version)
         elif saved != identity:
             diffs = [f"{k}: checkpoint {saved.get(k)} vs now {identity[k]}" for k in identity
                      if saved.get(k) != identity[k]]
-            raise ValueError(f"cannot resume from {self.manager.root}: the target or the data behind the config's "
-                             f"paths changed ({'; '.join(diffs)}); point target.path / data.path at what the run was "
-                             "trained with, or start a fresh run with another train.output_dir")
+            raise ValueError(f"cannot resume from {self.manager.root}: the target or the data behind the "
+                             f"config's paths changed ({'; '.join(diffs)}); point target.path / data.path at "
+                             "what the run was trained with, or start a fresh run with another "
+                             "train.output_dir")
         for name, component in self.components.items():
             try:
                 self._load(name, component, parts[name])
-            except ValueError as exc:  # e.g. the data cursor's batch plan: said with the checkpoint it came from
+            except ValueError as exc:
+                # e.g. the data cursor's batch plan: said with the checkpoint it came from
                 if str(exc).startswith("cannot resume"):
                     raise
-                raise ValueError(f"cannot resume from {self.manager.root} (step {loaded.step}): {exc}") from None
+                raise ValueError(f"cannot resume from {self.manager.root} (step {loaded.step}): "
+                                 f"{exc}") from None
         if int(parts["trainer"]["world_size"]) == world_size:  # else every rank re-seeds its generators
             for name, component in self.per_rank.items():
                 if name in parts:
@@ -187,13 +191,13 @@ class RunCheckpoints:
             if name != "drafter":
                 raise
             raise ValueError(f"cannot resume from {self.manager.root}: its drafter does not fit "
-                             f"this target/config ({str(exc).splitlines()[0]} ...); use the target it was trained "
-                             "with, or start a fresh run with another train.output_dir") from None
+                             f"this target/config ({str(exc).splitlines()[0]} ...); use the target it was "
+                             "trained with, or start a fresh run with another train.output_dir") from None
 
     def _check_compatible(self, saved: dict) -> None:
         """A resume must not silently change what is being trained."""
         if diffs := resume_changes(saved, self.run_config):
             raise ValueError(
-                f"cannot resume from {self.manager.root}: the config changed ({'; '.join(diffs)}); restore those "
-                "values, or start a fresh run with another train.output_dir"
+                f"cannot resume from {self.manager.root}: the config changed ({'; '.join(diffs)}); restore "
+                "those values, or start a fresh run with another train.output_dir"
             )

@@ -60,6 +60,6 @@ class TargetRank:
                                 timer=StageTimer(self.dist.device, owner_only=True), stop=stop)
         if result["stopped"]:
             raise Stopped(stop.signum or signal.SIGTERM,
-                          f"target rank {self.dist.global_rank} stopped after {result['steps']} steps (a stop "
-                          "request); its drafter ranks saved the checkpoint")
+                          f"target rank {self.dist.global_rank} stopped after {result['steps']} steps (a "
+                          "stop request); its drafter ranks saved the checkpoint")
         return result

@@ -83,7 +83,8 @@ def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
     startup.with_init_from). The trainer starts from it, and anyone can rebuild a run's starting
     weights without a Trainer (the quickstart's untrained baseline)."""
     mask_token_id = checks.resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.path)
-    drafter = DFlashDrafter(serving.drafter_config_of(cfg.drafter, target.config, target.layer_ids, mask_token_id),
+    drafter = DFlashDrafter(serving.drafter_config_of(cfg.drafter, target.config, target.layer_ids,
+                                                      mask_token_id),
                             attention=cfg.drafter.attention,
                             activation_checkpointing=cfg.drafter.activation_checkpointing)
     if cfg.drafter.init_from:
@@ -91,9 +92,9 @@ def initial_drafter(cfg: Config, target: TargetModel) -> DFlashDrafter:
         try:
             drafter.load_state_dict({k: v.float() for k, v in released.items()})
         except RuntimeError as exc:  # names or shapes its config.json does not describe
-            raise ValueError(f"drafter.init_from={cfg.drafter.init_from}: its model.safetensors does not fit its "
-                             f"config.json ({str(exc).splitlines()[0]}); give an export as written by flashdraft "
-                             "export, z-lab or SpecForge") from None
+            raise ValueError(f"drafter.init_from={cfg.drafter.init_from}: its model.safetensors does not "
+                             f"fit its config.json ({str(exc).splitlines()[0]}); give an export as written "
+                             "by flashdraft export, z-lab or SpecForge") from None
     else:
         drafter.reset_parameters(cfg.optim.init_std, torch.Generator().manual_seed(cfg.train.seed))
     freeze_untrained(drafter, cfg.objective)
@@ -124,19 +125,22 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         self._build_models()
         data = startup.open_data(cfg, self.dist, self.target, self.drafter.mask_token_id)
-        self.dataset, self.eval_dataset, self.eval_prompt_ids = data.dataset, data.eval_dataset, data.eval_prompt_ids
+        self.dataset, self.eval_dataset, self.eval_prompt_ids = (data.dataset, data.eval_dataset,
+                                                                 data.eval_prompt_ids)
         # a tensor-parallel target's group shares one batch plan: the data ranks are the groups
         self.sampler = startup.batch_plan(cfg, self.dataset, self.dist.data_rank, self.dist.data_world_size)
-        self.total_steps = max(1, steps_left(self.sampler, cfg.train, 0))  # a resume recounts it (_recount_budget)
+        # a resume recounts it (_recount_budget)
+        self.total_steps = max(1, steps_left(self.sampler, cfg.train, 0))
         # every parameter, frozen ones too (AdamW skips those without a gradient): the optimizer's
         # state then keeps one layout whatever objective.selector_alpha a resume brings
-        self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim, self.total_steps,
-                                                         self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.drafter.parameters(), cfg.optim,
+                                                         self.total_steps, self.device)
         self.state = TrainState(self.sampler, self.dist.world_size,
                                 run_identity(self.target, self.drafter.mask_token_id, self.dataset))
         self.checkpoints = RunCheckpoints(
             cfg.checkpoint, self.output, cfg.to_dict(),
-            {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler, "trainer": self.state},
+            {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler,
+             "trainer": self.state},
             {"rng": ProcessRNG()},
             export_fn=lambda tmp: self.drafter.save_pretrained(tmp / "export"))
         if self.dist.is_main:  # the slow part of a resume (hashing every file), before the ranks meet
@@ -153,10 +157,11 @@ class Trainer:
         self.step_fn = DrafterStep(self.strategy, self.backend, self.timer, self.autocast, stop=self.stop)
         evals = cfg.eval
         self.validator = Validator(
-            evals, self.strategy, self.eval_dataset, functools.partial(startup.eval_plan, cfg, self.eval_dataset),
-            self.eval_prompt_ids, sampling=Sampling(evals.temperature, evals.top_p, evals.top_k, cfg.train.seed),
-            eos_ids=eos_ids_of(cfg.target.path, self.target.config), device=self.device, autocast=self.autocast,
-            target_lock=self.target.lock, is_main=self.dist.is_main,
+            evals, self.strategy, self.eval_dataset,
+            functools.partial(startup.eval_plan, cfg, self.eval_dataset), self.eval_prompt_ids,
+            sampling=Sampling(evals.temperature, evals.top_p, evals.top_k, cfg.train.seed),
+            eos_ids=eos_ids_of(cfg.target.path, self.target.config), device=self.device,
+            autocast=self.autocast, target_lock=self.target.lock, is_main=self.dist.is_main,
             runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.feed: Feed | None = None  # this run's, once fit starts
         self.log: TrainLog | None = None
@@ -207,7 +212,8 @@ class Trainer:
 
     def _fit(self, on_step: StepHook | None) -> dict:
         cfg, main, state = self.config, self.dist.is_main, self.state
-        resumed = self.checkpoints.resume(state.identity, self.dist.world_size, main)  # before anything is written
+        # before anything is written
+        resumed = self.checkpoints.resume(state.identity, self.dist.world_size, main)
         if resumed is not None:
             if main:
                 self._warn_if_steps_resized(resumed)
@@ -218,7 +224,8 @@ class Trainer:
         self.log = TrainLog(cfg.train, cfg.to_dict(), self.dist, self.device, self.timer, self.strategy,
                             self.total_steps, state.step)
         if cfg.drafter.init_from and state.step == 0 and (cfg.eval.data_path or cfg.eval.prompts_path):
-            self._validate()  # step 0 (every rank): the released drafter's own tau, the fine-tuning's baseline
+            # step 0 (every rank): the released drafter's own tau, the fine-tuning's baseline
+            self._validate()
         stopping = 0
         self.drafter.train()
         with self.stop as stop:
@@ -230,9 +237,11 @@ class Trainer:
             state.rewind_read_ahead()
             done = state.step >= self.total_steps
             if not (done or stopping or stop.requested):
-                raise RuntimeError(f"the data plan ended at step {state.step} of the {self.total_steps} counted for "
-                                   "it (a flashdraft bug: please report it); the last checkpoint is intact")
-            if done:  # the last step's eval, checkpoint and export: once the feed closed (not timed as its work)
+                raise RuntimeError(f"the data plan ended at step {state.step} of the {self.total_steps} "
+                                   "counted for it (a flashdraft bug: please report it); the last checkpoint "
+                                   "is intact")
+            # the last step's eval, checkpoint and export: once the feed closed (not timed as its work)
+            if done:
                 stopping = self._when_due(stop, stopping, done=True)
         self.log.close()
         if stopping or stop.requested:
@@ -244,8 +253,8 @@ class Trainer:
         step, name = self.state.step, signal.Signals(signum).name
         saved = self.checkpoints.manager.root / step_dir_name(step)
         if step < self.total_steps:
-            return Stopped(signum, f"stopped by {name} at step {step} of {self.total_steps}: checkpoint {saved} "
-                                   "saved; run the same command again to resume from it")
+            return Stopped(signum, f"stopped by {name} at step {step} of {self.total_steps}: checkpoint "
+                                   f"{saved} saved; run the same command again to resume from it")
         return Stopped(signum, f"stopped by {name} after the last step ({step}): checkpoint {saved} and the "
                                f"serving export {self.output / 'drafter'} saved; the run is complete")
 
@@ -256,18 +265,19 @@ class Trainer:
         step, remaining = self.state.step, steps_left(self.sampler, self.config.train, self.state.step)
         if remaining > 0 and self.scheduler.ended(step):  # raised max_steps / epochs after the run's end
             train = self.config.train
-            budget = f"train.max_steps={train.max_steps}" if train.max_steps else f"train.epochs={train.epochs}"
+            budget = (f"train.max_steps={train.max_steps}" if train.max_steps
+                      else f"train.epochs={train.epochs}")
             raise ValueError(
-                f"cannot train {remaining} more steps in {self.output}: its run ended its learning-rate schedule at "
-                f"step {step} (warmup, then cosine down to 0), so with {budget} every added step would train at "
-                f"learning rate 0 and change nothing. The run is complete (its export: {self.output / 'drafter'}); "
-                "restore the budget it ran with, or train more in a new run with another train.output_dir (a schedule "
-                "of its own; it starts from a fresh drafter)")
+                f"cannot train {remaining} more steps in {self.output}: its run ended its learning-rate "
+                f"schedule at step {step} (warmup, then cosine down to 0), so with {budget} every added step "
+                "would train at learning rate 0 and change nothing. The run is complete (its export: "
+                f"{self.output / 'drafter'}); restore the budget it ran with, or train more in a new run "
+                "with another train.output_dir (a schedule of its own; it starts from a fresh drafter)")
         self.total_steps = step + remaining
         if self.scheduler.continue_over(step, remaining) and self.dist.is_main:
-            log.warning("resumed at step %d with %d steps left (world size %d, grad_accum %d): the learning-rate "
-                        "schedule goes on from %.1f%% of its length and reaches its end at step %d",
-                        step, remaining, self.dist.world_size, self.config.train.grad_accum,
+            log.warning("resumed at step %d with %d steps left (world size %d, grad_accum %d): the "
+                        "learning-rate schedule goes on from %.1f%% of its length and reaches its end at "
+                        "step %d", step, remaining, self.dist.world_size, self.config.train.grad_accum,
                         100 * self.scheduler.position(step).fraction, self.total_steps)
 
     def _warn_if_steps_resized(self, resumed: Resumed) -> None:
@@ -275,10 +285,12 @@ class Trainer:
         (a budget of epochs is recounted instead: _recount_budget)."""
         train, world_size = self.config.train, self.dist.world_size
         saved_accum = resumed.config.get("train", {}).get("grad_accum")
-        if train.max_steps and saved_accum and resumed.world_size * saved_accum != world_size * train.grad_accum:
-            log.warning("train.max_steps=%d counts optimizer steps: each step now takes %d batches (world size %d x "
-                        "grad_accum %d) where the checkpoint's took %d (%d x %d), so the steps left train %.2fx the "
-                        "samples they would have", train.max_steps, world_size * train.grad_accum, world_size,
+        if (train.max_steps and saved_accum
+                and resumed.world_size * saved_accum != world_size * train.grad_accum):
+            log.warning("train.max_steps=%d counts optimizer steps: each step now takes %d batches (world "
+                        "size %d x grad_accum %d) where the checkpoint's took %d (%d x %d), so the steps "
+                        "left train %.2fx the samples they would have", train.max_steps,
+                        world_size * train.grad_accum, world_size,
                         train.grad_accum, resumed.world_size * saved_accum, resumed.world_size, saved_accum,
                         world_size * train.grad_accum / (resumed.world_size * saved_accum))
 
@@ -288,8 +300,8 @@ class Trainer:
         by every rank), else 0."""
         state = self.state
         tokens = sum(int(b.lengths.sum()) for b, _ in item.micro)  # host tensors: no device sync
-        grad_norm, nonfinite, voted_stop = self.step_fn(item.micro, state.step, self.scheduler.position(state.step),
-                                                        self.log.stats)
+        grad_norm, nonfinite, voted_stop = self.step_fn(item.micro, state.step,
+                                                        self.scheduler.position(state.step), self.log.stats)
         if nonfinite is not None:
             self._skip(nonfinite, item.micro)
         feed.done(item)  # after the step: its event orders the slot's reuse after it
@@ -298,8 +310,8 @@ class Trainer:
         self.timer.step_done()
         if on_step is not None:
             on_step(self)
-        self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0], state.skipped_steps,
-                            feed)
+        self.log.after_step(state.step, tokens, grad_norm, self.scheduler.get_last_lr()[0],
+                            state.skipped_steps, feed)
         # before the periodic eval: a stop never waits for one
         stopping = stop.signum if self.dist.world_size == 1 else voted_stop
         if state.step < self.total_steps:  # the last step's: once the feed closed (_fit)
@@ -314,7 +326,8 @@ class Trainer:
         step = self.state.step
         if self.validator.due(step, done, stopping):
             self._validate()
-            if not done:  # a signal during the eval: save now, not after one more step (the last step saves anyway)
+            # a signal during the eval: save now, not after one more step (the last step saves anyway)
+            if not done:
                 stopping = self._stop_agreed(stop)
         if self.checkpoints.due(step, done, stopping):
             self.checkpoints.save(step)
@@ -328,8 +341,9 @@ class Trainer:
         """The remaining steps' inputs from this rank's placement (kept for the run's report)."""
         state = self.state
         state.cursor = self.sampler.state_dict()  # before the data thread moves the sampler
-        self.feed = open_feed(self.config, self.dist, target=self.target, dataset=self.dataset, sampler=self.sampler,
-                              start_step=state.step, total_steps=self.total_steps, timer=self.timer, stop=stop)
+        self.feed = open_feed(self.config, self.dist, target=self.target, dataset=self.dataset,
+                              sampler=self.sampler, start_step=state.step, total_steps=self.total_steps,
+                              timer=self.timer, stop=stop)
         return self.feed
 
     def _stop_agreed(self, stop: GracefulStop) -> int:
@@ -352,11 +366,12 @@ class Trainer:
         """Count a skipped step and say where its non-finite values came from; raise past the limit."""
         state, limit = self.state, self.config.train.max_nonfinite_steps
         state.skipped_steps += 1
-        msg = describe_nonfinite(nonfinite, micro, self.dataset, state.step, self.dist.rank, state.skipped_steps)
+        msg = describe_nonfinite(nonfinite, micro, self.dataset, state.step, self.dist.rank,
+                                 state.skipped_steps)
         if state.skipped_steps > limit:
             raise FloatingPointError(
-                msg + f". More than train.max_nonfinite_steps={limit} skipped: stopping. Check those samples, "
-                "lower optim.lr, or use target.dtype=float32 to rule out overflow."
+                msg + f". More than train.max_nonfinite_steps={limit} skipped: stopping. Check those "
+                "samples, lower optim.lr, or use target.dtype=float32 to rule out overflow."
             )
         log.warning(msg)
 
@@ -381,7 +396,8 @@ class TrainResult:
     the process group are gone."""
 
     metrics: dict  # the last log record and the final eval (a disaggregated target rank: the steps it served)
-    pipeline: PipelineReport | None  # the whole run's busy / starved / blocked per stage, the cache's line in its notes
+    # the whole run's busy / starved / blocked per stage, the cache's line in its notes
+    pipeline: PipelineReport | None
     feature_cache: CacheStats | None  # the feature cache's final counters (None: it was off)
 
 

@@ -21,8 +21,9 @@ class Validator:
     """Runs on the main rank (the others wait at a host-side barrier, train.pause_timeout_s)
     under ``target_lock`` (no target forward of the pipeline's target thread runs meanwhile)."""
 
-    def __init__(self, evals: EvalConfig, strategy: Strategy, eval_dataset, eval_plan: Callable[[], BatchSampler],
-                 prompts: list[list[int]], *, sampling: Sampling, eos_ids: list[int], device: torch.device, autocast,
+    def __init__(self, evals: EvalConfig, strategy: Strategy, eval_dataset,
+                 eval_plan: Callable[[], BatchSampler], prompts: list[list[int]], *, sampling: Sampling,
+                 eos_ids: list[int], device: torch.device, autocast,
                  target_lock, is_main: bool, runs_eval: bool | None = None):
         """``evals``: the run's eval section (when, how many tokens); ``strategy``: the run's (its
         drafter and target, the eval loss's blocks and loss); ``eval_plan()``: a fresh batch plan of
