@@ -1005,20 +1005,21 @@ def save_config(config: Config, path: str | Path) -> None:
 def field_docs(cls) -> dict[str, str]:
     """Each field of the config dataclass ``cls`` -> its one-line doc: the comment on the field's
     line, then any comment lines right above it (the source is the documentation, so help texts
-    cannot drift from it)."""
+    cannot drift from it), a divider (``# ---- ...``) above a group of fields aside."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # installed without its .py sources: no docs, nothing else lost
         return {f.name: "" for f in dataclasses.fields(cls)}
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT}
+                if tok.type == tokenize.COMMENT and not tok.string.lstrip("#").strip().startswith("----")}
     body = ast.parse(source).body[0]
     docs, previous_end = {}, body.lineno
     for node in body.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             above = [comments[line] for line in range(previous_end + 1, node.lineno) if line in comments]
-            docs[node.target.id] = "; ".join(c for c in [comments.get(node.end_lineno, ""), *above] if c)
+            pieces = [comments.get(node.end_lineno, ""), *above]
+            docs[node.target.id] = "; ".join(c.rstrip(";") for c in pieces if c)
         previous_end = node.end_lineno
     return docs
 

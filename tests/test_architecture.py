@@ -363,6 +363,12 @@ SECTION_OWNERS = {
     "PipelineConfig": ("flashdraft.feed",),
 }
 SECTIONS = {"target", "drafter", "data", "objective", "optim", "train", "checkpoint", "eval", "pipeline"}
+CONFIG_NAMES = ("cfg", "config")  # what a whole config is called where it is passed on
+
+
+def _config_name(node: ast.AST) -> bool:
+    name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else "")
+    return name.lstrip("_") in CONFIG_NAMES
 
 
 def _within(module: str, owners) -> bool:
@@ -370,18 +376,23 @@ def _within(module: str, owners) -> bool:
 
 
 def config_uses(tree: ast.Module) -> list[str]:
-    """Where ``tree`` takes the whole run config: an import of ``Config``, or a section read off
-    a config (``cfg.train``, ``self.config.pipeline``, ``stages.config.pipeline``: any name or
-    attribute called cfg / config), as 'line N: what'."""
+    """Where ``tree`` takes the whole run config: an import of ``Config`` or of the config module,
+    a section read off a config (``cfg.train``, ``self.config.pipeline``,
+    ``stages.config.pipeline``: any name or attribute called cfg / config) or got from one
+    (``getattr(config, section)``), as 'line N: what'. A config under another name (``c =
+    config``) passes: the names say what a value is, and the review keeps them so."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "flashdraft.config":
             found += [f"line {node.lineno}: imports Config" for a in node.names if a.name == "Config"]
-        elif isinstance(node, ast.Attribute) and node.attr in SECTIONS:
-            base = node.value
-            name = (base.id if isinstance(base, ast.Name) else
-                    base.attr if isinstance(base, ast.Attribute) else "")
-            if name.lstrip("_") in ("cfg", "config"):
+        elif isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: imports {a.name}" for a in node.names if a.name == "flashdraft.config"]
+        elif isinstance(node, ast.Attribute) and node.attr in SECTIONS and _config_name(node.value):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and _config_name(node.args[0])):
+            key = node.args[1]  # a section by name, or one a variable names (a model's config.json: neither)
+            if not isinstance(key, ast.Constant) or key.value in SECTIONS:
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
     return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))
 
@@ -402,17 +413,28 @@ def test_only_the_composition_reads_the_whole_config():
     assert not found, found
 
 
-def test_each_config_section_is_imported_by_its_owner():
-    found = [f"{name} line {line}: {section}" for name, tree in _modules().items()
-             if not (name in COMPOSITION or _within(name, COMMANDS))
-             for line, section in section_imports(tree) if not _within(name, SECTION_OWNERS[section])]
-    assert not found, found
+def test_each_config_section_is_imported_by_its_owner_and_only_there():
+    """Each section class is imported (to type what takes it) by its owner, and outside the
+    composition by no one else; the tables above list every section the config has."""
+    from flashdraft.config import _sections
+
+    assert {name for name, _ in _sections()} == SECTIONS
+    assert {cls.__name__ for _, cls in _sections()} == set(SECTION_OWNERS)
+    imported = [(name, line, section) for name, tree in _modules().items() for line, section in section_imports(tree)]
+    strays = [f"{name} line {line}: {section}" for name, line, section in imported
+              if not (name in COMPOSITION or _within(name, COMMANDS) or _within(name, SECTION_OWNERS[section]))]
+    assert not strays, strays
+    unowned = sorted(set(SECTION_OWNERS) - {section for name, _, section in imported
+                                            if _within(name, SECTION_OWNERS[section])})
+    assert not unowned, f"no owner imports {unowned}"
 
 
 def test_the_config_checks_see_a_whole_config_and_a_borrowed_section():
     tree = ast.parse("from flashdraft.config import Config, EvalConfig\nclass S:\n"
                      "    def f(self, stages):\n        a = stages.config.pipeline.capacity\n"
-                     "        b = cfg.train\n        c = self.target.path\n")
+                     "        b = cfg.train\n        c = self.target.path\n"
+                     "        d = getattr(self._config, 'eval')\nimport flashdraft.config\n")
     assert config_uses(tree) == ["line 1: imports Config", "line 4: stages.config.pipeline",
-                                 "line 5: cfg.train"]
+                                 "line 5: cfg.train", "line 7: getattr(self._config, 'eval')",
+                                 "line 8: imports flashdraft.config"]
     assert section_imports(tree) == [(1, "EvalConfig")]

@@ -36,6 +36,11 @@ def test_every_field_has_a_doc_read_from_its_comment():
         docs = field_docs(cls)
         assert set(docs) == {f.name for f in dataclasses.fields(cls)}, section
         assert all(len(doc) > 10 for doc in docs.values()), (section, docs)
+        # a divider above a group of fields is no field's doc; a line ending in ";" joins once
+        assert not [k for k, doc in docs.items() if "----" in doc or ";;" in doc], (section, docs)
+    assert field_docs(_sections()[0][1])["backend"] == (
+        "who computes the target's features; transformers (in-process forward) | vllm (a vLLM engine in its "
+        "own process; docs/architecture.md)")
 
 
 def test_train_help_lists_every_field_of_every_section(capsys):
@@ -153,8 +158,8 @@ def test_every_choice_the_config_offers_has_its_own_implementation():
     assert len(masks) == len(LAYER_TYPES)
     ce, weights = torch.tensor([0.5, 1.0, 2.0]), torch.ones(3)
     correct = torch.ones(3, dtype=torch.bool)
-    assert len({SlotLoss(kind, kl_scale=0.5).rows(ce, ce, correct, weights, 3)[0].sum().item()
-                for kind in LOSSES}) \
-        == len(LOSSES)
+    slot_sums = {SlotLoss(kind, kl_scale=0.5).rows(ce, ce, correct, weights, 3)[0].sum().item()
+                 for kind in LOSSES}
+    assert len(slot_sums) == len(LOSSES)
     assert len({SlotLoss.of(ObjectiveConfig(weighting=w)) for w in WEIGHTINGS}) == len(WEIGHTINGS)
     assert len({DFlash2Modules.of(DrafterConfig(family=d)) for d in DRAFTERS}) == len(DRAFTERS)

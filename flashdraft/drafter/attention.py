@@ -495,9 +495,9 @@ def compile_flex(backend: str = "inductor"):
     every S, B and N (tests/test_step_equivalence.py counts them)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
-    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+    dynamo = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    setattr(dynamo, name, max(getattr(dynamo, name), FLEX_RECOMPILE_LIMIT))
     return torch.compile(flex_attention, dynamic=True, backend=backend)
 
 

@@ -189,8 +189,8 @@ class _DrafterLink:
 # ---- target ranks ------------------------------------------------------------------------------
 
 
-def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, plans: Plans, stop=None, *,
-                   log_every: int = 10) -> dict:
+def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, plans: Plans, stop, *,
+                   log_every: int) -> dict:
     """Target rank: run the data and target stages for each served drafter rank and send every
     step's features, until they all got their steps (DONE) or stopped (STOP, answered END).
 

@@ -95,8 +95,8 @@ class FeatureStages:
         ColocatedFeed), never one over the job."""
         op = "tensor-parallel target forward (a rank of this target group died or hung)"
         for m in item.micro:
-            with self.target.lock, self.timer.stage("target"), distributed.collective_errors(
-                    op, target_group=True):
+            with (self.target.lock, self.timer.stage("target"),
+                  distributed.collective_errors(op, target_group=True)):
                 if m.cached is not None:  # the cache's rows; the target runs on the rest, if any
                     m.features = self.cache.complete(m.cached, self.target, m.device_batch, m.sample_ids,
                                                      m.batch.lengths)

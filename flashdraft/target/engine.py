@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.config import TargetConfig
 from flashdraft.target.model import TargetModel, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -128,11 +129,11 @@ class EngineOptions:
     env: dict = field(default_factory=dict)  # further environment variables of the engine's process
 
     @classmethod
-    def of(cls, target_config) -> EngineOptions:
+    def of(cls, target: TargetConfig) -> EngineOptions:
         """The options a run's ``target`` config section gives."""
-        m = target_config
-        return cls(m.vllm_python, m.vllm_tensor_parallel, m.vllm_expert_parallel, m.vllm_quantization,
-                   m.vllm_gpu_memory_utilization, m.vllm_max_model_len, m.vllm_devices)
+        return cls(target.vllm_python, target.vllm_tensor_parallel, target.vllm_expert_parallel,
+                   target.vllm_quantization, target.vllm_gpu_memory_utilization, target.vllm_max_model_len,
+                   target.vllm_devices)
 
     def on_device(self, device: torch.device) -> EngineOptions:
         """These options with the engine on ``device`` (the rank's own GPU: the memory plan counts

@@ -16,7 +16,6 @@ import torch
 
 from flashdraft.config import Config
 from flashdraft.data.batching import DrafterRows, check_row_budget
-from flashdraft.evaluate import check_prompts_fit, prompts_from_dataset, read_prompts
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +220,8 @@ def check_lengths(dataset, cfg: Config, target_config) -> None:
 
 def load_eval_prompts(cfg: Config, eval_dataset, target_config) -> list[list[int]]:
     """Held-out prompts for tau, read and checked at start-up (not at the first eval)."""
+    from flashdraft.evaluate import check_prompts_fit, prompts_from_dataset, read_prompts  # loads transformers
+
     if cfg.eval.prompts_path:
         prompts = read_prompts(cfg.eval.prompts_path)[: cfg.eval.num_prompts]
     elif eval_dataset is not None:

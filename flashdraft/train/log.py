@@ -58,10 +58,10 @@ class TrainLog:
                   **pipe_metrics, **self._cache_metrics(feed.cache_stats())}
         self.history.append({"step": step, **record})
         self.metrics.log(step, record)
+        shown = ({"loss": values["loss"], "acc": values["acc"], "tau~": values["tau_sim"]} if values
+                 else {"skipped": skipped_steps})
         self.progress.write(format_line(
-            step, self.total_steps, {**({"loss": values["loss"], "acc": values["acc"],
-                                         "tau~": values["tau_sim"]}
-                                        if values else {"skipped": skipped_steps}), "lr": lr},
+            step, self.total_steps, {**shown, "lr": lr},
             tokens_per_s=speed.tokens_per_s, s_per_step=speed.s_per_step, eta_s=speed.eta_s(self.total_steps),
             shares=timing.share, peak_mem_bytes=peak_memory_bytes(self.device),
         ))

@@ -23,7 +23,6 @@ from flashdraft.data.batching import BatchSampler
 log = logging.getLogger(__name__)
 
 
-
 def run_identity(target, mask_token_id: int, dataset) -> dict:
     """What a resume must find unchanged behind the config's paths: the target model, the
     resolved MASK id and the training data (another target or dataset under the same path would

@@ -160,7 +160,9 @@ class Trainer:
             evals, self.strategy, self.eval_dataset,
             functools.partial(startup.eval_plan, cfg, self.eval_dataset), self.eval_prompt_ids,
             sampling=Sampling(evals.temperature, evals.top_p, evals.top_k, cfg.train.seed),
-            eos_ids=eos_ids_of(cfg.target.path, self.target.config), device=self.device,
+            # the target's own files, read only where there are prompts to decode
+            eos_ids=eos_ids_of(cfg.target.path, self.target.config) if self.eval_prompt_ids else [],
+            device=self.device,
             autocast=self.autocast, target_lock=self.target.lock, is_main=self.dist.is_main,
             runs_eval=self.dist.is_main or (self.target.sharded and self.dist.data_rank == 0))
         self.feed: Feed | None = None  # this run's, once fit starts

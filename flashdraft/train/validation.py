@@ -27,7 +27,7 @@ class Validator:
                  target_lock, is_main: bool, runs_eval: bool | None = None):
         """``evals``: the run's eval section (when, how many tokens); ``strategy``: the run's (its
         drafter and target, the eval loss's blocks and loss); ``eval_plan()``: a fresh batch plan of
-        ``eval_dataset`` (None: no held-out loss); ``prompts``: token ids for tau, decoded with
+        ``eval_dataset`` (``eval_dataset`` None: no held-out loss); ``prompts``: token ids for tau, decoded with
         ``sampling`` up to the target's ``eos_ids``. ``runs_eval``: this rank computes the
         evaluation (default: the main rank only; with a tensor-parallel target every rank of the
         main rank's target group, whose forwards need them all, in lockstep: same drafter, same
