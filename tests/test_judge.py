@@ -75,13 +75,18 @@ def test_a_last_layer_tap_is_warned_about_naming_the_engines_capture_and_the_fix
 # ---- the engine check: vLLM's CPU build on a quickstart-sized export ------------------------------
 
 
+def environment_or_skip(make, what: str) -> str:
+    """The interpreter of an environment ``make`` gives (created the first time), or a skip saying why not."""
+    try:
+        return make(log=print)
+    except EngineUnavailable as exc:
+        pytest.skip(f"{what} cannot be had here: {exc}")
+
+
 @pytest.fixture(scope="session")
 def vllm_python():
     """The engine environment (created the first time: ~5-10 minutes on 2 cores), or a skip saying why."""
-    try:
-        return engine_python(log=print)
-    except EngineUnavailable as exc:
-        pytest.skip(f"vLLM's CPU build cannot be had here: {exc}")
+    return environment_or_skip(engine_python, "vLLM's CPU build")
 
 
 # The drafter families vLLM's CPU build serves (DFlash2 needs its V2 model runner: GPU only, docs/evaluation.md)
@@ -192,10 +197,7 @@ def test_the_reference_is_compared_step_for_step_where_it_drafts_a_whole_block()
 @pytest.fixture(scope="session")
 def dflash_python():
     """The engine environment with the DFlash authors' package installed, or a skip saying why."""
-    try:
-        return reference_python(log=print)
-    except EngineUnavailable as exc:
-        pytest.skip(f"the DFlash reference decoder (dflash) cannot be had here: {exc}")
+    return environment_or_skip(reference_python, "the DFlash reference decoder (dflash)")
 
 
 @pytest.mark.slow
