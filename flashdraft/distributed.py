@@ -474,6 +474,10 @@ def check_gloo_addresses(store: Any, rank: int, world_size: int, local_world_siz
                            f"{rank} on host {host} cannot reach: {verdict}")
         store.set(f"probe/{peer}", verdict)
         mine = store.get(f"probe/{rank}").decode()  # from the rank that probes this one
+        # Every rank holds its verdict before any raises: the rank hosting the store, leaving at
+        # once, took the store down under a rank still reading its own (a raw "Failed to recv").
+        store.set(f"read/{rank}", "")
+        store.wait([f"read/{r}" for r in range(world_size)])
     if verdict or mine:
         fix = ("set GLOO_SOCKET_IFNAME on every node to the interface its nodes reach each other through (this "
                f"machine has {', '.join(f'{k} ({v})' for k, v in _interfaces().items())}), or map each hostname to "
