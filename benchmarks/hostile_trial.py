@@ -93,7 +93,7 @@ def cli(*argv, env: dict | None = None, cwd: Path | None = None) -> Outcome:
         return Outcome(code, out.getvalue(), err.getvalue(), None)
     except SystemExit as exc:  # argparse's usage errors
         return Outcome(int(exc.code or 0), out.getvalue(), err.getvalue(), None)
-    except BaseException:  # noqa: BLE001 - a traceback is what the probe reports
+    except BaseException:  # a traceback is what the probe reports
         return Outcome(None, out.getvalue(), err.getvalue(), traceback.format_exc())
     finally:
         os.environ.clear()
@@ -106,7 +106,7 @@ def call(fn, *args, **kwargs):
     try:
         fn(*args, **kwargs)
         return None, ""
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         return exc, str(exc)
 
 
@@ -1478,7 +1478,7 @@ def run_probe(ws: Workspace, pid: str) -> dict:
     begin = time.monotonic()
     try:
         held, detail = fn(ws)
-    except BaseException as exc:  # noqa: BLE001 - the probe's own failure is a verdict too
+    except BaseException as exc:  # the probe's own failure is a verdict too
         held, detail = False, f"probe raised {type(exc).__name__}: {str(exc)[:300]}"
     return {"id": pid, "family": family, "item": item, "held": bool(held), "detail": detail,
             "seconds": round(time.monotonic() - begin, 1)}

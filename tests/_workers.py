@@ -334,7 +334,7 @@ def train_slow_loader(overrides_json: str, sleep_s: str, what: str = "target") -
         trainer = Trainer(load_config(overrides=json.loads(overrides_json)))
         trainer.fit()
         steps = trainer.step
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:  # reported to the test
         err = f"{type(exc).__name__}: {exc}"
     result({"rank": int(os.environ["RANK"]), "error": err, "steps": steps})
     if err is None:
@@ -371,7 +371,7 @@ def convert_once(source: str, marks: str, flock: str) -> None:
     convert.convert_to_shard = marked
     try:
         found = {"samples": len(open_dataset(source, progress=False)), "error": None}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # reported to the test
         found = {"samples": 0, "error": f"{type(exc).__name__}: {exc}"}
     result({"rank": d.rank, **found})
     D.teardown()
@@ -570,7 +570,7 @@ def train_rank_fails(overrides_json: str, how: str, at_step: str, mark: str) -> 
     err = None
     try:
         train(load_config(overrides=json.loads(overrides_json)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:  # reported to the test
         import traceback
 
         traceback.print_exc()
@@ -602,7 +602,7 @@ def train_target_raises(overrides_json: str, at_call: str) -> None:
     err = None
     try:
         train(load_config(overrides=targets))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:  # reported to the test
         err = f"{type(exc).__name__}: {exc}"
     result({"rank": int(os.environ["RANK"]), "error": err})
     os._exit(0 if err is None else 1)

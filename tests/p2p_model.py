@@ -52,7 +52,7 @@ def install_recorder(directory: str | os.PathLike) -> None:
     from flashdraft import distributed
 
     rank = int(os.environ["RANK"])
-    log = open(Path(directory) / f"rank{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the process
+    log = open(Path(directory) / f"rank{rank}.jsonl", "a", buffering=1)  # lives with the process
 
     def label(group) -> str:
         if group is None or group is tdist.group.WORLD:

@@ -151,7 +151,7 @@ def test_a_failing_stage_reaches_the_consumer_on_python_3_10_too():
             with pipe:
                 for _ in pipe:
                     pass
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             caught.append(exc)
 
     t = threading.Thread(target=consume, daemon=True)

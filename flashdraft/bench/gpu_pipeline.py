@@ -39,7 +39,7 @@ def gpu_sampler(stop: threading.Event, samples: list[tuple[float, float]]) -> No
             out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
                                   "-i", "0"], capture_output=True, text=True, timeout=5).stdout
             samples.append((time.perf_counter(), float(out.strip().splitlines()[0])))
-        except Exception:  # noqa: BLE001 - utilization is best effort
+        except Exception:  # utilization is best effort
             return
         stop.wait(0.1)
 

@@ -389,7 +389,7 @@ def run_point(point: dict) -> dict:
             _as_a_measuring_fork()
             try:  # one thread: a fork cannot use the OpenMP threads of a parent that ran ops (it hangs)
                 result = {**measure({**point, "threads": 1}), "threads": threads, "memory_threads": 1}
-            except BaseException as exc:  # noqa: BLE001 - out of memory, a stop: the row says so
+            except BaseException as exc:  # out of memory, a stop: the row says so
                 result = {**point, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
             send.send(result)
         finally:

@@ -230,7 +230,7 @@ def cached_shard(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
     if distributed.get_dist().global_rank == 0 and not is_token_shard(out):
         try:
             _convert_locked(path, out, progress)
-        except BaseException as exc:  # noqa: BLE001 - raised below, after the others were let go
+        except BaseException as exc:  # raised below, after the others were let go
             failed = exc
     distributed.startup_barrier(f"converting {path} into {out}")  # a failed rank 0 arrives too: none waits on
     if failed is not None:

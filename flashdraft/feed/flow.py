@@ -123,7 +123,7 @@ class Watcher:
         def run():
             try:
                 fn()
-            except BaseException as exc:  # noqa: BLE001 -- handed to the owner by result()
+            except BaseException as exc:  # handed to the owner by result()
                 self._error = exc
             finally:
                 self._done.set()
@@ -499,7 +499,7 @@ class Pipeline:
             loop(*args)
         except Cancelled:
             pass
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
+        except BaseException as exc:  # every failure must reach the consumer
             with self._error_lock:
                 if self._error is None:
                     self._error = exc
