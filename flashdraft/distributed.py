@@ -375,7 +375,9 @@ def _join(device: torch.device, rank: int, world_size: int, clocks: Clocks, defa
             f"every rank must start and join within {clocks.knob(default_wait)}={clocks.seconds(default_wait):g} s. "
             "One did not: it died before joining (check its log for the first error) or was launched with another "
             "MASTER_ADDR, MASTER_PORT or WORLD_SIZE") from exc
-    check_gloo_addresses(tdist.PrefixStore("flashdraft/gloo", store), rank, world_size,
+    # per attempt: torchrun's agent keeps its store over --max-restarts, with the last attempt's keys
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    check_gloo_addresses(tdist.PrefixStore(f"flashdraft/gloo/{attempt}", store), rank, world_size,
                          _env_int("LOCAL_WORLD_SIZE", world_size))
     tdist.init_process_group(backend=backend, store=tdist.PrefixStore("default_pg", store), rank=rank,
                              world_size=world_size, timeout=timeout, **kwargs)
@@ -454,8 +456,10 @@ def check_gloo_addresses(store: Any, rank: int, world_size: int, local_world_siz
     refused outright, any other must accept a TCP connection within ``GLOO_PROBE_S``. The probed
     rank learns the verdict through the store, so both ends of a bad pair raise
     :class:`GlooAddressError`, naming the address, where it came from, and GLOO_SOCKET_IFNAME
-    (with the interfaces this machine has). One connection per rank; single-host jobs (a
-    loopback address is fine there) make none. Waits on the store under the collective clock."""
+    (with the interfaces this machine has), once every rank holds its verdict
+    (``_verdicts_read``). One connection per rank; single-host jobs (a loopback address is fine
+    there) make none. Waits on the store under its clock (the collective one, or a disaggregated
+    job's link clock)."""
     if sys.platform != "linux":  # the interface lookup is Linux's; multi-node GPU jobs run there
         return
     address, source = gloo_address()
@@ -474,16 +478,29 @@ def check_gloo_addresses(store: Any, rank: int, world_size: int, local_world_siz
                            f"{rank} on host {host} cannot reach: {verdict}")
         store.set(f"probe/{peer}", verdict)
         mine = store.get(f"probe/{rank}").decode()  # from the rank that probes this one
-        # Every rank holds its verdict before any raises: the rank hosting the store, leaving at
-        # once, took the store down under a rank still reading its own (a raw "Failed to recv").
-        store.set(f"read/{rank}", "")
-        store.wait([f"read/{r}" for r in range(world_size)])
+        _verdicts_read(store, rank, world_size, local_world_size)
     if verdict or mine:
         fix = ("set GLOO_SOCKET_IFNAME on every node to the interface its nodes reach each other through (this "
                f"machine has {', '.join(f'{k} ({v})' for k, v in _interfaces().items())}), or map each hostname to "
                "that interface's address in /etc/hosts. gloo carries the start-up barrier and a disaggregated job's "
                "control messages in NCCL jobs too (docs/distributed.md)")
         raise GlooAddressError(f"{'; '.join(v for v in (mine, verdict) if v)}; {fix}")
+
+
+def _verdicts_read(store: Any, rank: int, world_size: int, local_world_size: int) -> None:
+    """Return once every rank holds its gloo-address verdict; the ranks whose exit ends the
+    store's host (rank 0, which hosts it; under torchrun node 0's ranks, whose agent hosts it and
+    exits with them) return only after every other rank's last message, a ``set``, which waits for
+    no reply. A bad address makes every rank raise at once: the host gone first left the others
+    a raw "Failed to recv" instead of their GlooAddressError."""
+    if store.add("read", 1) == world_size:
+        store.set("read/all", "")
+    store.wait(["read/all"])
+    hosts = local_world_size if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 1
+    if rank < hosts:
+        store.wait([f"left/{r}" for r in range(hosts, world_size)])
+    else:
+        store.set(f"left/{rank}", "")
 
 
 def _probe(address: str, port: int) -> str:

@@ -194,6 +194,51 @@ def test_a_gloo_address_another_host_cannot_reach_stops_the_start_with_the_varia
                    for e in errors), errors
 
 
+@pytest.mark.parametrize("agent_store", [False, True])
+def test_the_ranks_whose_exit_ends_the_store_return_after_every_other_ranks_last_message(monkeypatch, agent_store):
+    """4 ranks, 2 per node, on a real TCPStore: the store's host (rank 0; under torchrun's agent
+    store node 0's ranks, whose agent exits with them) returns from the verdict barrier only once
+    the last other rank has sent its last message; the other ranks return at once. Rank 3 is
+    played by hand, late with that message."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as tdist
+
+    from flashdraft.distributed import _verdicts_read
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(agent_store))
+    server = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+
+    def client() -> tdist.PrefixStore:
+        return tdist.PrefixStore("flashdraft/gloo/0", tdist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                                      timeout=datetime.timedelta(seconds=30)))
+
+    returned: dict[int, float] = {}
+
+    def rank(r: int, store: tdist.PrefixStore) -> None:
+        _verdicts_read(store, r, 4, 2)
+        returned[r] = time.monotonic()
+
+    ranks = [threading.Thread(target=rank, args=(r, client())) for r in range(3)]
+    for t in ranks:
+        t.start()
+    last = client()  # rank 3: reads its verdict, then sends its last message late
+    if last.add("read", 1) == 4:
+        last.set("read/all", "")
+    last.wait(["read/all"])
+    time.sleep(0.5)
+    left = time.monotonic()
+    last.set("left/3", "")
+    for t in ranks:
+        t.join(30)
+    hosts = [0, 1] if agent_store else [0]
+    assert sorted(returned) == [0, 1, 2]
+    assert all(returned[r] >= left for r in hosts), (returned, left)
+    assert all(returned[r] < left for r in set(range(3)) - set(hosts)), (returned, left)
+
+
 def test_a_job_whose_peer_never_joins_is_one_line_naming_the_address_and_the_fix(fresh_dist, monkeypatch):
     """Rank 0 of 2 alone (its peer died before the rendezvous): the store's raw DistStoreError
     ("Timed out after 2 seconds waiting for clients. 1/2 clients joined.") now says what it means."""
