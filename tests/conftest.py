@@ -215,12 +215,6 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(threads)
 
 
-# A costly fixture of an xdist_group (the engine check's exports and vLLM start, the engine target's
-# engine, the smoke quickstart) is session-scoped: its group runs on one worker, but that worker may
-# run another module's tests between the group's, which tears a module fixture down and builds it
-# again (twice the 40 s exports, twice the engine start: measured in the suite's slowest setups).
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (addopts): a worker per core this process may use, at most 4: each worker holds
     its own fork server and session runs, and beyond 4 the engine check's one worker bounds the time."""

@@ -29,7 +29,7 @@ from flashdraft.target.engine import (
 from flashdraft.target.feature_check import EngineFeatureMismatch, check_engine_features
 from flashdraft.toy import tiny_causal_lm
 
-pytestmark = pytest.mark.xdist_group("engine_target")  # one worker starts the engine once (a session fixture)
+pytestmark = pytest.mark.xdist_group("engine_target")  # one worker starts the module's engine once
 
 LENGTHS = (5, 40, 17, 64, 3, 29)  # batches of 4 (the check's): padding in both
 
@@ -39,7 +39,7 @@ def samples() -> list[list[int]]:
     return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-target")
     tiny_causal_lm(300, arch="qwen3", num_layers=4, hidden=64, num_heads=2, num_kv_heads=1, seed=1,
@@ -48,7 +48,7 @@ def target_dir(tmp_path_factory):
     return root / "target"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine(target_dir):
     """The module's engine (aux layers 1, 2, 3: taps 0, 1, 2), or a skip saying why vLLM's CPU build
     cannot be had here."""

@@ -25,14 +25,14 @@ from flashdraft.vllm_env import EngineUnavailable, engine_python, why_unavailabl
 # Per-step acceptances (drafts accepted at each verification) of three prompts, by hand.
 STEPS = [[3, 1], [0, 0, 0, 0], [7]]
 
-# one pytest-xdist worker trains the exports and starts vLLM once (session fixtures: see conftest.py)
+# one pytest-xdist worker trains the exports and starts vLLM once (the module fixtures)
 pytestmark = pytest.mark.xdist_group("engine")
 
 
 def test_this_modules_tests_run_on_one_worker(request):
     """``--dist loadgroup`` sends a group's tests to one worker by suffixing their ids with the
     group's name; pytest 9.2 ignores the suffix pytest-xdist 3.8 sets, and the engine check's
-    exports and vLLM start were made on both workers (+50 s a suite; docs/dependencies.md)."""
+    exports and vLLM start were made on both workers (+30-35 s a suite; docs/dependencies.md)."""
     if not hasattr(request.config, "workerinput") or not request.config.getoption("loadgroup", False):
         pytest.skip("not a pytest-xdist worker under --dist loadgroup")
     assert request.node.nodeid.endswith("@engine"), request.node.nodeid
@@ -75,7 +75,7 @@ def test_a_last_layer_tap_is_warned_about_naming_the_engines_capture_and_the_fix
 # ---- the engine check: vLLM's CPU build on a quickstart-sized export ------------------------------
 
 
-def environment_or_skip(make, what: str) -> str:
+def environment_or_skip(make, what: str) -> Path:
     """The interpreter of an environment ``make`` gives (created the first time), or a skip saying why not."""
     try:
         return make(log=print)
@@ -83,7 +83,7 @@ def environment_or_skip(make, what: str) -> str:
         pytest.skip(f"{what} cannot be had here: {exc}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_python():
     """The engine environment (created the first time: ~5-10 minutes on 2 cores), or a skip saying why."""
     return environment_or_skip(engine_python, "vLLM's CPU build")
@@ -100,7 +100,7 @@ FAMILIES = {
 EXPORT_FAMILIES = {**FAMILIES, "dflash2": {"drafter__family": "dflash2"}}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def trained_export(tmp_path_factory):
     """A tiny Qwen3 target (head_dim 32: vLLM's CPU attention takes it); ``export(family)`` trains a
     drafter of that family on the target's own continuations for 150 steps (~40 s), tapping
@@ -127,7 +127,7 @@ def train_prompts() -> list[list[int]]:
     return torch.randint(0, 298, (40, 6), generator=torch.Generator().manual_seed(0))[:8].tolist()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_reports(vllm_python, trained_export):
     """vLLM's verdict on each family's export and on the dflash export relabelled to tap layers
     [1, 3] ("last_layer"), all in one engine call (vLLM starts once: tens of seconds each on 2
@@ -194,7 +194,7 @@ def test_the_reference_is_compared_step_for_step_where_it_drafts_a_whole_block()
     assert other["unused_weights"] == ["layers.0.self_attn.attention_sink_bias"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dflash_python():
     """The engine environment with the DFlash authors' package installed, or a skip saying why."""
     return environment_or_skip(reference_python, "the DFlash reference decoder (dflash)")

@@ -12,11 +12,11 @@ from flashdraft.cli import main
 from flashdraft.evaluate import read_prompts, write_prompts
 from flashdraft.quickstart import SMOKE, SMOKE_TRAINING, quickstart
 
-# end to end: the whole smoke quickstart, run once (a session fixture: see conftest.py) on one pytest-xdist worker
+# end to end: the whole smoke quickstart, run once (the module fixture) on one pytest-xdist worker
 # (each test marked slow and grouped); issue 31's refusals below run no stage: the fast loop's
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("quickstart")
     return out, quickstart(out, SMOKE, SMOKE_TRAINING, use_cache=False)
