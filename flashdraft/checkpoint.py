@@ -111,7 +111,7 @@ def flatten_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
             if x.dtype.hasobject:
                 raise TypeError(f"state at {path or '<root>'}: numpy object scalars are not supported")
             return {"npscalar": x.dtype.str, "hex": x.tobytes().hex()}
-        if x is None or isinstance(x, (bool, str)):
+        if x is None or isinstance(x, bool | str):
             return x
         if isinstance(x, int):
             return x if abs(x) < _MAX_JSON_INT else {"int": str(x)}
@@ -131,7 +131,7 @@ def flatten_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(x, dict):
             items = []
             for k, v in x.items():
-                if not (k is None or isinstance(k, (str, int, float, bool))) or isinstance(k, np.generic):
+                if not (k is None or isinstance(k, str | int | float | bool)) or isinstance(k, np.generic):
                     raise TypeError(f"state at {path or '<root>'}: dict key {k!r} of type {type(k).__name__} "
                                     "is not supported (use str, int, float, bool or None)")
                 items.append([enc(k, path), enc(v, f"{path}.{k}" if path else str(k))])
@@ -149,7 +149,7 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
     """Rebuild the object ``flatten_state`` split; raises CheckpointError on a malformed skeleton."""
 
     def dec(s: Any) -> Any:
-        if s is None or isinstance(s, (bool, int, float, str)):
+        if s is None or isinstance(s, bool | int | float | str):
             return s
         if isinstance(s, list):
             return [dec(v) for v in s]
@@ -640,7 +640,7 @@ class CheckpointManager:
             except Exception as exc:  # reported to every rank below, then raised everywhere
                 error = f"{type(exc).__name__}: {exc}"
                 log.error("checkpoint save of step %d to %s failed: %s", step, final, error)
-                if not isinstance(exc, (OSError, CheckpointError)):
+                if not isinstance(exc, OSError | CheckpointError):
                     unexpected = exc
             _warn_if_slow(time.monotonic() - started, final)
         # The end-of-save barrier: other ranks wait here until rank 0 has renamed the checkpoint

@@ -778,7 +778,7 @@ def _check(ok: bool, name: str, value: str, fix: str) -> None:
 def _to_plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, list | tuple):
         return [_to_plain(v) for v in obj]
     return obj
 
@@ -829,7 +829,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 errors.append(str(exc))
         raise ValueError(errors[0] if errors else f"config {name}: cannot be null")
     if origin is tuple:
-        if not isinstance(value, (list, tuple)):
+        if not isinstance(value, list | tuple):
             args = typing.get_args(tp)
             example = " of names, e.g. [a, b]" if args[0] is str else ", e.g. [1, 2]"
             raise ValueError(f"config {name}={_shown(value)} is invalid: give a list{example}")
@@ -863,13 +863,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"config {name}={_shown(value)} is invalid: give a number")
         if not math.isfinite(value):  # inf / nan pass every range check below, then break the run
             raise ValueError(f"config {name}={_shown(value)} is invalid: give a finite number")
         return float(value)
     if tp is str:
-        if value is None or isinstance(value, (dict, list)):
+        if value is None or isinstance(value, dict | list):
             raise ValueError(f"config {name}={_shown(value)} is invalid: give a string")
         return str(value)
     raise TypeError(f"config {name}: unsupported field type {tp}")

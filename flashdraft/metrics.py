@@ -347,7 +347,7 @@ def format_bytes(n: float) -> str:
 
 
 def _format_number(v: Any) -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         return str(v)
     if isinstance(v, int):
         return str(v)
@@ -416,7 +416,7 @@ def _jsonable(v: Any) -> Any:
     # too: an eval in which no draft step ran has NaN per-position acceptances.
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if v != v else ("inf" if v > 0 else "-inf")
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, list | tuple):
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {k: _jsonable(x) for k, x in v.items()}
@@ -506,7 +506,7 @@ class TensorBoardSink:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, int | float) and not isinstance(v, bool):
                 self._writer.add_scalar(k, v, global_step=step)
         self._writer.flush()
 
@@ -548,7 +548,7 @@ class MetricsLogger:
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
                 v = v.item()  # deliberate sync: log time only (see class doc)
-            elif hasattr(v, "item") and not isinstance(v, (int, float, str, bool)):
+            elif hasattr(v, "item") and not isinstance(v, int | float | str | bool):
                 v = v.item()  # numpy scalars
             clean[k] = v
         for sink in self.sinks:

@@ -386,7 +386,7 @@ class ToyOpenAIServer:
 def _as_list(x) -> list:
     if x is None:
         return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
+    return list(x) if isinstance(x, list | tuple) else [x]
 
 
 _TOPICS = ["the weather", "prime numbers", "a sorting algorithm", "French cooking", "the moon", "tax forms",

@@ -133,7 +133,7 @@ def test_the_feed_check_sees_function_level_and_type_checking_imports():
 def test_no_function_is_over_80_lines():
     long = [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for name, tree in _modules().items() for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             and node.end_lineno - node.lineno >= 80]
     assert not long, long
 
@@ -200,7 +200,7 @@ def identifiers(tree: ast.Module) -> set[str]:
             found |= {*node.name.split("."), node.asname or node.name}
         elif isinstance(node, ast.ImportFrom) and node.module:
             found |= set(node.module.split("."))
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             found.add(node.name)
         elif isinstance(node, ast.arg):
             found.add(node.arg)
@@ -269,13 +269,13 @@ def patched_imports(tree: ast.Module) -> list[str]:
     """Assignments to an attribute of something imported from the package (``module.name = ...``,
     ``Class.method = ...``): run-time patching of another module's code."""
     imported = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
-                if isinstance(node, (ast.Import, ast.ImportFrom))
+                if isinstance(node, ast.Import | ast.ImportFrom)
                 and (getattr(node, "module", None) or "").startswith("flashdraft") | any(
                     a.name.startswith("flashdraft") for a in node.names) for alias in node.names}
     found = []
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) else []
+            node, ast.AugAssign | ast.AnnAssign) else []
         for target in (t for outer in targets
                        for t in (outer.elts if isinstance(outer, ast.Tuple) else [outer])):
             base = target

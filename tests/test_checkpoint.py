@@ -42,7 +42,7 @@ def assert_same(a, b, path="<root>"):
         for k in a:
             assert type(k) is type(next(kk for kk in b if kk == k)), path
             assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
+    elif isinstance(a, list | tuple):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}.{i}")

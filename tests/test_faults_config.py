@@ -241,7 +241,7 @@ def test_no_pickle_anywhere_in_the_package():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 unsafe = ("pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve")
                 found += [f"{path.name}: import {n}" for n in names if n.split(".")[0] in unsafe]

@@ -186,7 +186,7 @@ def prepare(inputs, tokenizer_dir, out_dir, *, max_length: int = 3072, min_super
     cache_key, cached, out_dir.
     """
     t0 = time.perf_counter()
-    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)]
     out_dir = Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     if not tokenizer.chat_template:
@@ -272,7 +272,7 @@ def explain(inputs, tokenizer_dir, index: int, *, max_length: int = 3072, min_su
     """Record ``index`` (0-based, in prepare's input order) as prepare tokenizes it: the rendered
     text with every supervised run between ⟦ and ⟧, where --max-length cuts it, and whether the
     sample is kept (or why not)."""
-    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)]
     options = {"max_length": int(max_length), "min_supervised": int(min_supervised),
                "supervise_thinking": bool(supervise_thinking), "enable_thinking": enable_thinking, "split": split}
     _load_state(tokenizer_dir, options)

@@ -260,7 +260,7 @@ class HFGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos = set(eos if isinstance(eos, list | tuple) else [eos])
         if settings.get("seed") is not None:
             torch.manual_seed(int(settings["seed"]))
 
@@ -331,7 +331,7 @@ def regenerate(inputs, out_path, *, backend: str = "http", base_url: str | None 
     ``failed``; a rerun retries it); bad input records are counted by reason, never fatal.
     """
     t0 = time.perf_counter()
-    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)]
     out_path = Path(out_path)
     if out_path.is_dir():
         raise ValueError(f"--out {out_path} is a directory; give the JSONL file to write "

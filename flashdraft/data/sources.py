@@ -139,7 +139,7 @@ def decode_record(where: str, payload: Any) -> Any:
     """A payload from ``iter_records`` -> the decoded record. Raises ``SampleError`` (bad_utf8, bad_json)."""
     if isinstance(payload, SampleError):
         raise payload
-    if not isinstance(payload, (bytes, bytearray)):
+    if not isinstance(payload, bytes | bytearray):
         return payload
     try:
         text = payload.decode("utf-8")

@@ -210,7 +210,7 @@ class DFlashDrafter(nn.Module):
         """Switch the training-time RMSNorm / RoPE / SwiGLU between the lean custom-backward
         versions and transformers' stock modules (same values; tests/test_step_equivalence.py)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, DrafterAttention, DrafterLayer)):
+            if isinstance(module, RMSNorm | DrafterAttention | DrafterLayer):
                 module.lean = bool(lean)
 
     @property

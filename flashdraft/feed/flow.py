@@ -362,7 +362,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, list | tuple):
         for v in obj:
             yield from _tensors(v)
     elif is_dataclass(obj) and not isinstance(obj, type):

@@ -178,12 +178,12 @@ _HALF_STATE_TOLERANCE, _HALF_PLAIN_TOLERANCE = 2e-2, 5e-2
 def _tensors(value, path: str, out: dict) -> dict:
     """Every tensor under ``value`` (a layer's attributes, dicts, lists), by path; integers and
     booleans too, which must match exactly."""
-    if torch.is_tensor(value) or isinstance(value, (bool, int)):
+    if torch.is_tensor(value) or isinstance(value, bool | int):
         out[path] = value
     elif isinstance(value, dict):
         for k, v in value.items():
             _tensors(v, f"{path}[{k!r}]", out)
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, list | tuple):
         for k, v in enumerate(value):
             _tensors(v, f"{path}[{k}]", out)
     return out

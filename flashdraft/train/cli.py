@@ -27,6 +27,6 @@ def run(args) -> int:
     result = train(config).metrics
     if int(os.environ.get("RANK", "0")) == 0:  # the process group is already torn down here
         keys = ("loss", "acc", "tau_sim", "eval_loss", "eval_tau", "eval_tau_pooled", "tokens_per_s", "skipped_steps")
-        print("final: " + " ".join(f"{k} {result[k]:.4g}" for k in keys if isinstance(result.get(k), (int, float))),
+        print("final: " + " ".join(f"{k} {result[k]:.4g}" for k in keys if isinstance(result.get(k), int | float)),
               file=sys.stderr)
     return 0
