@@ -64,6 +64,10 @@ def test_compare_pools_like_vllm_and_calls_out_a_disagreement():
     other = compare([[3, 1], [0, 0, 0, 1], [7]], [[1, 3]], engine)
     assert not other["same_steps"] and other["prompts_with_other_steps"] == [1] and not other["same_outputs"]
     assert not other["tau_agrees"]  # 12 vs 11 accepted of 7 steps: 5.6% apart, beyond the 2% tolerance
+    # a vLLM without the scheduler hook records no steps: the outputs are judged, the steps are not
+    unrecorded = compare(STEPS, [[1, 2]], {**engine, "steps": None})
+    assert unrecorded["lossless"] and unrecorded["same_outputs"] and unrecorded["vllm"]["tau"] is None
+    assert "same_steps" not in unrecorded and unrecorded["tau_agrees"]
 
 
 def test_a_last_layer_tap_is_warned_about_naming_the_engines_capture_and_the_fix():

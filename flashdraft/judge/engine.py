@@ -79,9 +79,8 @@ def compare(flashdraft_steps: list[list[int]], flashdraft_tokens: list[list[int]
     a, b = report["vllm"]["tau_pooled"], report["flashdraft"]["tau_pooled"]
     report["tau_agrees"] = bool(abs(a - b) <= tolerance * max(a, b))
     if greedy:
-        found = agreement(engine["speculative"], engine.get("plain"), flashdraft_tokens, engine_steps, flashdraft_steps)
-        report.update(found if engine_steps is not None else
-                      {k: found[k] for k in ("lossless", "same_outputs")})
+        report.update(agreement(engine["speculative"], engine.get("plain"), flashdraft_tokens, engine_steps,
+                                flashdraft_steps))
     return report
 
 

@@ -111,14 +111,18 @@ def side_line(name: str, figures: dict, count: str = "steps") -> str:
                                                           else ""))
 
 
-def agreement(served: list[list[int]], plain, flashdraft_tokens: list[list[int]], steps: list[list[int]],
+def agreement(served: list[list[int]], plain, flashdraft_tokens: list[list[int]], steps: list[list[int]] | None,
               flashdraft_steps: list[list[int]]) -> dict:
     """How the judge's decode agrees: its outputs ``served`` with the target's plain greedy ``plain``
     (lossless; None where it did not decode plain) and with flashdraft's, and its accepted drafts
-    per step with flashdraft's, prompt by prompt (the prompts that differ)."""
+    per step with flashdraft's, prompt by prompt (the prompts that differ; not judged where the
+    judge recorded no steps, ``steps`` None)."""
+    found = {"lossless": served == plain if plain is not None else None, "same_outputs": served == flashdraft_tokens}
+    if steps is None:
+        return found
     differ = [i for i, (x, y) in enumerate(zip(steps, flashdraft_steps)) if x != y]
-    return {"lossless": served == plain if plain is not None else None, "same_outputs": served == flashdraft_tokens,
-            "same_steps": not differ and len(steps) == len(flashdraft_steps), "prompts_with_other_steps": differ}
+    return {**found, "same_steps": not differ and len(steps) == len(flashdraft_steps),
+            "prompts_with_other_steps": differ}
 
 
 def agreement_lines(report: dict, served: str, plain: str, differ_more: str = "") -> list[str]:
