@@ -637,8 +637,8 @@ def resume_changes(saved: Mapping, current: Mapping) -> list[str]:
     defaults = Config().to_dict()
     then = {(s, k): saved.get(s, {}).get(k, DEFAULT_BEFORE.get((s, k), defaults[s][k]))
             for s, k in marked_fields(RESUME)}
-    return [f"{s}.{k}: checkpoint {then[s, k]!r} vs now {current[s][k]!r}"
-            for s, k in marked_fields(RESUME) if then[s, k] != current[s][k]]
+    return [f"{s}.{k}: checkpoint {was!r} vs now {current[s][k]!r}"
+            for (s, k), was in then.items() if was != current[s][k]]
 
 
 # ---- a model's config.json: the sizes anything is built from, bounded -----------------------------

@@ -301,7 +301,7 @@ def test_the_worst_length_search_takes_steps_and_finds_what_the_linear_scan_find
     target = _small_target(tmp_path / "t", 256)
     cfg = load_config(None, [f"target.path={target}", "drafter.mask_token_id=1", *overrides])
     shape = plan_module._target_shape(str(target / "config.json"), False)
-    sizes = plan_module._Sizes(cfg, shape, 2, 5, 8)
+    sizes = plan_module._Sizes(cfg, shape, 2, 5)
     model = plan_module._StepModel(*coefficients)
     top, _ = plan_module.planned_lengths(cfg, shape)
     assert plan_module._worst_seq_len(cfg, model, sizes.overlap, top) == _linear_scan(cfg, model, sizes.overlap, top)

@@ -231,7 +231,7 @@ def serve_features(stages: FeatureStages, dist: Dist, topology: Topology, plans:
                 except RuntimeError as exc:
                     vote, failure = 2, str(exc)
                 agreed = distributed.target_group_max(torch.tensor(
-                    [vote, stop.signum if stop is not None else 0],
+                    [vote, stop.signum],
                     device=stages.device)).tolist()  # on the device: NCCL groups take no host tensors
                 if agreed[0] == 2:
                     raise RuntimeError(failure or f"target rank {dist.global_rank}: a drafter rank of this "

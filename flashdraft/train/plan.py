@@ -416,14 +416,14 @@ def _first_at_least(fn, value, lo: int, hi: int) -> int:
 
 
 def target_forward_bytes(shape: TargetShape, cfg: Config, batch: int, seq_len: int, dtype_bytes: int,
-                         layers_run: int) -> int:
+                         features: int) -> int:
     """The no-grad forward's transient peak up to the last tapped layer: the taps held until
     they are packed, one layer's working set (residual, normed input, q / k / v, attention
     output, the MLP's gate / up / product, or a MoE layer's router logits and routed copies),
-    and a padded batch's [B, 1, S, S] boolean mask. Column-sharded terms divide by the group."""
+    and a padded batch's [B, 1, S, S] boolean mask (``features``: the states kept per token,
+    ``feature_states``). Column-sharded terms divide by the group."""
     tokens, tp = batch * seq_len, cfg.target.tensor_parallel
-    k = len(cfg.target.layer_ids) if cfg.target.layer_ids is not None else cfg.target.num_taps
-    taps = feature_states(cfg, k) * tokens * shape.hidden
+    taps = features * tokens * shape.hidden
     attn = tokens * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * 2 // tp
     if shape.experts:
         mlp = tokens * shape.experts_per_token * (shape.hidden + 3 * shape.expert_intermediate // tp)
@@ -461,8 +461,7 @@ class _Sizes:
     cfg: Config
     shape: TargetShape
     dtype_bytes: int
-    taps: int
-    layers_run: int
+    taps: int  # feature states per token (feature_states)
     links: int = 1  # a disaggregated target rank's drafter links (the drafter ranks it feeds)
     # a vLLM engine on this device (target.vllm_devices empty): its gpu_memory_utilization
     engine_share: int = 0
@@ -496,7 +495,7 @@ class _Sizes:
     def target_forward(self, b: int, s: int) -> int:
         if self.engine:  # the engine's prefill runs in its own process, on target.vllm_devices
             return 0
-        return target_forward_bytes(self.shape, self.cfg, b, s, self.dtype_bytes, self.layers_run)
+        return target_forward_bytes(self.shape, self.cfg, b, s, self.dtype_bytes, self.taps)
 
     def target_weights(self) -> tuple[str, int]:
         """What the rank that computes features holds of the target's weights, named."""
@@ -561,7 +560,7 @@ def plan_memory(cfg: Config, *, device_bytes: int | None = None, seq_len: int | 
         raise ValueError(f"no sample of 2 or more tokens can be trained ({why}); "
                          "fix the target's config.json")
     dtype_bytes = resolve_dtype(cfg.target.dtype, torch.device(dev)).itemsize
-    sizes = _Sizes(cfg, shape, dtype_bytes, feature_states(cfg, len(ids)), max(ids) + 1, links,
+    sizes = _Sizes(cfg, shape, dtype_bytes, feature_states(cfg, len(ids)), links,
                    _engine_share(cfg, dev, device_bytes))
     if seq_len is None:
         s = _worst_seq_len(cfg, _fit_step_model(cfg, shape, dev), sizes.overlap, top)

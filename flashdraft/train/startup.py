@@ -210,17 +210,19 @@ def batch_plan(config: Config, dataset: TokenDataset, rank: int, world_size: int
     rank builds the plan of each drafter rank it feeds, from the rank and world size its HELLO
     names): ``train.epochs`` passes over the data, or endless when ``train.max_steps`` sets the
     budget. Each micro-batch stays within the target's token budget and the drafter's row budget."""
-    return BatchSampler(dataset.lengths, token_budget=config.data.token_budget,
-                        max_batch_size=config.data.max_batch_size, seed=config.train.seed, rank=rank,
-                        world_size=world_size,
-                        num_epochs=None if config.train.max_steps else config.train.epochs,
-                        rows=checks.drafter_rows(config))
+    return _within_budgets(config, dataset, seed=config.train.seed, rank=rank, world_size=world_size,
+                           num_epochs=None if config.train.max_steps else config.train.epochs)
 
 
 def eval_plan(config: Config, eval_dataset: TokenDataset) -> BatchSampler:
     """The held-out loss's batches: the training budgets, one fixed order (seed 0), every rank alike."""
-    return BatchSampler(eval_dataset.lengths, token_budget=config.data.token_budget,
-                        max_batch_size=config.data.max_batch_size, seed=0, rows=checks.drafter_rows(config))
+    return _within_budgets(config, eval_dataset, seed=0)
+
+
+def _within_budgets(config: Config, dataset: TokenDataset, **plan) -> BatchSampler:
+    """A batch plan of ``dataset`` under the run's token, batch-size and drafter-row budgets."""
+    return BatchSampler(dataset.lengths, token_budget=config.data.token_budget,
+                        max_batch_size=config.data.max_batch_size, rows=checks.drafter_rows(config), **plan)
 
 
 def meet() -> None:

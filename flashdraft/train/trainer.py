@@ -115,6 +115,7 @@ class Trainer:
         self.device = self.dist.device
         startup.check_run(cfg, self.dist)  # before any weights load
         self.output = Path(cfg.train.output_dir)
+        self.run_config = cfg.to_dict()  # the run's record: saved with each checkpoint, in the metrics
         self.target = self.backend = None  # what close() releases, once built
         try:
             self._build(cfg)
@@ -138,7 +139,7 @@ class Trainer:
         self.state = TrainState(self.sampler, self.dist.world_size,
                                 run_identity(self.target, self.drafter.mask_token_id, self.dataset))
         self.checkpoints = RunCheckpoints(
-            cfg.checkpoint, self.output, cfg.to_dict(),
+            cfg.checkpoint, self.output, self.run_config,
             {"drafter": self.drafter, "optimizer": self.optimizer, "scheduler": self.scheduler,
              "trainer": self.state},
             {"rng": ProcessRNG()},
@@ -223,7 +224,7 @@ class Trainer:
         if main:
             self.output.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output / "config.yaml")
-        self.log = TrainLog(cfg.train, cfg.to_dict(), self.dist, self.device, self.timer, self.strategy,
+        self.log = TrainLog(cfg.train, self.run_config, self.dist, self.device, self.timer, self.strategy,
                             self.total_steps, state.step)
         if cfg.drafter.init_from and state.step == 0 and (cfg.eval.data_path or cfg.eval.prompts_path):
             # step 0 (every rank): the released drafter's own tau, the fine-tuning's baseline
