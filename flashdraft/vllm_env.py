@@ -69,7 +69,12 @@ def _made_by_flashdraft(root: Path) -> bool:
         return True
     if not root.is_dir():
         return False
-    return (root / OWNER_MARKER).is_file() or (root / READY_MARKER).is_file() or not any(root.iterdir())
+    return _carries_marker(root) or not any(root.iterdir())
+
+
+def _carries_marker(root: Path) -> bool:
+    """Whether ``root`` carries flashdraft's owner or ready marker (flashdraft made it)."""
+    return (root / OWNER_MARKER).is_file() or (root / READY_MARKER).is_file()
 
 
 PYTHON_ENV = "FLASHDRAFT_ENGINE_PYTHON"  # names the engine's interpreter for every command of a shell
@@ -111,15 +116,26 @@ NAME_ONE = (f"name the python of an environment where vLLM is installed (--engin
 
 def has_module(python: str, module: str) -> bool | str:
     """Whether ``python`` finds ``module`` (without importing it), or why it could not be asked."""
-    ask = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    done = _ask(python, f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)", 120)
+    if isinstance(done, str):
+        return f"cannot run ({done})"
+    if done.returncode not in (0, 1):
+        return f"fails ({_last_error(done)})"
+    return done.returncode == 0
+
+
+def _ask(python, code: str, timeout: float) -> subprocess.CompletedProcess | str:
+    """``python -c code`` run without this environment's PYTHONPATH, or why it could not run (a
+    missing or non-executable interpreter, a timeout)."""
     try:
-        done = subprocess.run([python, "-c", ask], capture_output=True, text=True, timeout=120,
+        return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONPATH": ""})
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot run ({getattr(exc, 'strerror', None) or exc})"
-    if done.returncode not in (0, 1):
-        return f"fails ({(done.stderr.strip().splitlines() or ['no output'])[-1]})"
-    return done.returncode == 0
+        return str(getattr(exc, "strerror", None) or exc)
+
+
+def _last_error(done: subprocess.CompletedProcess) -> str:
+    return (done.stderr.strip().splitlines() or ["no output"])[-1]
 
 
 def _why_not_named(python: str, named_by: str) -> str | None:
@@ -174,8 +190,7 @@ def engine_python(python=None, *, named_by: str = "--engine-python", create: boo
 
 def is_flashdraft_build(python: Path) -> bool:
     """Whether ``python`` is flashdraft's own CPU build (where flashdraft may install into it)."""
-    return (Path(python).parent.parent / OWNER_MARKER).is_file() or \
-        (Path(python).parent.parent / READY_MARKER).is_file()
+    return _carries_marker(Path(python).parent.parent)
 
 
 def _refuse_foreign(root: Path) -> None:
@@ -266,13 +281,11 @@ def _versions(report: dict, python: Path, names) -> dict:
     ask = ("import json, importlib.metadata as m\n"
            "def v(n):\n    try: return m.version(n)\n    except m.PackageNotFoundError: return None\n"
            f"print(json.dumps({{n: v(n) for n in {list(names)!r}}}))")
-    try:
-        done = subprocess.run([str(python), "-c", ask], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "PYTHONPATH": ""})
-    except (OSError, subprocess.TimeoutExpired) as exc:  # a missing or non-executable interpreter: said, not raised
-        return {**report, "state": f"broken ({getattr(exc, 'strerror', None) or exc}: {python})"}
+    done = _ask(python, ask, 60)
+    if isinstance(done, str):  # a missing or non-executable interpreter: said, not raised
+        return {**report, "state": f"broken ({done}: {python})"}
     if done.returncode == 0:
         report["packages"] = json.loads(done.stdout)
     else:
-        report["state"] = f"broken ({(done.stderr.strip().splitlines() or ['no output'])[-1]})"
+        report["state"] = f"broken ({_last_error(done)})"
     return report
